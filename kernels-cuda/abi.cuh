@@ -1,0 +1,166 @@
+// The structs and constants shared between the kernels and their Rust
+// launchers. Every struct here is mirrored field for field in src/ops/abi.rs;
+// both sides assert the same sizes (static_assert below, const asserts there).
+// NOTE: no NCCL header here: the hot kernels see plain pointers only.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+// Largest world the NVLink path handles (ranks that share a node).
+#define MOE_EP_MAX_RANKS 8
+// Largest grid (one block per SM on an H200).
+#define MOE_EP_MAX_BLOCKS 132
+// Largest top-k.
+#define MOE_EP_MAX_TOPK 16
+// Threads per block of the data-moving kernels.
+#define MOE_EP_THREADS 512
+// sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).
+#define MOE_EP_NCCL_CONFIG_BYTES 80
+
+// Error codes written into ErrorInfo::code (first error wins).
+#define MOE_EP_OK 0
+#define MOE_EP_ERR_TIMEOUT 1        // peer = rank that stalled, counter = MOE_EP_CTR_*
+#define MOE_EP_ERR_CAPACITY 2       // needed/capacity in rows, peer = receiving rank
+#define MOE_EP_ERR_BAD_EXPERT 3     // needed = token, capacity = slot, expected = value
+#define MOE_EP_ERR_DUP_EXPERT 4     // needed = token, capacity = slot
+
+// Counters a wait can stall on.
+#define MOE_EP_CTR_LAYOUT_COUNTS 1
+#define MOE_EP_CTR_DISPATCH_DONE 2
+#define MOE_EP_CTR_COMBINE_DONE 3
+
+// Written by kernels into host-mapped pinned memory; read by the host at the
+// next call. 64 bytes.
+struct ErrorInfo {
+  int32_t code;
+  int32_t rank;
+  int32_t peer;
+  int32_t counter;
+  uint64_t expected;
+  uint64_t seen;
+  uint64_t needed;
+  uint64_t capacity;
+  uint64_t _pad[2];
+};
+
+// Per-handle layout results on the device (local memory of each rank).
+// All arrays are int32. Sizes in elements.
+struct LayoutBufs {
+  int32_t* topk;          // [T][K] expert ids, -1 masked (normalised from i32/i64)
+  int32_t* rank_pos;      // [T][R] position of t in the (me -> d) stream, -1 if not sent
+  int32_t* expert_pos;    // [T][K] position of (t,k) in the (me -> expert) stream, -1 masked
+  int32_t* info;          // [InfoOffsets::total] see info_offsets() below
+  int32_t* meta;          // expert-major, symmetric: [R * max_tokens][K] on me: for received
+                          // token u, the row of its slot k's expert here, or -1
+};
+
+// Offsets of the words inside LayoutBufs::info (R = world, E = experts,
+// El = experts per rank). Computed once by the exchange kernel.
+//   counts        [R][E + R]   the gathered count matrix (row s: E expert counts, R rank counts)
+//   dst_u_off     [R]          first rank-major row of mine on rank d
+//   erow_base     [E]          first expert-major row of mine in expert e's block (on e's rank)
+//   src_u_off     [R + 1]      on me: first rank-major row from source s; [R] = total rows
+//   my_slot_on    [R]          on home s: first combine slot of partials from me
+//   home_slot     [R + 1]      on me: first combine slot from rank d; [R] = total slots
+//   expert_start  [El + 1]     on me: padded block start of local expert j; [El] = total rows
+//   expert_count  [El]         on me: unpadded rows of local expert j
+//   rows_needed   [R]          rows each rank must hold (capacity check, in the call's layout)
+struct InfoOffsets {
+  int32_t counts, dst_u_off, erow_base, src_u_off, my_slot_on, home_slot, expert_start,
+      expert_count, rows_needed, total;
+};
+__host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
+  InfoOffsets o;
+  o.counts = 0;
+  o.dst_u_off = o.counts + R * (E + R);
+  o.erow_base = o.dst_u_off + R;
+  o.src_u_off = o.erow_base + E;
+  o.my_slot_on = o.src_u_off + R + 1;
+  o.home_slot = o.my_slot_on + R;
+  o.expert_start = o.home_slot + R + 1;
+  o.expert_count = o.expert_start + El + 1;
+  o.rows_needed = o.expert_count + El;
+  o.total = o.rows_needed + R;
+  return o;
+}
+
+// The group's symmetric workspace, the same offsets on every rank (bytes from
+// the workspace base). Carved by src/ops/group.rs, whose comment has the sizes.
+struct Workspace {
+  uint64_t counts_off;     // int32 [2 parity][R src][E + R]   written by peers
+  uint64_t count_flag_off; // uint64 [R src]                   epoch, written by peers
+  uint64_t dispatch_done_off; // uint64 [R src][MAX_BLOCKS]    written by peers
+  uint64_t combine_done_off;  // uint64 [R src][MAX_BLOCKS]    written by peers
+  uint64_t stage_off;      // bf16 [2 parity][stage_rows][H]   combine partials, by peers
+  uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
+  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine)
+  uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
+  uint64_t _pad[2];
+};
+
+struct LayoutParams {
+  const void* topk_idx;    // [T][K] int32 or int64
+  LayoutBufs bufs;
+  char* ws[MOE_EP_MAX_RANKS];   // workspace base as mapped here, per rank (ws[rank] = local)
+  int32_t* meta[MOE_EP_MAX_RANKS];  // every rank's LayoutBufs::meta as mapped here
+  Workspace w;
+  ErrorInfo* error;        // host-mapped
+  int32_t idx_is_i64;
+  int32_t rank, world, num_tokens, topk, num_experts, hidden;
+  int32_t layout;          // 0 rank-major, 1 expert-major
+  int32_t alignment;       // expert-major padding
+  int32_t recv_capacity;   // rows on every rank
+  uint64_t timeout_ns;
+};
+
+// dispatch (and combine backward, which is a dispatch of the gradient).
+struct DispatchParams {
+  const void* x;           // [T][H] bf16, local
+  const float* topk_w;     // [T][K] or null (combine backward)
+  LayoutBufs bufs;
+  char* ws[MOE_EP_MAX_RANKS];
+  Workspace w;
+  char* recv_x[MOE_EP_MAX_RANKS];   // [rows][H] bf16 on each rank
+  float* recv_w[MOE_EP_MAX_RANKS];  // rank-major [rows][K], expert-major [rows]; may be null
+  int32_t* recv_idx[MOE_EP_MAX_RANKS]; // same shape as recv_w, local expert ids; may be null
+  int32_t* recv_src[MOE_EP_MAX_RANKS]; // [rows][2] (src rank, src token); may be null
+  const float* scale_w;    // expert-major combine backward: local [rows] weights, or null
+  ErrorInfo* error;
+  int32_t rank, world, num_tokens, hidden, topk, num_experts;
+  int32_t layout, alignment, recv_capacity, num_blocks;
+  uint64_t timeout_ns;
+};
+
+// combine (and dispatch backward, which is a combine of the gradient).
+struct CombineParams {
+  const void* y;           // [rows][H] bf16 local, in the dispatch's layout
+  const float* w_rows;     // expert-major weights per row (weighted combine), or null
+  const float* grad_w_in;  // dispatch backward: rank-major [rows][K] / expert-major [rows], or null
+  LayoutBufs bufs;
+  char* ws[MOE_EP_MAX_RANKS];
+  Workspace w;
+  void* out;               // [T][H] bf16 local
+  float* grad_w_out;       // [T][K] local, or null
+  ErrorInfo* error;
+  int32_t rank, world, num_tokens, hidden, topk, num_experts;
+  int32_t layout, num_blocks, recv_capacity, _pad;
+  uint64_t timeout_ns;
+};
+
+static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
+static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
+static_assert(sizeof(Workspace) == 80, "Workspace");
+static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
+static_assert(sizeof(DispatchParams) == 520, "DispatchParams");
+static_assert(sizeof(CombineParams) == 280, "CombineParams");
+// Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
+static_assert(offsetof(LayoutParams, ws) == 48 && offsetof(LayoutParams, w) == 176 &&
+                  offsetof(LayoutParams, error) == 256 && offsetof(LayoutParams, idx_is_i64) == 264 &&
+                  offsetof(LayoutParams, timeout_ns) == 304,
+              "LayoutParams offsets");
+static_assert(offsetof(DispatchParams, recv_x) == 200 && offsetof(DispatchParams, scale_w) == 456 &&
+                  offsetof(DispatchParams, rank) == 472 && offsetof(DispatchParams, timeout_ns) == 512,
+              "DispatchParams offsets");
+static_assert(offsetof(CombineParams, out) == 208 && offsetof(CombineParams, rank) == 232 &&
+                  offsetof(CombineParams, timeout_ns) == 272,
+              "CombineParams offsets");

@@ -1,0 +1,137 @@
+// Device primitives named by their PTX meaning (scope and ordering), and the
+// bounded wait every kernel uses on flags that other GPUs write.
+#pragma once
+#include <stdint.h>
+
+#include "abi.cuh"
+
+#define MOE_EP_DEVICE __device__ __forceinline__
+
+// ---- memory ordering across GPUs (system scope: peers write over NVLink) ----
+MOE_EP_DEVICE void st_release_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MOE_EP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MOE_EP_DEVICE void st_relaxed_sys_s32(int32_t* p, int32_t v) {
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+MOE_EP_DEVICE int32_t ld_relaxed_sys_s32(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+MOE_EP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// ---- bulk data: 16-byte vectors ----
+// Local inputs that no one writes during the kernel: non-coherent path, no L1 allocation.
+MOE_EP_DEVICE int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Data written by peers (after an acquire): plain coherent load, no L1 allocation.
+MOE_EP_DEVICE int4 ld_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+// Stores into a peer's (or our own) buffer.
+MOE_EP_DEVICE void st_na_v4(int4* p, int4 v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+MOE_EP_DEVICE uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- errors ----
+// First error wins; the host reads ErrorInfo at its next call.
+MOE_EP_DEVICE void report_error(ErrorInfo* e, int code, int rank, int peer, int counter,
+                                uint64_t expected, uint64_t seen, uint64_t needed,
+                                uint64_t capacity) {
+  if (e == nullptr) return;
+  if (atomicCAS_system(&e->code, MOE_EP_OK, -1) != MOE_EP_OK) return;
+  e->rank = rank;
+  e->peer = peer;
+  e->counter = counter;
+  e->expected = expected;
+  e->seen = seen;
+  e->needed = needed;
+  e->capacity = capacity;
+  __threadfence_system();
+  atomicExch_system(&e->code, code);
+}
+MOE_EP_DEVICE bool has_error(const ErrorInfo* e) {
+  return e != nullptr && *reinterpret_cast<const volatile int32_t*>(&e->code) != MOE_EP_OK;
+}
+
+// Bounded wait: spins until *flag >= target, or reports a timeout naming the
+// peer and counter and returns false. Call from one thread per flag.
+MOE_EP_DEVICE bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
+                                 ErrorInfo* err, int rank, int peer, int counter) {
+  uint64_t v = ld_acquire_sys_u64(flag);
+  if (v >= target) return true;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    v = ld_acquire_sys_u64(flag);
+    if (v >= target) return true;
+    if (has_error(err)) return false;  // another thread already gave up
+    if (globaltimer_ns() - start > timeout_ns) {
+      report_error(err, MOE_EP_ERR_TIMEOUT, rank, peer, counter, target, v, 0, 0);
+      return false;
+    }
+    __nanosleep(64);
+  }
+}
+
+// ---- block-wide helpers ----
+template <typename T>
+MOE_EP_DEVICE T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Exclusive prefix sum of one int per thread over the block; returns the
+// thread's exclusive prefix and writes the block total to *total.
+// scratch: >= 32 ints of shared memory.
+MOE_EP_DEVICE int block_exclusive_scan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int n = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += n;
+  }
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < nwarps ? scratch[lane] : 0;
+    int wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      int n = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += n;
+    }
+    if (lane < nwarps) scratch[lane] = wi - w;  // exclusive prefix of warps
+    if (lane == 31) scratch[32] = wi;           // total
+  }
+  __syncthreads();
+  int r = scratch[warp] + incl - v;
+  *total = scratch[32];
+  __syncthreads();
+  return r;
+}

@@ -1,0 +1,605 @@
+// NVLink (intra-node) path, high-throughput mode: layout, dispatch, combine.
+//
+// Every rank's receive buffers are sized for the worst case, so once the
+// count matrix is exchanged (layout), each sender knows the final row of each
+// of its tokens on every receiver and stores it there directly (zero copy);
+// the receiver waits for one completion flag per (source rank, source block).
+// Combine mirrors it: partial rows (the local experts of a token reduced in
+// f32) are pushed to the token's home rank, which sums them in rank order.
+//
+// Rust launchers: src/ops/launch.rs. Tests: tests/gpu_intranode.rs.
+#include <cuda_bf16.h>
+
+#include "abi.cuh"
+#include "common.cuh"
+
+namespace {
+
+constexpr int kWarps = MOE_EP_THREADS / 32;
+constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane per row chunk
+
+// Workspace regions as mapped here for rank `r`.
+struct Ws {
+  const Workspace& w;
+  char* const* base;
+  int R, E;
+  __device__ int32_t* counts(int r, int parity) const {
+    return reinterpret_cast<int32_t*>(base[r] + w.counts_off) + parity * R * (E + R);
+  }
+  __device__ uint64_t* count_flag(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.count_flag_off);
+  }
+  __device__ uint64_t* dispatch_done(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.dispatch_done_off);
+  }
+  __device__ uint64_t* combine_done(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.combine_done_off);
+  }
+  __device__ int4* stage(int r, int parity, int hidden) const {
+    return reinterpret_cast<int4*>(base[r] + w.stage_off) +
+           (size_t)parity * w.stage_rows * (hidden / 8);
+  }
+  __device__ float* stage_w(int r, int parity) const {
+    return reinterpret_cast<float*>(base[r] + w.stage_w_off) +
+           (size_t)parity * w.stage_rows * MOE_EP_MAX_TOPK;
+  }
+  // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per block.
+  __device__ uint64_t* seq(int which) const {
+    return reinterpret_cast<uint64_t*>(base[0] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
+  }
+};
+
+// Bumps this block's sequence counter for `which` and returns the new value.
+// NOTE: every rank launches the same number of blocks per op, so all the
+// counters of all ranks move in lockstep and one block's value is everyone's.
+__device__ uint64_t next_seq(uint64_t* seq_local) {
+  __shared__ uint64_t s_seq;
+  if (threadIdx.x == 0) {
+    s_seq = seq_local[blockIdx.x] + 1;
+    seq_local[blockIdx.x] = s_seq;
+  }
+  __syncthreads();
+  return s_seq;
+}
+
+// Signals every rank that this block's stores are done, then waits until
+// every (rank, block) has signalled this op. Returns false on timeout/error.
+__device__ bool signal_and_wait(uint64_t* (*flags_of)(const Ws&, int), const Ws& ws, int rank,
+                                int world, int num_blocks, uint64_t seq, uint64_t timeout_ns,
+                                ErrorInfo* err, int counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    for (int d = 0; d < world; ++d) {
+      st_release_sys_u64(flags_of(ws, d) + rank * MOE_EP_MAX_BLOCKS + blockIdx.x, seq);
+    }
+  }
+  bool ok = true;
+  const uint64_t* mine = flags_of(ws, rank);
+  for (int i = threadIdx.x; i < world * num_blocks; i += blockDim.x) {
+    const int s = i / num_blocks, b = i % num_blocks;
+    ok &= wait_at_least(mine + s * MOE_EP_MAX_BLOCKS + b, seq, timeout_ns, err, rank, s, counter);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+__device__ uint64_t* dispatch_flags(const Ws& ws, int r) { return ws.dispatch_done(r); }
+__device__ uint64_t* combine_flags(const Ws& ws, int r) { return ws.combine_done(r); }
+
+// ---- bf16 <-> f32 on 16-byte vectors of 8 values ----
+__device__ __forceinline__ void acc_v4(float (&acc)[8], int4 v, float w, bool weighted) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    if (weighted) {
+      acc[2 * i] = __fmaf_rn(w, f.x, acc[2 * i]);
+      acc[2 * i + 1] = __fmaf_rn(w, f.y, acc[2 * i + 1]);
+    } else {
+      acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+    }
+  }
+}
+__device__ __forceinline__ int4 pack_v4(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return v;
+}
+__device__ __forceinline__ int4 scale_v4(int4 v, float w) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] = __fmul_rn(w, f.x);
+    acc[2 * i + 1] = __fmul_rn(w, f.y);
+  }
+  return pack_v4(acc);
+}
+
+// Copies one row of n16 16-byte vectors from local `src` to every rank in
+// `dmask` (row pointer dst[r]). One warp; the row is read once.
+__device__ __forceinline__ void copy_row_to_ranks(const int4* src, int4* const (&dst)[MOE_EP_MAX_RANKS],
+                                                  unsigned dmask, int n16, int lane) {
+  for (int base = 0; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const int idx = base + i * 32 + lane;
+      if (idx < n16) v[i] = ld_nc_v4(src + idx);
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_EP_MAX_RANKS; ++r) {
+      if (!((dmask >> r) & 1u)) continue;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const int idx = base + i * 32 + lane;
+        if (idx < n16) st_na_v4(dst[r] + idx, v[i]);
+      }
+    }
+  }
+}
+
+// The `i`-th smallest of the valid (>= 0) values held by lanes < n; -1 if none.
+__device__ __forceinline__ int nth_smallest(int v, int i, int lane) {
+  const bool valid = v >= 0;
+  int below = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int o = __shfl_sync(0xffffffffu, v, j);
+    below += (o >= 0 && valid && (o < v)) ? 1 : 0;
+  }
+  const unsigned who = __ballot_sync(0xffffffffu, valid && below == i);
+  return who ? __shfl_sync(0xffffffffu, v, __ffs(who) - 1) : -1;
+}
+
+}  // namespace
+
+// ============================================================================
+// Layout, kernel 1: local scan. Grid: E expert blocks, R rank blocks, 1 check
+// block. Positions of every (token, expert) and (token, rank) in this rank's
+// outgoing streams, and this rank's row of the count matrix.
+// ============================================================================
+template <typename Idx>
+__device__ void layout_scan_body(const LayoutParams& p) {
+  __shared__ int scratch[33];
+  const Idx* idx = reinterpret_cast<const Idx*>(p.topk_idx);
+  const int T = p.num_tokens, K = p.topk, E = p.num_experts, R = p.world;
+  const int El = E / R;
+  const int b = blockIdx.x;
+  int32_t* my_counts = p.bufs.info + info_offsets(R, E, El).counts + p.rank * (E + R);
+
+  if (b < E + R) {
+    const bool is_expert = b < E;
+    const long lo = is_expert ? b : (long)(b - E) * El;
+    const long hi = is_expert ? b + 1 : lo + El;
+    int running = 0;
+    for (int t0 = 0; t0 < T; t0 += blockDim.x) {
+      const int t = t0 + threadIdx.x;
+      int hit = -1;
+      if (t < T) {
+        for (int k = K - 1; k >= 0; --k) {
+          const long v = (long)idx[(size_t)t * K + k];
+          if (v >= lo && v < hi) hit = k;  // first matching slot wins
+        }
+      }
+      int total;
+      const int pos = block_exclusive_scan(hit >= 0 ? 1 : 0, scratch, &total) + running;
+      if (t < T) {
+        if (is_expert) {
+          if (hit >= 0) p.bufs.expert_pos[(size_t)t * K + hit] = pos;
+        } else {
+          p.bufs.rank_pos[(size_t)t * R + (b - E)] = hit >= 0 ? pos : -1;
+        }
+      }
+      running += total;
+    }
+    if (threadIdx.x == 0) my_counts[b] = running;  // expert e at [e], rank d at [E + d]
+    return;
+  }
+
+  // Check block: normalise to int32, mask what the scans did not count.
+  for (int t = threadIdx.x; t < T; t += blockDim.x) {
+    for (int k = 0; k < K; ++k) {
+      const long v = (long)idx[(size_t)t * K + k];
+      int norm = (int)v;
+      if (v < -1 || v >= E) {
+        report_error(p.error, MOE_EP_ERR_BAD_EXPERT, p.rank, -1, 0, (uint64_t)E, (uint64_t)v,
+                     t, k);
+        norm = -1;
+      } else if (v >= 0) {
+        for (int k2 = 0; k2 < k; ++k2) {
+          if ((long)idx[(size_t)t * K + k2] == v) {
+            report_error(p.error, MOE_EP_ERR_DUP_EXPERT, p.rank, -1, 0, 0, (uint64_t)v, t, k);
+            norm = -1;
+          }
+        }
+      }
+      p.bufs.topk[(size_t)t * K + k] = norm;
+      if (norm < 0) p.bufs.expert_pos[(size_t)t * K + k] = -1;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_layout_scan(const __grid_constant__ LayoutParams p) {
+  if (p.idx_is_i64) {
+    layout_scan_body<long long>(p);
+  } else {
+    layout_scan_body<int>(p);
+  }
+}
+
+// ============================================================================
+// Layout, kernel 2: exchange (one block). Sends this rank's count row to every
+// rank, waits for all rows, derives every offset the data kernels need, and
+// checks every rank's receive capacity (all ranks see the same matrix, so all
+// skip the data movement together when one would overflow).
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_layout_exchange(const __grid_constant__ LayoutParams p) {
+  const int R = p.world, E = p.num_experts, El = E / R, n = E + R, me = p.rank;
+  const Ws ws{p.w, p.ws, R, E};
+  const InfoOffsets o = info_offsets(R, E, El);
+  int32_t* info = p.bufs.info;
+  const uint64_t seq = next_seq(ws.seq(0));
+  const int parity = (int)(seq & 1);
+
+  // Phase 1: my row to every rank, then one release flag each.
+  const int32_t* row = info + o.counts + me * n;
+  for (int d = 0; d < R; ++d) {
+    int32_t* dst = ws.counts(d, parity) + me * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, row[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    for (int d = 0; d < R; ++d) st_release_sys_u64(ws.count_flag(d) + me, seq);
+  }
+  // Phase 2: wait for every row.
+  bool ok = true;
+  if (threadIdx.x < R) {
+    ok = wait_at_least(ws.count_flag(me) + threadIdx.x, seq, p.timeout_ns, p.error, me,
+                       threadIdx.x, MOE_EP_CTR_LAYOUT_COUNTS);
+  }
+  if (!__syncthreads_and(ok)) return;
+  const int32_t* all = ws.counts(me, parity);
+  for (int i = threadIdx.x; i < R * n; i += blockDim.x) info[o.counts + i] = ld_relaxed_sys_s32(all + i);
+  __syncthreads();
+
+  // Phase 3: offsets. C(s, e) expert counts, N(s, d) rank counts.
+  const int32_t* C = info + o.counts;
+  auto N = [&](int s, int d) { return C[s * n + E + d]; };
+  extern __shared__ int32_t smem[];  // [E] expert totals, then [E] padded block starts
+  int32_t* tot = smem;
+  int32_t* start = smem + E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int s_sum = 0;
+    for (int s = 0; s < R; ++s) s_sum += C[s * n + e];
+    tot[e] = s_sum;
+  }
+  __syncthreads();
+  const bool expert_major = p.layout == 1;
+  const int align = p.alignment > 0 ? p.alignment : 1;
+  if (threadIdx.x < R) {
+    const int d = threadIdx.x;
+    int acc = 0;
+    for (int j = 0; j < El; ++j) {
+      start[d * El + j] = acc;
+      acc += (tot[d * El + j] + align - 1) / align * align;
+    }
+    int rows = 0, before_me = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s < me) before_me += N(s, d);
+      rows += N(s, d);
+    }
+    info[o.dst_u_off + d] = before_me;
+    info[o.rows_needed + d] = expert_major ? acc : rows;
+    if (d == me) info[o.expert_start + El] = acc;
+    int slot = 0;
+    for (int d2 = 0; d2 < me; ++d2) slot += N(d, d2);
+    info[o.my_slot_on + d] = slot;
+  }
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      info[o.src_u_off + s] = acc;
+      acc += N(s, me);
+    }
+    info[o.src_u_off + R] = acc;
+    acc = 0;
+    for (int d = 0; d < R; ++d) {
+      info[o.home_slot + d] = acc;
+      acc += N(me, d);
+    }
+    info[o.home_slot + R] = acc;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int before_me = 0;
+    for (int s = 0; s < me; ++s) before_me += C[s * n + e];
+    info[o.erow_base + e] = start[e] + before_me;
+  }
+  for (int j = threadIdx.x; j < El; j += blockDim.x) {
+    info[o.expert_start + j] = start[me * El + j];
+    info[o.expert_count + j] = tot[me * El + j];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int d = 0; d < R; ++d) {
+      const int need = info[o.rows_needed + d];
+      if (need > p.recv_capacity) {
+        report_error(p.error, MOE_EP_ERR_CAPACITY, me, d, 0, 0, 0, need, p.recv_capacity);
+        break;
+      }
+    }
+  }
+}
+
+// ============================================================================
+// Layout, kernel 3 (expert-major only): tell every receiver, for each token
+// it will get from me, the rows of the token's experts there (LayoutBufs::meta).
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_layout_meta(const __grid_constant__ LayoutParams p) {
+  const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int32_t* info = p.bufs.info;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  for (int t = gw; t < p.num_tokens; t += nw) {
+    const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
+    const int u = pos >= 0 ? info[o.dst_u_off + lane] + pos : -1;
+    const int e = lane < K ? p.bufs.topk[(size_t)t * K + lane] : -1;
+    const int erow = e >= 0 ? info[o.erow_base + e] + p.bufs.expert_pos[(size_t)t * K + lane] : -1;
+    const int dk = e >= 0 ? e / El : -1;
+    for (int d = 0; d < R; ++d) {
+      const int ud = __shfl_sync(0xffffffffu, u, d);
+      if (ud < 0) continue;
+      if (lane < K) st_relaxed_sys_s32(p.meta[d] + (size_t)ud * K + lane, dk == d ? erow : -1);
+    }
+  }
+  (void)me;
+  fence_acq_rel_sys();
+}
+
+// ============================================================================
+// Dispatch: each warp takes a token, reads it once and stores it into the
+// receive buffer of every rank that hosts one of its experts (rank-major: row
+// u; expert-major: the row of its first local expert there, the receiver
+// copies the others). Then one flag per (me, block) on every rank, a bounded
+// wait for everyone's flags, and (expert-major) the receiver's local copies
+// and zero padding.
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_dispatch(const __grid_constant__ DispatchParams p) {
+  const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
+  const int n16 = p.hidden / 8;
+  const Ws ws{p.w, p.ws, R, E};
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int32_t* info = p.bufs.info;
+  const bool expert_major = p.layout == 1;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  const uint64_t seq = next_seq(ws.seq(1));
+
+  // NOTE: every rank derived rows_needed from the same matrix: if one rank
+  // would overflow, every rank skips the data and only keeps the flags in step.
+  bool overflow = false;
+  for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.recv_capacity;
+
+  // ---- sender ----
+  const int4* x = reinterpret_cast<const int4*>(p.x);
+  for (int t = gw; t < p.num_tokens && !overflow; t += nw) {
+    const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
+    const int u = pos >= 0 ? info[o.dst_u_off + lane] + pos : -1;
+    const unsigned dmask = __ballot_sync(0xffffffffu, u >= 0);
+    const int e = lane < K ? p.bufs.topk[(size_t)t * K + lane] : -1;
+    const int dk = e >= 0 ? e / El : -1;
+    const int erow = e >= 0 ? info[o.erow_base + e] + p.bufs.expert_pos[(size_t)t * K + lane] : -1;
+    const float wt = (e >= 0 && p.topk_w != nullptr) ? p.topk_w[(size_t)t * K + lane] : 0.f;
+
+    int4* dst[MOE_EP_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+      dst[d] = nullptr;
+      if (d < R) {
+        const int ud = __shfl_sync(0xffffffffu, u, d);
+        // Expert-major: the token's first (lowest) row on d.
+        int row = ud;
+        if (expert_major) {
+          int cand = dk == d ? erow : 0x7fffffff;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffffu, cand, off));
+          row = ud >= 0 ? cand : -1;
+        }
+        if (row >= 0) dst[d] = reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)row * n16;
+      }
+    }
+    copy_row_to_ranks(x + (size_t)t * n16, dst, dmask, n16, lane);
+
+    // Metadata: top-k weights, local expert ids, source.
+    if (!expert_major) {
+      for (int d = 0; d < R; ++d) {
+        const int ud = __shfl_sync(0xffffffffu, u, d);
+        if (ud < 0) continue;
+        if (lane < K) {
+          if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? wt : 0.f;
+          if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? e - d * El : -1;
+        }
+        if (lane == 0 && p.recv_src[d]) {
+          p.recv_src[d][(size_t)ud * 2] = me;
+          p.recv_src[d][(size_t)ud * 2 + 1] = t;
+        }
+      }
+    } else if (lane < K && e >= 0) {
+      if (p.recv_w[dk]) p.recv_w[dk][erow] = wt;
+      if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
+      if (p.recv_src[dk]) {
+        p.recv_src[dk][(size_t)erow * 2] = me;
+        p.recv_src[dk][(size_t)erow * 2 + 1] = t;
+      }
+    }
+  }
+
+  if (!signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, p.error,
+                       MOE_EP_CTR_DISPATCH_DONE) ||
+      overflow || !expert_major) {
+    return;
+  }
+
+  // ---- receiver (expert-major): extra copies of each token, then padding ----
+  int4* rx = reinterpret_cast<int4*>(p.recv_x[me]);
+  const int u_count = info[o.src_u_off + R];
+  for (int u = gw; u < u_count; u += nw) {
+    const int row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
+    int primary = row_k >= 0 ? row_k : 0x7fffffff;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) primary = min(primary, __shfl_xor_sync(0xffffffffu, primary, off));
+    const unsigned rows_mask = __ballot_sync(0xffffffffu, row_k >= 0);
+    const bool scaled = p.scale_w != nullptr;
+    const float wk = (scaled && row_k >= 0) ? p.scale_w[row_k] : 1.f;
+    // NOTE: rows/weights gathered with full-warp shuffles before the chunk
+    // loop, where lanes may leave early when n16 is not a multiple of 32.
+    int rows[MOE_EP_MAX_TOPK];
+    float wrow[MOE_EP_MAX_TOPK];
+#pragma unroll
+    for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+      rows[k] = __shfl_sync(0xffffffffu, row_k, k);
+      wrow[k] = __shfl_sync(0xffffffffu, wk, k);
+    }
+    for (int c = lane; c < n16; c += 32) {
+      const int4 v = ld_v4(rx + (size_t)primary * n16 + c);
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        if (!((rows_mask >> k) & 1u) || (rows[k] == primary && !scaled)) continue;
+        st_na_v4(rx + (size_t)rows[k] * n16 + c, scaled ? scale_v4(v, wrow[k]) : v);
+      }
+    }
+  }
+  // Zero padding rows at the tail of each expert's block.
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int j = 0; j < El; ++j) {
+    const int first = info[o.expert_start + j] + info[o.expert_count + j];
+    const int end = info[o.expert_start + j + 1];
+    for (int row = first + gw; row < end; row += nw) {
+      for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
+      if (lane == 0) {
+        if (p.recv_w[me]) p.recv_w[me][row] = 0.f;
+        if (p.recv_idx[me]) p.recv_idx[me][row] = -1;
+        if (p.recv_src[me]) {
+          p.recv_src[me][(size_t)row * 2] = -1;
+          p.recv_src[me][(size_t)row * 2 + 1] = -1;
+        }
+      }
+    }
+  }
+}
+
+// ============================================================================
+// Combine: each warp takes a received token u, reduces its rows here in f32
+// (expert-major: ascending row order, optionally weighted), rounds to bf16 and
+// pushes the partial into the home rank's stage. After everyone's flags, each
+// home rank sums, per token, the partials in ascending rank order.
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_combine(const __grid_constant__ CombineParams p) {
+  const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
+  const int n16 = p.hidden / 8;
+  const Ws ws{p.w, p.ws, R, E};
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int32_t* info = p.bufs.info;
+  const bool expert_major = p.layout == 1;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  const uint64_t seq = next_seq(ws.seq(2));
+  const int parity = (int)(seq & 1);
+
+  // NOTE: as in dispatch, every rank sees the same overflow and skips together.
+  bool overflow = false;
+  for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.recv_capacity;
+
+  // ---- push: one partial row per received token to its home rank ----
+  const int u_count = overflow ? 0 : info[o.src_u_off + R];
+  const int4* y = reinterpret_cast<const int4*>(p.y);
+  for (int u = gw; u < u_count; u += nw) {
+    int s = 0;
+    while (s + 1 < R && u >= info[o.src_u_off + s + 1]) ++s;
+    const int slot = info[o.my_slot_on + s] + (u - info[o.src_u_off + s]);
+    int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
+    int row_k = -1, nrows = 1;
+    if (expert_major) {
+      row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
+      nrows = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
+    }
+    if (!expert_major) {
+      for (int c = lane; c < n16; c += 32) st_na_v4(dst + c, ld_nc_v4(y + (size_t)u * n16 + c));
+    } else {
+      // Rows in ascending order (= ascending local expert), weights per row.
+      int rows[MOE_EP_MAX_TOPK];
+      float ws_[MOE_EP_MAX_TOPK];
+#pragma unroll
+      for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
+        rows[i] = i < nrows ? nth_smallest(row_k, i, lane) : -1;
+        ws_[i] = (rows[i] >= 0 && p.w_rows != nullptr) ? p.w_rows[rows[i]] : 1.f;
+      }
+      const bool weighted = p.w_rows != nullptr;
+      for (int c = lane; c < n16; c += 32) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
+          if (i < nrows) acc_v4(acc, ld_nc_v4(y + (size_t)rows[i] * n16 + c), ws_[i], weighted);
+        }
+        st_na_v4(dst + c, pack_v4(acc));
+      }
+    }
+    // Gradient of the dispatched top-k weights travels home beside the row.
+    if (p.grad_w_in != nullptr && lane < K) {
+      float g = 0.f;
+      if (!expert_major) {
+        g = p.grad_w_in[(size_t)u * K + lane];
+      } else if (row_k >= 0) {
+        g = p.grad_w_in[row_k];
+      }
+      ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
+    }
+  }
+
+  if (!signal_and_wait(combine_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, p.error,
+                       MOE_EP_CTR_COMBINE_DONE) ||
+      overflow) {
+    return;
+  }
+
+  // ---- home: sum each token's partials in ascending rank order ----
+  const int4* stage = ws.stage(me, parity, p.hidden);
+  const float* stage_w = ws.stage_w(me, parity);
+  int4* out = reinterpret_cast<int4*>(p.out);
+  for (int t = gw; t < p.num_tokens; t += nw) {
+    const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
+    const int slot = pos >= 0 ? info[o.home_slot + lane] + pos : -1;
+    int slots[MOE_EP_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
+    for (int c = lane; c < n16; c += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+        if (d < R && slots[d] >= 0) acc_v4(acc, ld_v4(stage + (size_t)slots[d] * n16 + c), 1.f, false);
+      }
+      st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
+    }
+    if (p.grad_w_out != nullptr && lane < K) {
+      const int e = p.bufs.topk[(size_t)t * K + lane];
+      float g = 0.f;
+#pragma unroll
+      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+        if (e >= 0 && e / El == d && slots[d] >= 0) {
+          g = stage_w[(size_t)slots[d] * MOE_EP_MAX_TOPK + lane];
+        }
+      }
+      p.grad_w_out[(size_t)t * K + lane] = g;
+    }
+  }
+}

@@ -1,0 +1,50 @@
+// Small kernels for tests and the benchmark's baselines: a pattern writer and
+// checker (symmetric-memory tests), and the SM copy loop that measures the
+// peer-store ceiling (ep-bench).
+#include <stdint.h>
+
+#include "common.cuh"
+
+__device__ __forceinline__ uint32_t pattern(uint32_t seed, uint32_t i) {
+  uint32_t h = seed * 0x9E3779B9u ^ (i + 0x7F4A7C15u);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// dst[i] = pattern(seed, i) for i < n; dst may be a peer's buffer.
+extern "C" __global__ void moe_ep_fill_pattern(uint32_t* dst, uint64_t n, uint32_t seed) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x) {
+    dst[i] = pattern(seed, (uint32_t)i);
+  }
+}
+
+// Counts i < n with src[i] != pattern(seed, i) into *mismatches.
+extern "C" __global__ void moe_ep_check_pattern(const uint32_t* src, uint64_t n, uint32_t seed,
+                                                unsigned long long* mismatches) {
+  unsigned long long bad = 0;
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x) {
+    bad += src[i] != pattern(seed, (uint32_t)i);
+  }
+  bad = warp_sum(bad);
+  if ((threadIdx.x & 31) == 0 && bad) atomicAdd(mismatches, bad);
+}
+
+// The peer-store ceiling: 16-byte loads from local memory, 16-byte stores to
+// `dst` (a peer's buffer), n16 vectors, grid-stride, kUnroll in flight.
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_copy_v4(const int4* src, int4* dst, uint64_t n16) {
+  constexpr int kUnroll = 4;
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < n16; i += kUnroll * stride) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc_v4(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + u * stride, v[u]);
+  }
+  for (; i < n16; i += stride) st_na_v4(dst + i, ld_nc_v4(src + i));
+}

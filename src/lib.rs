@@ -1,0 +1,34 @@
+//! # moe-ep
+//!
+//! Expert-parallel communication kernels for Mixture-of-Experts models:
+//! **dispatch** sends every token to the GPUs of its top-k experts,
+//! **combine** brings the expert outputs home and reduces them. The kernels
+//! are handwritten CUDA (`kernels-cuda/`), compiled by build.rs to sm_90a
+//! cubin + PTX and embedded in the crate; NVLink peers exchange data through
+//! NCCL symmetric memory (`symm`).
+//!
+//! Layers, each calling only the one below: [`sys`] (raw NCCL, loaded at run
+//! time) → [`runtime`] (contexts, modules, communicator) → [`symm`] (the
+//! symmetric-memory pool) → [`ops`] (layout, dispatch, combine) → this file.
+//! [`reference`] is the CPU implementation everything is checked against.
+
+pub mod error;
+pub mod kernels;
+pub mod ops;
+pub mod reference;
+pub mod runtime;
+pub mod symm;
+pub mod sys;
+pub mod util;
+pub mod workload;
+
+pub use error::{Error, NcclVersion, Result};
+pub use ops::{DeviceRegion, EpGroup, GroupConfig, Handle, Mode};
+pub use reference::RecvLayout;
+pub use runtime::{context, device_count, Communicator, UniqueId};
+pub use symm::{SymmBuffer, SymmPool};
+
+/// cudarc's driver types used in this crate's API (contexts, streams, slices).
+pub use cudarc::driver as cuda;
+/// bf16 as used for tokens.
+pub use half::bf16;

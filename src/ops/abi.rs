@@ -1,0 +1,225 @@
+//! Rust mirrors of `kernels-cuda/abi.cuh`, field for field. The sizes are
+//! asserted on both sides (static_assert there, const assert here), so a
+//! drift fails the build.
+
+/// Largest world of the NVLink path (`MOE_EP_MAX_RANKS`).
+pub const MAX_RANKS: usize = 8;
+/// Largest grid (`MOE_EP_MAX_BLOCKS`).
+pub const MAX_BLOCKS: usize = 132;
+/// Largest top-k (`MOE_EP_MAX_TOPK`).
+pub const MAX_TOPK: usize = 16;
+/// Threads per block of the data kernels (`MOE_EP_THREADS`).
+pub const THREADS: u32 = 512;
+
+/// Error codes of [`ErrorInfo::code`].
+pub mod code {
+    pub const OK: i32 = 0;
+    pub const TIMEOUT: i32 = 1;
+    pub const CAPACITY: i32 = 2;
+    pub const BAD_EXPERT: i32 = 3;
+    pub const DUP_EXPERT: i32 = 4;
+}
+/// Counters a wait can stall on (`MOE_EP_CTR_*`).
+pub fn counter_name(c: i32) -> &'static str {
+    match c {
+        1 => "layout counts",
+        2 => "dispatch done",
+        3 => "combine done",
+        _ => "unknown",
+    }
+}
+
+/// First device-side error, written by kernels into host-mapped memory.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErrorInfo {
+    pub code: i32,
+    pub rank: i32,
+    pub peer: i32,
+    pub counter: i32,
+    pub expected: u64,
+    pub seen: u64,
+    pub needed: u64,
+    pub capacity: u64,
+    pub _pad: [u64; 2],
+}
+
+/// Per-handle layout arrays (device addresses, local).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LayoutBufs {
+    pub topk: u64,
+    pub rank_pos: u64,
+    pub expert_pos: u64,
+    pub info: u64,
+    pub meta: u64,
+}
+
+/// Byte offsets of the group's symmetric workspace regions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Workspace {
+    pub counts_off: u64,
+    pub count_flag_off: u64,
+    pub dispatch_done_off: u64,
+    pub combine_done_off: u64,
+    pub stage_off: u64,
+    pub stage_w_off: u64,
+    pub seq_off: u64,
+    pub stage_rows: u64,
+    pub _pad: [u64; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LayoutParams {
+    pub topk_idx: u64,
+    pub bufs: LayoutBufs,
+    pub ws: [u64; MAX_RANKS],
+    pub meta: [u64; MAX_RANKS],
+    pub w: Workspace,
+    pub error: u64,
+    pub idx_is_i64: i32,
+    pub rank: i32,
+    pub world: i32,
+    pub num_tokens: i32,
+    pub topk: i32,
+    pub num_experts: i32,
+    pub hidden: i32,
+    pub layout: i32,
+    pub alignment: i32,
+    pub recv_capacity: i32,
+    pub timeout_ns: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DispatchParams {
+    pub x: u64,
+    pub topk_w: u64,
+    pub bufs: LayoutBufs,
+    pub ws: [u64; MAX_RANKS],
+    pub w: Workspace,
+    pub recv_x: [u64; MAX_RANKS],
+    pub recv_w: [u64; MAX_RANKS],
+    pub recv_idx: [u64; MAX_RANKS],
+    pub recv_src: [u64; MAX_RANKS],
+    pub scale_w: u64,
+    pub error: u64,
+    pub rank: i32,
+    pub world: i32,
+    pub num_tokens: i32,
+    pub hidden: i32,
+    pub topk: i32,
+    pub num_experts: i32,
+    pub layout: i32,
+    pub alignment: i32,
+    pub recv_capacity: i32,
+    pub num_blocks: i32,
+    pub timeout_ns: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CombineParams {
+    pub y: u64,
+    pub w_rows: u64,
+    pub grad_w_in: u64,
+    pub bufs: LayoutBufs,
+    pub ws: [u64; MAX_RANKS],
+    pub w: Workspace,
+    pub out: u64,
+    pub grad_w_out: u64,
+    pub error: u64,
+    pub rank: i32,
+    pub world: i32,
+    pub num_tokens: i32,
+    pub hidden: i32,
+    pub topk: i32,
+    pub num_experts: i32,
+    pub layout: i32,
+    pub num_blocks: i32,
+    pub recv_capacity: i32,
+    pub _pad: i32,
+    pub timeout_ns: u64,
+}
+
+/// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InfoOffsets {
+    pub counts: usize,
+    pub dst_u_off: usize,
+    pub erow_base: usize,
+    pub src_u_off: usize,
+    pub my_slot_on: usize,
+    pub home_slot: usize,
+    pub expert_start: usize,
+    pub expert_count: usize,
+    pub rows_needed: usize,
+    pub total: usize,
+}
+
+/// Same arithmetic as `info_offsets` in abi.cuh.
+pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
+    let counts = 0;
+    let dst_u_off = counts + r * (e + r);
+    let erow_base = dst_u_off + r;
+    let src_u_off = erow_base + e;
+    let my_slot_on = src_u_off + r + 1;
+    let home_slot = my_slot_on + r;
+    let expert_start = home_slot + r + 1;
+    let expert_count = expert_start + el + 1;
+    let rows_needed = expert_count + el;
+    let total = rows_needed + r;
+    InfoOffsets {
+        counts,
+        dst_u_off,
+        erow_base,
+        src_u_off,
+        my_slot_on,
+        home_slot,
+        expert_start,
+        expert_count,
+        rows_needed,
+        total,
+    }
+}
+
+// The same numbers abi.cuh static_asserts.
+const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
+const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
+const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
+const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 520);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 280);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::offset_of;
+
+    /// Offsets worked out by hand from the C layout rules (8-byte pointers).
+    #[test]
+    fn param_offsets_match_the_c_layout() {
+        assert_eq!(offset_of!(LayoutParams, ws), 48);
+        assert_eq!(offset_of!(LayoutParams, w), 176);
+        assert_eq!(offset_of!(LayoutParams, error), 256);
+        assert_eq!(offset_of!(LayoutParams, idx_is_i64), 264);
+        assert_eq!(offset_of!(LayoutParams, timeout_ns), 304);
+        assert_eq!(offset_of!(DispatchParams, recv_x), 200);
+        assert_eq!(offset_of!(DispatchParams, scale_w), 456);
+        assert_eq!(offset_of!(DispatchParams, rank), 472);
+        assert_eq!(offset_of!(DispatchParams, timeout_ns), 512);
+        assert_eq!(offset_of!(CombineParams, out), 208);
+        assert_eq!(offset_of!(CombineParams, rank), 232);
+        assert_eq!(offset_of!(CombineParams, timeout_ns), 272);
+    }
+
+    #[test]
+    fn info_offsets_are_contiguous() {
+        let o = info_offsets(2, 256, 128);
+        assert_eq!(o.dst_u_off, 2 * 258);
+        assert_eq!(o.total, o.rows_needed + 2);
+        assert_eq!(o.expert_count - o.expert_start, 129);
+    }
+}

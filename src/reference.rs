@@ -1,0 +1,1999 @@
+//! Pure-Rust CPU reference for expert-parallel dispatch and combine.
+//!
+//! The GPU kernels are tested (and the benchmark is checked) against the
+//! functions here. Everything is plain, single-threaded, and written for
+//! readability, not speed.
+//!
+//! # The model
+//!
+//! * `R` ranks (GPUs), `E` experts with `E % R == 0`, `E_local = E / R`.
+//!   Rank `r` hosts the global experts `[r * E_local, (r + 1) * E_local)`;
+//!   expert `e` is *local expert* `e - r * E_local` on its rank.
+//! * Rank `s` holds `T_s` tokens (possibly 0), each a row of `H` bf16 values
+//!   (`tokens`, `[T_s, H]` row-major), and for every token `K` top-k entries:
+//!   `topk_idx` (`[T_s, K]`, `i64`, a global expert id or `-1` = masked) and
+//!   `topk_weights` (`[T_s, K]`, `f32`).
+//! * A token is *sent to rank `d`* if at least one of its non-masked experts
+//!   lives on `d`. It is sent once per rank, however many of its experts live
+//!   there.
+//!
+//! # Receive layouts ([`RecvLayout`])
+//!
+//! **Rank-major**: one row per (token, destination rank). Rows are grouped by
+//! source rank ascending; inside a source, by token index ascending. Each row
+//! carries `K` weight slots and `K` local-index slots: slot `k` holds the
+//! token's weight / local expert id if `topk_idx[t, k]` lives on the receiving
+//! rank, else `0.0` / `-1`.
+//!
+//! **Expert-major**: one row per (token, expert) pair. Rows form one block per
+//! local expert (ascending); inside a block, rows are ordered by
+//! (source rank, token) ascending; each block is padded with zero rows to a
+//! multiple of `alignment` (an expert that received nothing has 0 rows). Each
+//! row carries one weight and one local expert id; padding rows have weight
+//! `0.0`, local expert `-1`, source `(-1, -1)` and all-`+0.0` tokens.
+//!
+//! Row positions follow from the count matrix every rank learns in the count
+//! exchange ([`Counts`], built by [`gather_counts`] from each source rank's
+//! [`Layout`]): a row's position is a prefix sum over the counts plus the
+//! token's position inside its (source → destination) stream
+//! ([`Layout::rank_pos`], [`Layout::expert_pos`]).
+//!
+//! # Worked example
+//!
+//! `R = 2`, `E = 4` (`E_local = 2`), `K = 2`, expert-major `alignment = 4`.
+//!
+//! ```text
+//! rank 0: t0 -> [0, 3]   t1 -> [1, -1]   t2 -> [2, 3]
+//! rank 1: t0 -> [3, 0]   t1 -> [2, -1]
+//! ```
+//!
+//! Rank 1 hosts experts 2 and 3 (local 0 and 1).
+//!
+//! ```text
+//! Layout of rank 0: tokens_per_rank = [2, 2]            (t0,t1 -> r0; t0,t2 -> r1)
+//!                   rank_pos   [t][r] = [0,0] [1,-1] [-1,1]
+//!                   expert_pos [t][k] = [0,0] [0,-1] [0,1]
+//!
+//! Rank-major rows on rank 1 (offsets [0, 2, 4]):
+//!   row 0: (src 0, t0)  local idx [-1, 1]
+//!   row 1: (src 0, t2)  local idx [ 0, 1]
+//!   row 2: (src 1, t0)  local idx [ 1,-1]
+//!   row 3: (src 1, t1)  local idx [ 0,-1]
+//!
+//! Expert-major rows on rank 1 (offsets [0, 4, 8], tokens_per_local_expert [2, 3]):
+//!   local expert 0 (expert 2): row 0 (0,t2)  row 1 (1,t1)  rows 2,3 padding
+//!   local expert 1 (expert 3): row 4 (0,t0)  row 5 (0,t2)  row 6 (1,t0)  row 7 padding
+//! ```
+//!
+//! E.g. `(src 1, t0)` for expert 3 sits at
+//! `Counts::expert_major_row(1, 1, 1, 4) + expert_pos = (4 + 2) + 0 = 6`.
+//!
+//! # Combine
+//!
+//! Each destination rank `d` turns its received rows into one *partial* per
+//! (home token) and sends it back; the home rank sums the partials over `d`
+//! ascending. [`combine_f64`] is the exact answer; [`combine_emulated`]
+//! reproduces the GPU's f32/bf16 arithmetic bit for bit; [`check_close_bf16`]
+//! compares a bf16 result with an f64 one under a documented bound.
+
+use crate::error::{Error, Result};
+use half::bf16;
+
+/// Largest top-k accepted (`Shape::topk` must be in `1..=MAX_TOPK`).
+pub const MAX_TOPK: usize = 16;
+
+/// Problem dimensions shared by all ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Number of ranks `R` (>= 1).
+    pub num_ranks: usize,
+    /// Number of global experts `E` (a multiple of `R`).
+    pub num_experts: usize,
+    /// Hidden size `H`: bf16 values per token row (a positive multiple of 8).
+    pub hidden: usize,
+    /// Top-k `K`: expert slots per token (`1..=16`, at most `E`).
+    pub topk: usize,
+}
+
+impl Shape {
+    /// Experts hosted per rank, `E / R` (0 if `num_ranks` is 0).
+    pub fn experts_per_rank(&self) -> usize {
+        self.num_experts.checked_div(self.num_ranks).unwrap_or(0)
+    }
+
+    /// Checks the dimension rules: `num_ranks >= 1`, `num_experts` a positive
+    /// multiple of `num_ranks`, `hidden` a positive multiple of 8,
+    /// `topk` in `1..=16` and `<= num_experts`.
+    ///
+    /// Errors name the offending field (`num_ranks`, `num_experts`, `hidden`,
+    /// `topk`).
+    pub fn validate(&self) -> Result<()> {
+        if self.num_ranks == 0 {
+            return Err(Error::arg("num_ranks", "at least 1", self.num_ranks));
+        }
+        if self.num_experts == 0 || self.num_experts % self.num_ranks != 0 {
+            return Err(Error::arg(
+                "num_experts",
+                format!("a positive multiple of num_ranks = {}", self.num_ranks),
+                self.num_experts,
+            ));
+        }
+        if self.hidden == 0 || self.hidden % 8 != 0 {
+            return Err(Error::arg(
+                "hidden",
+                "a positive multiple of 8",
+                self.hidden,
+            ));
+        }
+        if self.topk == 0 || self.topk > MAX_TOPK || self.topk > self.num_experts {
+            return Err(Error::arg(
+                "topk",
+                format!(
+                    "in 1..={} and at most num_experts = {}",
+                    MAX_TOPK, self.num_experts
+                ),
+                self.topk,
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rank hosting global expert `e` (`e / E_local`). The shape must be
+    /// valid; `e` must be `< num_experts` for the answer to be a rank.
+    pub fn rank_of_expert(&self, e: usize) -> usize {
+        e / self.experts_per_rank()
+    }
+
+    /// The rank hosting a `topk_idx` entry, `None` for a masked (negative) one.
+    fn rank_of_entry(&self, e: i64) -> Option<usize> {
+        usize::try_from(e).ok().map(|e| self.rank_of_expert(e))
+    }
+}
+
+/// Where received rows land on the receiving rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvLayout {
+    /// One row per (token, rank), grouped by source rank, then token.
+    RankMajor,
+    /// One row per (token, local expert), in per-expert blocks padded with
+    /// zero rows to a multiple of `alignment` (>= 1) rows.
+    ExpertMajor {
+        /// Block granularity in rows (>= 1).
+        alignment: usize,
+    },
+}
+
+impl RecvLayout {
+    /// Checks `alignment >= 1` for [`RecvLayout::ExpertMajor`]; the error
+    /// names `alignment`.
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            RecvLayout::ExpertMajor { alignment: 0 } => {
+                Err(Error::arg("alignment", "at least 1 row", 0))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// One rank's dispatch input.
+#[derive(Clone, Debug)]
+pub struct RankInput {
+    /// `[T, H]` row-major token rows.
+    pub tokens: Vec<bf16>,
+    /// `[T, K]` global expert ids, `-1` = masked.
+    pub topk_idx: Vec<i64>,
+    /// `[T, K]` routing weights.
+    pub topk_weights: Vec<f32>,
+}
+
+impl RankInput {
+    /// Number of tokens `T`, `topk_idx.len() / K`.
+    pub fn num_tokens(&self, shape: &Shape) -> usize {
+        self.topk_idx.len() / shape.topk
+    }
+}
+
+/// Checks one rank's `topk_idx` (`[T, K]`): the length is a multiple of `K`,
+/// every entry is in `[-1, E)`, and no expert repeats inside a token's row.
+/// The shape is validated first. Errors name `topk_idx` and the token/slot.
+pub fn validate_topk(shape: &Shape, topk_idx: &[i64]) -> Result<()> {
+    shape.validate()?;
+    let k = shape.topk;
+    let e_max = shape.num_experts as i64;
+    if topk_idx.len() % k != 0 {
+        return Err(Error::arg(
+            "topk_idx",
+            format!("a length that is a multiple of topk = {k}"),
+            format!("{} entries", topk_idx.len()),
+        ));
+    }
+    for (t, row) in topk_idx.chunks_exact(k).enumerate() {
+        for (slot, &e) in row.iter().enumerate() {
+            if e < -1 || e >= e_max {
+                return Err(Error::arg(
+                    "topk_idx",
+                    format!("expert ids in [-1, {e_max})"),
+                    format!("{e} at token {t}, slot {slot}"),
+                ));
+            }
+            if e >= 0 {
+                if let Some(first) = row[..slot].iter().position(|&x| x == e) {
+                    return Err(Error::arg(
+                        "topk_idx",
+                        "distinct experts within a token",
+                        format!("expert {e} repeated at token {t}, slots {first} and {slot}"),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One source rank's routing layout: what it sends where, and in which
+/// position of each (source → destination) stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layout {
+    /// `T`, this rank's token count.
+    pub num_tokens: usize,
+    /// `[R]` tokens sent to each rank (a token counts once per rank).
+    pub tokens_per_rank: Vec<u32>,
+    /// `[E]` (token, expert) pairs sent to each global expert.
+    pub tokens_per_expert: Vec<u32>,
+    /// `[T * R]` row-major `[t][r]`: token `t` is sent to rank `r`.
+    pub is_token_in_rank: Vec<bool>,
+    /// `[T * R]` index of token `t` in the (this rank → `r`) stream (this
+    /// rank's tokens sent to `r`, ascending `t`); `-1` if not sent.
+    pub rank_pos: Vec<i32>,
+    /// `[T * K]` index of `(t, k)` in the (this rank → expert `topk_idx[t, k]`)
+    /// stream (ascending `t`); `-1` if masked.
+    pub expert_pos: Vec<i32>,
+}
+
+/// Computes one source rank's [`Layout`] from its `topk_idx` (`[T, K]`),
+/// after [`validate_topk`].
+pub fn layout(shape: &Shape, topk_idx: &[i64]) -> Result<Layout> {
+    validate_topk(shape, topk_idx)?;
+    let (r_count, e_count, k) = (shape.num_ranks, shape.num_experts, shape.topk);
+    let t_count = topk_idx.len() / k;
+    let mut out = Layout {
+        num_tokens: t_count,
+        tokens_per_rank: vec![0; r_count],
+        tokens_per_expert: vec![0; e_count],
+        is_token_in_rank: vec![false; t_count * r_count],
+        rank_pos: vec![-1; t_count * r_count],
+        expert_pos: vec![-1; t_count * k],
+    };
+    for (t, row) in topk_idx.chunks_exact(k).enumerate() {
+        for (slot, &e) in row.iter().enumerate() {
+            let Some(r) = shape.rank_of_entry(e) else {
+                continue;
+            };
+            let e = e as usize;
+            out.expert_pos[t * k + slot] = out.tokens_per_expert[e] as i32;
+            out.tokens_per_expert[e] += 1;
+            let tr = t * r_count + r;
+            if !out.is_token_in_rank[tr] {
+                out.is_token_in_rank[tr] = true;
+                out.rank_pos[tr] = out.tokens_per_rank[r] as i32;
+                out.tokens_per_rank[r] += 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The count matrix every rank learns in the count exchange.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Counts {
+    /// `R`.
+    pub num_ranks: usize,
+    /// `E`.
+    pub num_experts: usize,
+    /// `[R * R]`, `rank[src * R + dst]` = tokens `src` sends to `dst`.
+    pub rank: Vec<u32>,
+    /// `[R * E]`, `expert[src * E + e]` = (token, expert) pairs `src` sends to
+    /// global expert `e`.
+    pub expert: Vec<u32>,
+}
+
+/// Stacks every source rank's counts (`layouts[src]`, one per rank in rank
+/// order) into the exchanged [`Counts`].
+///
+/// # Panics
+/// If `layouts.len() != R` or a layout's count vectors do not match `shape`.
+pub fn gather_counts(shape: &Shape, layouts: &[Layout]) -> Counts {
+    assert_eq!(layouts.len(), shape.num_ranks, "one layout per rank");
+    let mut counts = Counts {
+        num_ranks: shape.num_ranks,
+        num_experts: shape.num_experts,
+        rank: Vec::with_capacity(shape.num_ranks * shape.num_ranks),
+        expert: Vec::with_capacity(shape.num_ranks * shape.num_experts),
+    };
+    for l in layouts {
+        assert_eq!(l.tokens_per_rank.len(), shape.num_ranks, "tokens_per_rank");
+        assert_eq!(
+            l.tokens_per_expert.len(),
+            shape.num_experts,
+            "tokens_per_expert"
+        );
+        counts.rank.extend_from_slice(&l.tokens_per_rank);
+        counts.expert.extend_from_slice(&l.tokens_per_expert);
+    }
+    counts
+}
+
+impl Counts {
+    fn experts_per_rank(&self) -> usize {
+        self.num_experts / self.num_ranks
+    }
+
+    /// Rank-major: first row of source `src`'s tokens on rank `dst`,
+    /// `sum over s' < src of rank[s' * R + dst]` (`src == R` gives the total).
+    pub fn rank_major_offset(&self, src: usize, dst: usize) -> usize {
+        (0..src)
+            .map(|s| self.rank[s * self.num_ranks + dst] as usize)
+            .sum()
+    }
+
+    /// Rank-major: total rows received on `dst`.
+    pub fn rank_major_rows(&self, dst: usize) -> usize {
+        self.rank_major_offset(self.num_ranks, dst)
+    }
+
+    /// Unpadded (token, expert) pairs received by local expert `local_expert`
+    /// of rank `dst`, summed over all sources.
+    pub fn recv_expert_count(&self, dst: usize, local_expert: usize) -> usize {
+        let e = dst * self.experts_per_rank() + local_expert;
+        (0..self.num_ranks)
+            .map(|s| self.expert[s * self.num_experts + e] as usize)
+            .sum()
+    }
+
+    /// Expert-major on `dst`: first (padded) row of local expert
+    /// `local_expert`'s block, `sum over j' < j of align_up(count(dst, j'),
+    /// alignment)` (`local_expert == E_local` gives the total).
+    pub fn expert_block_start(&self, dst: usize, local_expert: usize, alignment: usize) -> usize {
+        (0..local_expert)
+            .map(|j| align_up(self.recv_expert_count(dst, j), alignment))
+            .sum()
+    }
+
+    /// Expert-major on `dst`: first row of source `src`'s pairs inside local
+    /// expert `local_expert`'s block, block start + `sum over s' < src of
+    /// expert[s' * E + e]`.
+    pub fn expert_major_row(
+        &self,
+        src: usize,
+        dst: usize,
+        local_expert: usize,
+        alignment: usize,
+    ) -> usize {
+        let e = dst * self.experts_per_rank() + local_expert;
+        self.expert_block_start(dst, local_expert, alignment)
+            + (0..src)
+                .map(|s| self.expert[s * self.num_experts + e] as usize)
+                .sum::<usize>()
+    }
+
+    /// Expert-major: total padded rows on `dst`.
+    pub fn expert_major_rows(&self, dst: usize, alignment: usize) -> usize {
+        self.expert_block_start(dst, self.experts_per_rank(), alignment)
+    }
+
+    /// Home-side slot base for partial rows coming back in combine: on home
+    /// rank `home`, the partials from rank `from` start at
+    /// `sum over d' < from of rank[home * R + d']`.
+    pub fn combine_slot_base(&self, home: usize, from: usize) -> usize {
+        self.rank[home * self.num_ranks..home * self.num_ranks + from]
+            .iter()
+            .map(|&c| c as usize)
+            .sum()
+    }
+}
+
+/// `n` rounded up to a multiple of `alignment` (>= 1).
+fn align_up(n: usize, alignment: usize) -> usize {
+    n.div_ceil(alignment) * alignment
+}
+
+/// What one destination rank received, in its receive layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DispatchOutput {
+    /// Rank-major: received tokens; expert-major: padded rows.
+    pub num_rows: usize,
+    /// `[rows * H]` token rows; padding rows are `+0.0`.
+    pub tokens: Vec<bf16>,
+    /// Rank-major: `[rows * K]`, slot `k` = the source weight if expert
+    /// `topk_idx[t, k]` is local to this rank, else `0.0`.
+    /// Expert-major: `[rows]`, the row's `(t, k)` weight; `0.0` on padding.
+    pub topk_weights: Vec<f32>,
+    /// Rank-major: `[rows * K]`, slot `k` = `topk_idx[t, k] - dst * E_local`
+    /// if local, else `-1`. Expert-major: `[rows]`, the row's local expert;
+    /// `-1` on padding.
+    pub topk_local_idx: Vec<i32>,
+    /// `[rows]` (source rank, source token); `(-1, -1)` on padding.
+    pub src: Vec<(i32, i32)>,
+    /// `[E_local]` unpadded (token, expert) pairs received per local expert
+    /// (the same in both layouts).
+    pub tokens_per_local_expert: Vec<u32>,
+    /// Rank-major: `[R + 1]` first row per source rank; expert-major:
+    /// `[E_local + 1]` padded block starts.
+    pub offsets: Vec<usize>,
+}
+
+/// Where one received row came from: source rank, source token, and (for
+/// expert-major rows) the top-k slot it stands for.
+#[derive(Clone, Copy, Debug)]
+struct RowSrc {
+    rank: usize,
+    token: usize,
+    slot: Option<usize>,
+}
+
+/// The row structure of one destination rank's receive buffer, without data.
+struct RowPlan {
+    /// `[rows]`, `None` for padding.
+    rows: Vec<Option<RowSrc>>,
+    tokens_per_local_expert: Vec<u32>,
+    offsets: Vec<usize>,
+}
+
+/// Checks the shape, the layout, and every rank's input slices.
+fn check_inputs(shape: &Shape, inputs: &[RankInput], layout: RecvLayout) -> Result<()> {
+    shape.validate()?;
+    layout.validate()?;
+    if inputs.len() != shape.num_ranks {
+        return Err(Error::arg(
+            "inputs",
+            format!("one RankInput per rank ({})", shape.num_ranks),
+            inputs.len(),
+        ));
+    }
+    for (r, inp) in inputs.iter().enumerate() {
+        validate_topk(shape, &inp.topk_idx).map_err(|e| match e {
+            Error::InvalidArgument { arg, expected, got } => Error::InvalidArgument {
+                arg,
+                expected,
+                got: format!("{got} (rank {r})"),
+            },
+            other => other,
+        })?;
+        let t = inp.num_tokens(shape);
+        if inp.topk_weights.len() != t * shape.topk {
+            return Err(Error::arg(
+                "topk_weights",
+                format!("T * topk = {} values", t * shape.topk),
+                format!("{} values (rank {r})", inp.topk_weights.len()),
+            ));
+        }
+        if inp.tokens.len() != t * shape.hidden {
+            return Err(Error::arg(
+                "tokens",
+                format!("T * hidden = {} values", t * shape.hidden),
+                format!("{} values (rank {r})", inp.tokens.len()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_rank(arg: &'static str, rank: usize, shape: &Shape) -> Result<()> {
+    if rank >= shape.num_ranks {
+        return Err(Error::arg(
+            arg,
+            format!("a rank in 0..{}", shape.num_ranks),
+            rank,
+        ));
+    }
+    Ok(())
+}
+
+/// Builds the row plan of `dst` (inputs already checked).
+fn plan(shape: &Shape, inputs: &[RankInput], dst: usize, layout: RecvLayout) -> RowPlan {
+    let k = shape.topk;
+    let el = shape.experts_per_rank();
+    let first = dst * el;
+    let local_of = |e: i64| -> Option<usize> {
+        (shape.rank_of_entry(e) == Some(dst)).then(|| e as usize - first)
+    };
+    let mut tokens_per_local_expert = vec![0u32; el];
+    match layout {
+        RecvLayout::RankMajor => {
+            let mut rows = Vec::new();
+            let mut offsets = vec![0];
+            for (s, inp) in inputs.iter().enumerate() {
+                for (t, idx) in inp.topk_idx.chunks_exact(k).enumerate() {
+                    let mut sent = false;
+                    for j in idx.iter().filter_map(|&e| local_of(e)) {
+                        tokens_per_local_expert[j] += 1;
+                        sent = true;
+                    }
+                    if sent {
+                        rows.push(Some(RowSrc {
+                            rank: s,
+                            token: t,
+                            slot: None,
+                        }));
+                    }
+                }
+                offsets.push(rows.len());
+            }
+            RowPlan {
+                rows,
+                tokens_per_local_expert,
+                offsets,
+            }
+        }
+        RecvLayout::ExpertMajor { alignment } => {
+            // Bucket (source, token, slot) by local expert; scanning sources
+            // and tokens in ascending order keeps each bucket sorted.
+            let mut buckets: Vec<Vec<RowSrc>> = vec![Vec::new(); el];
+            for (s, inp) in inputs.iter().enumerate() {
+                for (t, idx) in inp.topk_idx.chunks_exact(k).enumerate() {
+                    for (slot, &e) in idx.iter().enumerate() {
+                        if let Some(j) = local_of(e) {
+                            buckets[j].push(RowSrc {
+                                rank: s,
+                                token: t,
+                                slot: Some(slot),
+                            });
+                        }
+                    }
+                }
+            }
+            let mut rows = Vec::new();
+            let mut offsets = vec![0];
+            for (j, bucket) in buckets.into_iter().enumerate() {
+                tokens_per_local_expert[j] = bucket.len() as u32;
+                let padded = align_up(bucket.len(), alignment);
+                rows.extend(bucket.into_iter().map(Some));
+                rows.resize(
+                    rows.len() + padded - tokens_per_local_expert[j] as usize,
+                    None,
+                );
+                offsets.push(rows.len());
+            }
+            RowPlan {
+                rows,
+                tokens_per_local_expert,
+                offsets,
+            }
+        }
+    }
+}
+
+/// The rows that destination `d`'s plan holds for each token of `home`:
+/// `[T_home]` lists of row indices, ascending.
+fn rows_of_home(plan: &RowPlan, home: usize, home_tokens: usize) -> Vec<Vec<usize>> {
+    let mut out = vec![Vec::new(); home_tokens];
+    for (row, src) in plan.rows.iter().enumerate() {
+        if let Some(src) = src.filter(|s| s.rank == home) {
+            out[src.token].push(row);
+        }
+    }
+    out
+}
+
+/// The rows rank `dst` receives, in `layout` (see the module docs for the row
+/// order). `inputs` holds one [`RankInput`] per rank, in rank order.
+///
+/// Errors name `num_ranks`/`num_experts`/`hidden`/`topk` (bad shape),
+/// `alignment`, `inputs`, `topk_idx`, `topk_weights`, `tokens` or `dst`.
+pub fn dispatch(
+    shape: &Shape,
+    inputs: &[RankInput],
+    dst: usize,
+    layout: RecvLayout,
+) -> Result<DispatchOutput> {
+    check_inputs(shape, inputs, layout)?;
+    check_rank("dst", dst, shape)?;
+    let (h, k) = (shape.hidden, shape.topk);
+    let first = (dst * shape.experts_per_rank()) as i64;
+    let p = plan(shape, inputs, dst, layout);
+    let rows = p.rows.len();
+    let per_row = match layout {
+        RecvLayout::RankMajor => k,
+        RecvLayout::ExpertMajor { .. } => 1,
+    };
+    let mut out = DispatchOutput {
+        num_rows: rows,
+        tokens: Vec::with_capacity(rows * h),
+        topk_weights: Vec::with_capacity(rows * per_row),
+        topk_local_idx: Vec::with_capacity(rows * per_row),
+        src: Vec::with_capacity(rows),
+        tokens_per_local_expert: p.tokens_per_local_expert,
+        offsets: p.offsets,
+    };
+    for row in &p.rows {
+        let Some(RowSrc { rank, token, slot }) = *row else {
+            out.tokens.extend(std::iter::repeat(bf16::ZERO).take(h));
+            out.topk_weights.push(0.0);
+            out.topk_local_idx.push(-1);
+            out.src.push((-1, -1));
+            continue;
+        };
+        let inp = &inputs[rank];
+        out.tokens
+            .extend_from_slice(&inp.tokens[token * h..(token + 1) * h]);
+        out.src.push((rank as i32, token as i32));
+        let idx = &inp.topk_idx[token * k..(token + 1) * k];
+        let w = &inp.topk_weights[token * k..(token + 1) * k];
+        match slot {
+            // Expert-major: the one (t, k) pair this row stands for.
+            Some(slot) => {
+                out.topk_weights.push(w[slot]);
+                out.topk_local_idx.push((idx[slot] - first) as i32);
+            }
+            // Rank-major: all K slots, masked to the local ones.
+            None => {
+                for (&e, &w) in idx.iter().zip(w) {
+                    if shape.rank_of_entry(e) == Some(dst) {
+                        out.topk_weights.push(w);
+                        out.topk_local_idx.push((e - first) as i32);
+                    } else {
+                        out.topk_weights.push(0.0);
+                        out.topk_local_idx.push(-1);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Checks one per-destination buffer list: `bufs.len() == R` and
+/// `bufs[d].len() == rows_d * per_row`.
+fn check_per_rank<T>(
+    arg: &'static str,
+    bufs: &[Vec<T>],
+    plans: &[RowPlan],
+    per_row: usize,
+    unit: &str,
+) -> Result<()> {
+    if bufs.len() != plans.len() {
+        return Err(Error::arg(
+            arg,
+            format!("one buffer per rank ({})", plans.len()),
+            bufs.len(),
+        ));
+    }
+    for (d, (buf, p)) in bufs.iter().zip(plans).enumerate() {
+        let want = p.rows.len() * per_row;
+        if buf.len() != want {
+            return Err(Error::arg(
+                arg,
+                format!("rows * {unit} = {want} values on rank {d}"),
+                format!("{} values", buf.len()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_rank_major_unweighted(layout: RecvLayout, weighted: bool) -> Result<()> {
+    if weighted && layout == RecvLayout::RankMajor {
+        return Err(Error::arg(
+            "weights",
+            "weighted = false with RecvLayout::RankMajor (a rank-major row already \
+             stands for all of the token's experts on that rank)",
+            "weighted = true",
+        ));
+    }
+    Ok(())
+}
+
+/// Everything combine needs on the home rank: for each destination `d`, the
+/// rows of each home token on `d`.
+struct CombinePlan {
+    /// `[R]` plans (one per destination).
+    plans: Vec<RowPlan>,
+    /// `[R][T_home]` ascending row lists.
+    rows: Vec<Vec<Vec<usize>>>,
+    home_tokens: usize,
+}
+
+fn combine_plan(
+    shape: &Shape,
+    inputs: &[RankInput],
+    home: usize,
+    layout: RecvLayout,
+) -> Result<CombinePlan> {
+    check_inputs(shape, inputs, layout)?;
+    check_rank("home", home, shape)?;
+    let home_tokens = inputs[home].num_tokens(shape);
+    let plans: Vec<RowPlan> = (0..shape.num_ranks)
+        .map(|d| plan(shape, inputs, d, layout))
+        .collect();
+    let rows = plans
+        .iter()
+        .map(|p| rows_of_home(p, home, home_tokens))
+        .collect();
+    Ok(CombinePlan {
+        plans,
+        rows,
+        home_tokens,
+    })
+}
+
+/// The dispatched weight of expert-major row `row` on a plan.
+fn row_weight(inputs: &[RankInput], k: usize, p: &RowPlan, row: usize) -> f32 {
+    let src = p.rows[row].expect("not a padding row");
+    inputs[src.rank].topk_weights[src.token * k + src.slot.expect("expert-major row")]
+}
+
+/// Exact combine on home rank `home`, in f64: `[T_home * H]`.
+///
+/// `expert_out[d]` is rank `d`'s expert output in its dispatch layout
+/// (`[rows_d * H]`). `out[t]` is the sum over ranks `d` ascending (only where
+/// `t` was sent) of `d`'s partial:
+///
+/// * `RankMajor`: the partial is `expert_out[d][row of t on d]`. `weighted`
+///   must be false (error naming `weights`): a rank-major row already stands
+///   for all of `t`'s experts on `d`.
+/// * `ExpertMajor`: the partial is the sum over `t`'s rows on `d`, in
+///   ascending row order, of `(w_row if weighted else 1) * expert_out[d][row]`,
+///   `w_row` being that row's dispatched weight.
+pub fn combine_f64(
+    shape: &Shape,
+    inputs: &[RankInput],
+    expert_out: &[Vec<bf16>],
+    home: usize,
+    layout: RecvLayout,
+    weighted: bool,
+) -> Result<Vec<f64>> {
+    check_rank_major_unweighted(layout, weighted)?;
+    let cp = combine_plan(shape, inputs, home, layout)?;
+    check_per_rank("expert_out", expert_out, &cp.plans, shape.hidden, "hidden")?;
+    let (h, k) = (shape.hidden, shape.topk);
+    let mut out = vec![0.0f64; cp.home_tokens * h];
+    for (t, acc) in out.chunks_exact_mut(h).enumerate() {
+        for (d, x_d) in expert_out.iter().enumerate() {
+            for &row in &cp.rows[d][t] {
+                let w = if weighted {
+                    row_weight(inputs, k, &cp.plans[d], row) as f64
+                } else {
+                    1.0
+                };
+                for (a, x) in acc.iter_mut().zip(&x_d[row * h..(row + 1) * h]) {
+                    *a += w * x.to_f64();
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The shared body of [`combine_emulated`] and the token half of
+/// [`dispatch_backward`]; `arg` names the per-destination buffers in errors.
+fn combine_emulated_impl(
+    shape: &Shape,
+    inputs: &[RankInput],
+    expert_out: &[Vec<bf16>],
+    home: usize,
+    layout: RecvLayout,
+    weighted: bool,
+    arg: &'static str,
+) -> Result<Vec<bf16>> {
+    check_rank_major_unweighted(layout, weighted)?;
+    let cp = combine_plan(shape, inputs, home, layout)?;
+    check_per_rank(arg, expert_out, &cp.plans, shape.hidden, "hidden")?;
+    let (h, k) = (shape.hidden, shape.topk);
+    let mut out = Vec::with_capacity(cp.home_tokens * h);
+    let mut home_acc = vec![0.0f32; h];
+    let mut partial = vec![0.0f32; h];
+    for t in 0..cp.home_tokens {
+        home_acc.fill(0.0);
+        for (d, x_d) in expert_out.iter().enumerate() {
+            let rows = &cp.rows[d][t];
+            if rows.is_empty() {
+                continue; // t was not sent to d
+            }
+            // The destination's partial, accumulated in f32 from 0.0 ...
+            partial.fill(0.0);
+            for &row in rows {
+                let x = &x_d[row * h..(row + 1) * h];
+                if weighted {
+                    let w = row_weight(inputs, k, &cp.plans[d], row);
+                    for (a, x) in partial.iter_mut().zip(x) {
+                        *a = w.mul_add(x.to_f32(), *a);
+                    }
+                } else {
+                    for (a, x) in partial.iter_mut().zip(x) {
+                        *a += x.to_f32();
+                    }
+                }
+            }
+            // ... sent home as bf16, and summed there in f32.
+            for (acc, p) in home_acc.iter_mut().zip(&partial) {
+                *acc += bf16::from_f32(*p).to_f32();
+            }
+        }
+        out.extend(home_acc.iter().map(|&a| bf16::from_f32(a)));
+    }
+    Ok(out)
+}
+
+/// The GPU's combine arithmetic on home rank `home`, bit for bit:
+/// `[T_home * H]` bf16. Same arguments and partials as [`combine_f64`].
+///
+/// On each destination `d` (where `t` was sent): `RankMajor` partial = the row
+/// itself; `ExpertMajor` partial = f32 `acc` from `0.0`, for each of `t`'s rows
+/// in ascending row order `acc = w.mul_add(x, acc)` (weighted) or
+/// `acc = acc + x` (unweighted), `x` = the bf16 value as f32, then rounded to
+/// bf16 (round-to-nearest-even). On the home rank: f32 `acc = 0.0`, for `d`
+/// ascending `acc += f32(partial_d)`, result `bf16::from_f32(acc)`.
+pub fn combine_emulated(
+    shape: &Shape,
+    inputs: &[RankInput],
+    expert_out: &[Vec<bf16>],
+    home: usize,
+    layout: RecvLayout,
+    weighted: bool,
+) -> Result<Vec<bf16>> {
+    combine_emulated_impl(
+        shape,
+        inputs,
+        expert_out,
+        home,
+        layout,
+        weighted,
+        "expert_out",
+    )
+}
+
+/// Dispatch backward on home rank `home`.
+///
+/// `grad_recv[d]` (`[rows_d * H]`) and `grad_recv_w[d]` (rank-major
+/// `[rows_d * K]`, expert-major `[rows_d]`) are the gradients of rank `d`'s
+/// dispatch output. Returns `(grad_tokens [T_home * H], grad_topk_weights
+/// [T_home * K])`:
+///
+/// * `grad_tokens` = the unweighted combine of `grad_recv`, with exactly the
+///   arithmetic of [`combine_emulated`] (`weighted = false`); in expert-major
+///   that sums all of `t`'s rows on each `d`.
+/// * `grad_topk_weights[t, k]` = the weight gradient where `(t, k)` landed:
+///   rank-major `grad_recv_w[d][row * K + k]`, expert-major
+///   `grad_recv_w[d][row]`; `0.0` for masked slots.
+pub fn dispatch_backward(
+    shape: &Shape,
+    inputs: &[RankInput],
+    grad_recv: &[Vec<bf16>],
+    grad_recv_w: &[Vec<f32>],
+    home: usize,
+    layout: RecvLayout,
+) -> Result<(Vec<bf16>, Vec<f32>)> {
+    let grad_tokens =
+        combine_emulated_impl(shape, inputs, grad_recv, home, layout, false, "grad_recv")?;
+    let cp = combine_plan(shape, inputs, home, layout)?;
+    let k = shape.topk;
+    let per_row = match layout {
+        RecvLayout::RankMajor => k,
+        RecvLayout::ExpertMajor { .. } => 1,
+    };
+    check_per_rank(
+        "grad_recv_w",
+        grad_recv_w,
+        &cp.plans,
+        per_row,
+        "weight slots",
+    )?;
+    let idx = &inputs[home].topk_idx;
+    let mut grad_w = vec![0.0f32; cp.home_tokens * k];
+    for (d, (p, gw)) in cp.plans.iter().zip(grad_recv_w).enumerate() {
+        for (row, src) in p.rows.iter().enumerate() {
+            let Some(src) = src.filter(|s| s.rank == home) else {
+                continue;
+            };
+            let t = src.token;
+            match src.slot {
+                Some(slot) => grad_w[t * k + slot] = gw[row],
+                None => {
+                    for slot in 0..k {
+                        if shape.rank_of_entry(idx[t * k + slot]) == Some(d) {
+                            grad_w[t * k + slot] = gw[row * k + slot];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok((grad_tokens, grad_w))
+}
+
+/// Combine backward on rank `dst`: the gradient of `dst`'s expert output,
+/// `[rows_dst * H]` in `dst`'s dispatch layout.
+///
+/// `grad_out[s]` (`[T_s * H]`) is the gradient of home rank `s`'s combine
+/// output. Each non-padding row from `(s, t)` gets `grad_out[s][t]`; with
+/// `weighted` (expert-major only, else an error naming `weights`) it gets
+/// `bf16::from_f32(w_row * f32(g))` elementwise. Padding rows are `+0.0`.
+pub fn combine_backward(
+    shape: &Shape,
+    inputs: &[RankInput],
+    grad_out: &[Vec<bf16>],
+    dst: usize,
+    layout: RecvLayout,
+    weighted: bool,
+) -> Result<Vec<bf16>> {
+    check_rank_major_unweighted(layout, weighted)?;
+    check_inputs(shape, inputs, layout)?;
+    check_rank("dst", dst, shape)?;
+    let (h, k) = (shape.hidden, shape.topk);
+    if grad_out.len() != shape.num_ranks {
+        return Err(Error::arg(
+            "grad_out",
+            format!("one buffer per rank ({})", shape.num_ranks),
+            grad_out.len(),
+        ));
+    }
+    for (s, (g, inp)) in grad_out.iter().zip(inputs).enumerate() {
+        let want = inp.num_tokens(shape) * h;
+        if g.len() != want {
+            return Err(Error::arg(
+                "grad_out",
+                format!("T * hidden = {want} values on rank {s}"),
+                format!("{} values", g.len()),
+            ));
+        }
+    }
+    let p = plan(shape, inputs, dst, layout);
+    let mut out = Vec::with_capacity(p.rows.len() * h);
+    for (row, src) in p.rows.iter().enumerate() {
+        let Some(src) = src else {
+            out.extend(std::iter::repeat(bf16::ZERO).take(h));
+            continue;
+        };
+        let g = &grad_out[src.rank][src.token * h..(src.token + 1) * h];
+        if weighted {
+            let w = row_weight(inputs, k, &p, row);
+            out.extend(g.iter().map(|g| bf16::from_f32(w * g.to_f32())));
+        } else {
+            out.extend_from_slice(g);
+        }
+    }
+    Ok(out)
+}
+
+/// Compares a bf16 result with an exact (f64) one.
+///
+/// Passes iff every element satisfies
+///
+/// ```text
+/// |got[i] - want[i]| <= 2^-8 * (|want[i]| + terms * m),   m = max_j |want[j]|
+/// ```
+///
+/// i.e. `rtol = 2^-8` plus an absolute floor `atol = 2^-8 * terms * m`.
+/// `terms` is the number of bf16-rounded partials summed to form each result:
+/// for combine (and dispatch backward), the number of ranks a token can reach;
+/// `R` is always safe, `0` means a single final rounding.
+///
+/// Why: each of the `terms` partials `p_d` is rounded once to bf16 (unit
+/// roundoff `u = 2^-9`), the f32 sums add error of order `2^-24` relative,
+/// and the final result is rounded once more, so
+/// `|err| <= u * (sum_d |p_d| + |want[i]|)` up to negligible f32 terms.
+/// * Without cancellation `sum_d |p_d| = |want[i]| <= m`, so
+///   `|err| <= 2u |want[i]|`, well inside `2u (|want[i]| + terms * m)`.
+/// * With cancellation (partials of both signs) `want[i]` alone bounds
+///   nothing; taking the slice's largest result `m` as the scale of the
+///   partials, the bound holds for any partials with `|p_d| <= 2m`
+///   (`u * (2 * terms * m + |want[i]|)` <= tol), with 2x headroom for `|p_d| <= m`.
+///
+/// A wrong or swapped row shifts a result by (its weight times) the difference
+/// of two whole input rows, typically of order `m / terms` or more per element,
+/// so across a row's `H` elements it fails; a row whose weight is far below
+/// `terms / 256` can hide in the floor, so also compare bit for bit with
+/// [`combine_emulated`]. Non-finite values and a length mismatch fail.
+///
+/// `Err` names the first bad index with both values and the tolerance.
+pub fn check_close_bf16(
+    got: &[bf16],
+    want: &[f64],
+    terms: usize,
+) -> std::result::Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "length mismatch: got {} values, want {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    let m = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+    let floor = terms as f64 * m;
+    for (i, (g, &w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f64();
+        let tol = (w.abs() + floor) / 256.0;
+        let diff = (g - w).abs();
+        if !g.is_finite() || !w.is_finite() || diff > tol {
+            return Err(format!(
+                "index {i}: got {g}, want {w}, |diff| {diff:e} > tol {tol:e} (terms {terms})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::needless_range_loop)] // index loops read better in these checks
+mod tests {
+    use super::*;
+    use crate::workload::{self, Rng, Routing};
+    use std::collections::HashMap;
+
+    const CASES: u64 = 300;
+
+    struct Case {
+        shape: Shape,
+        inputs: Vec<RankInput>,
+        alignment: usize,
+    }
+
+    impl Case {
+        fn layouts(&self) -> Vec<Layout> {
+            let s = &self.shape;
+            self.inputs
+                .iter()
+                .map(|i| layout(s, &i.topk_idx).unwrap())
+                .collect()
+        }
+        fn recv_layouts(&self) -> [RecvLayout; 2] {
+            [
+                RecvLayout::RankMajor,
+                RecvLayout::ExpertMajor {
+                    alignment: self.alignment,
+                },
+            ]
+        }
+        fn dispatch_all(&self, l: RecvLayout) -> Vec<DispatchOutput> {
+            (0..self.shape.num_ranks)
+                .map(|d| dispatch(&self.shape, &self.inputs, d, l).unwrap())
+                .collect()
+        }
+    }
+
+    /// A random case: R in {1,2,3,4,8}, K in {1,2,8,16}, E >= K, T in {0, 1,
+    /// 0..40}, alignment in {1,4,16,128}, any routing.
+    fn gen_case(seed: u64) -> Case {
+        let mut rng = Rng::new(seed.wrapping_mul(0x1234_5678_9ABC_DEF1) ^ 0x5EED);
+        let r = [1, 2, 3, 4, 8][rng.below(5)];
+        let k: usize = [1, 2, 8, 16][rng.below(4)];
+        let el = k.div_ceil(r) + rng.below(4);
+        let hidden = 8 * (1 + rng.below(3));
+        let alignment = [1, 4, 16, 128][rng.below(4)];
+        let routing = match seed % 3 {
+            0 => Routing::Uniform,
+            1 => Routing::Skewed {
+                hot_share: rng.f64_unit(),
+            },
+            _ => Routing::Masked {
+                masked_share: rng.f64_unit(),
+            },
+        };
+        let tpr: Vec<usize> = (0..r)
+            .map(|_| match rng.below(4) {
+                0 => 0,
+                1 => 1,
+                _ => rng.below(40),
+            })
+            .collect();
+        let shape = Shape {
+            num_ranks: r,
+            num_experts: r * el,
+            hidden,
+            topk: k,
+        };
+        shape.validate().unwrap();
+        let inputs = workload::rank_inputs(seed, &shape, &tpr, routing);
+        Case {
+            shape,
+            inputs,
+            alignment,
+        }
+    }
+
+    fn bits(v: &[bf16]) -> Vec<u16> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn dot(a: &[bf16], b: &[bf16]) -> f64 {
+        a.iter().zip(b).map(|(a, b)| a.to_f64() * b.to_f64()).sum()
+    }
+
+    fn abs_dot(a: &[bf16], b: &[bf16]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (a.to_f64() * b.to_f64()).abs())
+            .sum()
+    }
+
+    fn err_text<T: std::fmt::Debug>(r: Result<T>) -> String {
+        r.expect_err("expected an error").to_string()
+    }
+
+    // ---------------------------------------------------------------- example
+
+    fn example() -> (Shape, Vec<RankInput>) {
+        let shape = Shape {
+            num_ranks: 2,
+            num_experts: 4,
+            hidden: 8,
+            topk: 2,
+        };
+        let mk = |idx: Vec<i64>| {
+            let t = idx.len() / 2;
+            RankInput {
+                tokens: (0..t * 8).map(|i| bf16::from_f32(i as f32 + 1.0)).collect(),
+                topk_weights: (0..t * 2).map(|i| 0.25 * (i as f32 + 1.0)).collect(),
+                topk_idx: idx,
+            }
+        };
+        let inputs = vec![mk(vec![0, 3, 1, -1, 2, 3]), mk(vec![3, 0, 2, -1])];
+        (shape, inputs)
+    }
+
+    #[test]
+    fn worked_example_from_module_docs() {
+        let (shape, inputs) = example();
+        let l0 = layout(&shape, &inputs[0].topk_idx).unwrap();
+        assert_eq!(l0.tokens_per_rank, vec![2, 2]);
+        assert_eq!(l0.tokens_per_expert, vec![1, 1, 1, 2]);
+        assert_eq!(l0.rank_pos, vec![0, 0, 1, -1, -1, 1]);
+        assert_eq!(l0.expert_pos, vec![0, 0, 0, -1, 0, 1]);
+        assert_eq!(
+            l0.is_token_in_rank,
+            vec![true, true, true, false, false, true]
+        );
+        let layouts: Vec<Layout> = inputs
+            .iter()
+            .map(|i| layout(&shape, &i.topk_idx).unwrap())
+            .collect();
+        let counts = gather_counts(&shape, &layouts);
+        assert_eq!(counts.rank, vec![2, 2, 1, 2]);
+        assert_eq!(counts.expert, vec![1, 1, 1, 2, 1, 0, 1, 1]);
+
+        let rm = dispatch(&shape, &inputs, 1, RecvLayout::RankMajor).unwrap();
+        assert_eq!(rm.num_rows, 4);
+        assert_eq!(rm.offsets, vec![0, 2, 4]);
+        assert_eq!(rm.src, vec![(0, 0), (0, 2), (1, 0), (1, 1)]);
+        assert_eq!(rm.topk_local_idx, vec![-1, 1, 0, 1, 1, -1, 0, -1]);
+        assert_eq!(
+            rm.topk_weights,
+            vec![0.0, 0.5, 1.25, 1.5, 0.25, 0.0, 0.75, 0.0]
+        );
+        assert_eq!(rm.tokens_per_local_expert, vec![2, 3]);
+        assert_eq!(counts.rank_major_offset(1, 1), 2);
+
+        let em = dispatch(&shape, &inputs, 1, RecvLayout::ExpertMajor { alignment: 4 }).unwrap();
+        assert_eq!(em.num_rows, 8);
+        assert_eq!(em.offsets, vec![0, 4, 8]);
+        assert_eq!(
+            em.src,
+            vec![
+                (0, 2),
+                (1, 1),
+                (-1, -1),
+                (-1, -1),
+                (0, 0),
+                (0, 2),
+                (1, 0),
+                (-1, -1)
+            ]
+        );
+        assert_eq!(em.topk_local_idx, vec![0, 0, -1, -1, 1, 1, 1, -1]);
+        assert_eq!(
+            em.topk_weights,
+            vec![1.25, 0.75, 0.0, 0.0, 0.5, 1.5, 0.25, 0.0]
+        );
+        assert_eq!(em.tokens_per_local_expert, vec![2, 3]);
+        assert_eq!(counts.expert_major_row(1, 1, 1, 4), 6);
+        assert_eq!(counts.expert_major_rows(1, 4), 8);
+        assert_eq!(counts.combine_slot_base(0, 1), 2);
+        assert_eq!(counts.combine_slot_base(1, 1), 1);
+        // Padding rows are +0.0.
+        assert!(em.tokens[2 * 8..4 * 8].iter().all(|x| x.to_bits() == 0));
+    }
+
+    #[test]
+    fn emulated_combine_rounds_each_partial_to_bf16() {
+        // One token on rank 0 with experts 0, 1 (on rank 0) and 2 (on rank 1).
+        let shape = Shape {
+            num_ranks: 2,
+            num_experts: 4,
+            hidden: 8,
+            topk: 3,
+        };
+        let inputs = vec![
+            RankInput {
+                tokens: vec![bf16::ONE; 8],
+                topk_idx: vec![0, 1, 2],
+                topk_weights: vec![0.5, 0.25, 0.25],
+            },
+            RankInput {
+                tokens: vec![],
+                topk_idx: vec![],
+                topk_weights: vec![],
+            },
+        ];
+        let l = RecvLayout::ExpertMajor { alignment: 1 };
+        let tiny = bf16::from_f32(1.0 / 256.0);
+        // Rank 0 rows: (t0, expert 0) = 1.0, (t0, expert 1) = 2^-8; rank 1: 2^-8.
+        let mut r0 = vec![bf16::ONE; 8];
+        r0.extend(vec![tiny; 8]);
+        let expert_out = vec![r0, vec![tiny; 8]];
+        let exact = combine_f64(&shape, &inputs, &expert_out, 0, l, false).unwrap();
+        assert!(exact.iter().all(|&x| x == 1.0 + 2.0 / 256.0));
+        // 1 + 2^-8 rounds (ties to even) to 1.0 on rank 0; 1.0 + 2^-8 again at home.
+        let emu = combine_emulated(&shape, &inputs, &expert_out, 0, l, false).unwrap();
+        assert!(emu.iter().all(|&x| x == bf16::ONE), "{emu:?}");
+        check_close_bf16(&emu, &exact, 2).unwrap();
+        // Weighted: 0.5 * 1 + 0.25 * 2^-8 = 0.5009765625 -> bf16 0.5; + 2^-10 -> 0.5.
+        let emu = combine_emulated(&shape, &inputs, &expert_out, 0, l, true).unwrap();
+        assert!(emu.iter().all(|&x| x == bf16::from_f32(0.5)), "{emu:?}");
+    }
+
+    // ------------------------------------------------------------- properties
+
+    #[test]
+    fn prop_layout_is_consistent_with_topk() {
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let (r, k) = (c.shape.num_ranks, c.shape.topk);
+            for (inp, l) in c.inputs.iter().zip(c.layouts()) {
+                let t_count = inp.num_tokens(&c.shape);
+                assert_eq!(l.num_tokens, t_count);
+                let routed = inp.topk_idx.iter().filter(|&&e| e >= 0).count();
+                assert_eq!(
+                    l.tokens_per_expert
+                        .iter()
+                        .map(|&c| c as usize)
+                        .sum::<usize>(),
+                    routed
+                );
+                let mut next_rank = vec![0i32; r];
+                let mut next_expert = vec![0i32; c.shape.num_experts];
+                for t in 0..t_count {
+                    let idx = &inp.topk_idx[t * k..(t + 1) * k];
+                    for d in 0..r {
+                        let sent = idx
+                            .iter()
+                            .any(|&e| e >= 0 && c.shape.rank_of_expert(e as usize) == d);
+                        assert_eq!(l.is_token_in_rank[t * r + d], sent);
+                        if sent {
+                            assert_eq!(l.rank_pos[t * r + d], next_rank[d]);
+                            next_rank[d] += 1;
+                        } else {
+                            assert_eq!(l.rank_pos[t * r + d], -1);
+                        }
+                    }
+                    for (slot, &e) in idx.iter().enumerate() {
+                        if e < 0 {
+                            assert_eq!(l.expert_pos[t * k + slot], -1);
+                        } else {
+                            assert_eq!(l.expert_pos[t * k + slot], next_expert[e as usize]);
+                            next_expert[e as usize] += 1;
+                        }
+                    }
+                }
+                let tpr: Vec<u32> = next_rank.iter().map(|&n| n as u32).collect();
+                assert_eq!(l.tokens_per_rank, tpr);
+                let tpe: Vec<u32> = next_expert.iter().map(|&n| n as u32).collect();
+                assert_eq!(l.tokens_per_expert, tpe);
+            }
+        }
+    }
+
+    #[test]
+    fn prop_dispatch_rows_agree_with_counts() {
+        let mut padded_rows_seen = 0;
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let s = &c.shape;
+            let (r, k, h, el, a) = (
+                s.num_ranks,
+                s.topk,
+                s.hidden,
+                s.experts_per_rank(),
+                c.alignment,
+            );
+            let layouts = c.layouts();
+            let counts = gather_counts(s, &layouts);
+            let mut seen_pair: HashMap<(usize, usize, usize), usize> = HashMap::new();
+            let mut seen_rank: HashMap<(usize, usize, usize), usize> = HashMap::new();
+            for d in 0..r {
+                let is_local = |e: i64| e >= 0 && s.rank_of_expert(e as usize) == d;
+
+                // Rank-major.
+                let rm = dispatch(s, &c.inputs, d, RecvLayout::RankMajor).unwrap();
+                let rows = rm.num_rows;
+                assert_eq!(rows, counts.rank_major_rows(d));
+                let offs: Vec<usize> = (0..=r)
+                    .map(|src| counts.rank_major_offset(src, d))
+                    .collect();
+                assert_eq!(rm.offsets, offs);
+                assert_eq!(rm.tokens.len(), rows * h);
+                assert_eq!(rm.topk_weights.len(), rows * k);
+                assert_eq!(rm.topk_local_idx.len(), rows * k);
+                assert_eq!(rm.src.len(), rows);
+                let mut tple = vec![0u32; el];
+                for row in 0..rows {
+                    let (src, t) = (rm.src[row].0 as usize, rm.src[row].1 as usize);
+                    let inp = &c.inputs[src];
+                    assert!(rm.offsets[src] <= row && row < rm.offsets[src + 1]);
+                    assert_eq!(
+                        row,
+                        counts.rank_major_offset(src, d)
+                            + layouts[src].rank_pos[t * r + d] as usize
+                    );
+                    assert_eq!(
+                        bits(&rm.tokens[row * h..(row + 1) * h]),
+                        bits(&inp.tokens[t * h..(t + 1) * h])
+                    );
+                    for slot in 0..k {
+                        let e = inp.topk_idx[t * k + slot];
+                        let (w, li) = (
+                            rm.topk_weights[row * k + slot],
+                            rm.topk_local_idx[row * k + slot],
+                        );
+                        if is_local(e) {
+                            assert_eq!(w, inp.topk_weights[t * k + slot]);
+                            assert_eq!(li as i64, e - (d * el) as i64);
+                            tple[li as usize] += 1;
+                        } else {
+                            assert_eq!((w, li), (0.0, -1));
+                        }
+                    }
+                    *seen_rank.entry((src, t, d)).or_default() += 1;
+                }
+                assert_eq!(rm.tokens_per_local_expert, tple);
+
+                // Expert-major.
+                let em =
+                    dispatch(s, &c.inputs, d, RecvLayout::ExpertMajor { alignment: a }).unwrap();
+                let rows = em.num_rows;
+                assert_eq!(rows, counts.expert_major_rows(d, a));
+                let offs: Vec<usize> = (0..=el)
+                    .map(|j| counts.expert_block_start(d, j, a))
+                    .collect();
+                assert_eq!(em.offsets, offs);
+                assert_eq!(em.tokens.len(), rows * h);
+                assert_eq!(em.topk_weights.len(), rows);
+                assert_eq!(em.topk_local_idx.len(), rows);
+                assert_eq!(em.src.len(), rows);
+                assert_eq!(em.tokens_per_local_expert, rm.tokens_per_local_expert);
+                for j in 0..el {
+                    let n = counts.recv_expert_count(d, j);
+                    assert_eq!(em.tokens_per_local_expert[j] as usize, n);
+                    let (start, end) = (em.offsets[j], em.offsets[j + 1]);
+                    assert_eq!(end - start, n.div_ceil(a) * a);
+                    for row in start..end {
+                        if row >= start + n {
+                            padded_rows_seen += 1;
+                            assert_eq!(em.src[row], (-1, -1));
+                            assert_eq!(em.topk_local_idx[row], -1);
+                            assert_eq!(em.topk_weights[row].to_bits(), 0);
+                            assert!(em.tokens[row * h..(row + 1) * h]
+                                .iter()
+                                .all(|x| x.to_bits() == 0));
+                            continue;
+                        }
+                        let (src, t) = (em.src[row].0 as usize, em.src[row].1 as usize);
+                        let inp = &c.inputs[src];
+                        assert_eq!(em.topk_local_idx[row], j as i32);
+                        let e = (d * el + j) as i64;
+                        let slot = inp.topk_idx[t * k..(t + 1) * k]
+                            .iter()
+                            .position(|&x| x == e)
+                            .expect("row's expert is in the token's top-k");
+                        assert_eq!(em.topk_weights[row], inp.topk_weights[t * k + slot]);
+                        assert_eq!(
+                            row,
+                            counts.expert_major_row(src, d, j, a)
+                                + layouts[src].expert_pos[t * k + slot] as usize
+                        );
+                        assert_eq!(
+                            bits(&em.tokens[row * h..(row + 1) * h]),
+                            bits(&inp.tokens[t * h..(t + 1) * h])
+                        );
+                        *seen_pair.entry((src, t, slot)).or_default() += 1;
+                    }
+                }
+            }
+            // Every routed pair exactly once across ranks (expert-major), every
+            // (token, rank) exactly once (rank-major), nothing else.
+            let mut routed = 0;
+            let mut sent = 0;
+            for (src, inp) in c.inputs.iter().enumerate() {
+                for t in 0..inp.num_tokens(s) {
+                    for slot in 0..k {
+                        if inp.topk_idx[t * k + slot] >= 0 {
+                            routed += 1;
+                            assert_eq!(seen_pair.get(&(src, t, slot)), Some(&1));
+                        }
+                    }
+                    for d in 0..r {
+                        if layouts[src].is_token_in_rank[t * r + d] {
+                            sent += 1;
+                            assert_eq!(seen_rank.get(&(src, t, d)), Some(&1));
+                        }
+                    }
+                }
+            }
+            assert_eq!(seen_pair.len(), routed);
+            assert_eq!(seen_rank.len(), sent);
+            assert_eq!(
+                counts.expert.iter().map(|&c| c as usize).sum::<usize>(),
+                routed
+            );
+            assert_eq!(counts.rank.iter().map(|&c| c as usize).sum::<usize>(), sent);
+            // Combine slots on each home rank tile [0, tokens sent).
+            for home in 0..r {
+                let mut base = 0;
+                for from in 0..r {
+                    assert_eq!(counts.combine_slot_base(home, from), base);
+                    base += counts.rank[home * r + from] as usize;
+                }
+            }
+        }
+        assert!(padded_rows_seen > 0);
+    }
+
+    #[test]
+    fn prop_combine_of_identity_expert() {
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let s = &c.shape;
+            let (r, k, h) = (s.num_ranks, s.topk, s.hidden);
+            for l in c.recv_layouts() {
+                let expert_out: Vec<Vec<bf16>> =
+                    c.dispatch_all(l).into_iter().map(|o| o.tokens).collect();
+                for home in 0..r {
+                    let inp = &c.inputs[home];
+                    for weighted in [false, true] {
+                        if weighted && l == RecvLayout::RankMajor {
+                            let msg =
+                                err_text(combine_f64(s, &c.inputs, &expert_out, home, l, true));
+                            assert!(msg.contains("`weights`"), "{msg}");
+                            let msg = err_text(combine_emulated(
+                                s,
+                                &c.inputs,
+                                &expert_out,
+                                home,
+                                l,
+                                true,
+                            ));
+                            assert!(msg.contains("`weights`"), "{msg}");
+                            continue;
+                        }
+                        let exact =
+                            combine_f64(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        let emu =
+                            combine_emulated(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        let mut want = Vec::with_capacity(exact.len());
+                        for t in 0..inp.num_tokens(s) {
+                            let idx = &inp.topk_idx[t * k..(t + 1) * k];
+                            let factor: f64 = match (l, weighted) {
+                                (RecvLayout::RankMajor, _) => {
+                                    let mut ranks: Vec<usize> = idx
+                                        .iter()
+                                        .filter(|&&e| e >= 0)
+                                        .map(|&e| s.rank_of_expert(e as usize))
+                                        .collect();
+                                    ranks.sort();
+                                    ranks.dedup();
+                                    ranks.len() as f64
+                                }
+                                (_, false) => idx.iter().filter(|&&e| e >= 0).count() as f64,
+                                (_, true) => idx
+                                    .iter()
+                                    .zip(&inp.topk_weights[t * k..(t + 1) * k])
+                                    .filter(|(&e, _)| e >= 0)
+                                    .map(|(_, &w)| w as f64)
+                                    .sum(),
+                            };
+                            want.extend(
+                                inp.tokens[t * h..(t + 1) * h]
+                                    .iter()
+                                    .map(|x| x.to_f64() * factor),
+                            );
+                        }
+                        for (i, (&x, &w)) in exact.iter().zip(&want).enumerate() {
+                            assert!(
+                                (x - w).abs() <= 1e-12 * w.abs().max(1.0),
+                                "seed {seed} i {i}: {x} vs {w}"
+                            );
+                        }
+                        check_close_bf16(&emu, &exact, r).unwrap();
+                        check_close_bf16(&emu, &want, r).unwrap();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Emulated vs exact combine on random (cancelling) expert outputs.
+    #[test]
+    fn prop_emulated_combine_within_tolerance_of_exact() {
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let s = &c.shape;
+            let mut rng = Rng::new(seed ^ 0xE0E0);
+            for l in c.recv_layouts() {
+                let expert_out: Vec<Vec<bf16>> = c
+                    .dispatch_all(l)
+                    .iter()
+                    .map(|o| workload::tokens(&mut rng, o.num_rows, s.hidden))
+                    .collect();
+                for home in 0..s.num_ranks {
+                    for weighted in [false, true] {
+                        if weighted && l == RecvLayout::RankMajor {
+                            continue;
+                        }
+                        let exact =
+                            combine_f64(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        let emu =
+                            combine_emulated(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        check_close_bf16(&emu, &exact, s.num_ranks)
+                            .unwrap_or_else(|e| panic!("seed {seed} {l:?} home {home}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prop_check_close_catches_a_swapped_row() {
+        let mut swaps = 0;
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let s = &c.shape;
+            let h = s.hidden;
+            for l in c.recv_layouts() {
+                let outs = c.dispatch_all(l);
+                let expert_out: Vec<Vec<bf16>> = outs.iter().map(|o| o.tokens.clone()).collect();
+                // On each rank, swap its heaviest row with another token's row (the most
+                // different one, so that the swap is visible at bf16 precision).
+                for (d, o) in outs.iter().enumerate() {
+                    let real: Vec<usize> = (0..o.num_rows).filter(|&i| o.src[i].0 >= 0).collect();
+                    let Some(&a) = real.iter().max_by(|&&i, &&j| {
+                        o.topk_weights[i * o.topk_weights.len() / o.num_rows]
+                            .total_cmp(&o.topk_weights[j * o.topk_weights.len() / o.num_rows])
+                    }) else {
+                        continue;
+                    };
+                    // The other token's row that differs most from row a.
+                    let xa = &o.tokens[a * h..(a + 1) * h];
+                    let max_diff = |i: usize| {
+                        o.tokens[i * h..(i + 1) * h]
+                            .iter()
+                            .zip(xa)
+                            .fold(0.0f32, |m, (x, y)| m.max((x.to_f32() - y.to_f32()).abs()))
+                    };
+                    let Some(&b) = real
+                        .iter()
+                        .filter(|&&i| o.src[i] != o.src[a])
+                        .max_by(|&&i, &&j| max_diff(i).total_cmp(&max_diff(j)))
+                    else {
+                        continue;
+                    };
+                    let mut swapped = expert_out.clone();
+                    for i in 0..h {
+                        swapped[d].swap(a * h + i, b * h + i);
+                    }
+                    let home = o.src[a].0 as usize;
+                    for weighted in [false, true] {
+                        if weighted && l == RecvLayout::RankMajor {
+                            continue;
+                        }
+                        let exact =
+                            combine_f64(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        let good =
+                            combine_emulated(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        let bad =
+                            combine_emulated(s, &c.inputs, &swapped, home, l, weighted).unwrap();
+                        check_close_bf16(&good, &exact, s.num_ranks).unwrap();
+                        let err = check_close_bf16(&bad, &exact, s.num_ranks).expect_err(&format!(
+                            "seed {seed} {l:?} weighted {weighted}: swap not caught"
+                        ));
+                        assert!(err.starts_with("index "), "{err}");
+                        swaps += 1;
+                    }
+                }
+            }
+        }
+        assert!(swaps > 100, "only {swaps} swaps tried");
+    }
+
+    #[test]
+    fn prop_combine_backward_matches_formula_and_adjoint() {
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let s = &c.shape;
+            let (r, k, h) = (s.num_ranks, s.topk, s.hidden);
+            let mut rng = Rng::new(seed ^ 0xBACC);
+            let grad_out: Vec<Vec<bf16>> = c
+                .inputs
+                .iter()
+                .map(|i| workload::tokens(&mut rng, i.num_tokens(s), h))
+                .collect();
+            for l in c.recv_layouts() {
+                let outs = c.dispatch_all(l);
+                let expert_out: Vec<Vec<bf16>> = outs
+                    .iter()
+                    .map(|o| workload::tokens(&mut rng, o.num_rows, h))
+                    .collect();
+                for weighted in [false, true] {
+                    if weighted && l == RecvLayout::RankMajor {
+                        let msg = err_text(combine_backward(s, &c.inputs, &grad_out, 0, l, true));
+                        assert!(msg.contains("`weights`"), "{msg}");
+                        continue;
+                    }
+                    // <expert_out, grad_expert_out> summed over ranks ...
+                    let (mut lhs, mut mag) = (0.0f64, 0.0f64);
+                    for (d, o) in outs.iter().enumerate() {
+                        let g = combine_backward(s, &c.inputs, &grad_out, d, l, weighted).unwrap();
+                        assert_eq!(g.len(), o.num_rows * h);
+                        for row in 0..o.num_rows {
+                            let got = &g[row * h..(row + 1) * h];
+                            let (src, t) = o.src[row];
+                            if src < 0 {
+                                assert!(got.iter().all(|x| x.to_bits() == 0));
+                                continue;
+                            }
+                            let go = &grad_out[src as usize][t as usize * h..(t as usize + 1) * h];
+                            let want: Vec<bf16> = if weighted {
+                                let w = o.topk_weights[row];
+                                go.iter().map(|x| bf16::from_f32(w * x.to_f32())).collect()
+                            } else {
+                                go.to_vec()
+                            };
+                            assert_eq!(bits(got), bits(&want));
+                        }
+                        lhs += dot(&expert_out[d], &g);
+                        mag += abs_dot(&expert_out[d], &g);
+                    }
+                    // ... equals <combine(expert_out), grad_out> summed over homes.
+                    let mut rhs = 0.0f64;
+                    for home in 0..r {
+                        let y = combine_f64(s, &c.inputs, &expert_out, home, l, weighted).unwrap();
+                        rhs += y
+                            .iter()
+                            .zip(&grad_out[home])
+                            .map(|(y, g)| y * g.to_f64())
+                            .sum::<f64>();
+                    }
+                    // Unweighted: exact products, f64 summation only. Weighted: one
+                    // bf16 rounding of w * g per element.
+                    let tol = if weighted { mag / 256.0 } else { mag * 1e-12 } + 1e-12;
+                    assert!(
+                        (lhs - rhs).abs() <= tol,
+                        "seed {seed} {l:?}: {lhs} vs {rhs}"
+                    );
+                }
+                let _ = k;
+            }
+        }
+    }
+
+    #[test]
+    fn prop_dispatch_backward_routes_gradients_back() {
+        let enc = |d: usize, row: usize, slot: usize| ((d * 20_000 + row) * 17 + slot + 1) as f32;
+        for seed in 0..CASES {
+            let c = gen_case(seed);
+            let s = &c.shape;
+            let (r, k, h, el, a) = (
+                s.num_ranks,
+                s.topk,
+                s.hidden,
+                s.experts_per_rank(),
+                c.alignment,
+            );
+            let layouts = c.layouts();
+            let counts = gather_counts(s, &layouts);
+            let mut rng = Rng::new(seed ^ 0xD15B);
+            for l in c.recv_layouts() {
+                let outs = c.dispatch_all(l);
+                let grad_recv: Vec<Vec<bf16>> = outs
+                    .iter()
+                    .map(|o| workload::tokens(&mut rng, o.num_rows, h))
+                    .collect();
+                let grad_recv_w: Vec<Vec<f32>> = outs
+                    .iter()
+                    .enumerate()
+                    .map(|(d, o)| match l {
+                        RecvLayout::RankMajor => {
+                            (0..o.num_rows * k).map(|i| enc(d, i / k, i % k)).collect()
+                        }
+                        RecvLayout::ExpertMajor { .. } => {
+                            (0..o.num_rows).map(|row| enc(d, row, 0)).collect()
+                        }
+                    })
+                    .collect();
+                let mut lhs = 0.0;
+                for (d, o) in outs.iter().enumerate() {
+                    lhs += dot(&o.tokens, &grad_recv[d]);
+                }
+                let mut rhs = 0.0;
+                for home in 0..r {
+                    let inp = &c.inputs[home];
+                    let (gt, gw) =
+                        dispatch_backward(s, &c.inputs, &grad_recv, &grad_recv_w, home, l).unwrap();
+                    let emu = combine_emulated(s, &c.inputs, &grad_recv, home, l, false).unwrap();
+                    assert_eq!(bits(&gt), bits(&emu));
+                    let exact = combine_f64(s, &c.inputs, &grad_recv, home, l, false).unwrap();
+                    check_close_bf16(&gt, &exact, r).unwrap();
+                    rhs += exact
+                        .iter()
+                        .zip(&inp.tokens)
+                        .map(|(g, x)| g * x.to_f64())
+                        .sum::<f64>();
+                    assert_eq!(gw.len(), inp.topk_idx.len());
+                    for t in 0..inp.num_tokens(s) {
+                        for slot in 0..k {
+                            let e = inp.topk_idx[t * k + slot];
+                            let want = if e < 0 {
+                                0.0
+                            } else {
+                                let e = e as usize;
+                                let d = s.rank_of_expert(e);
+                                match l {
+                                    RecvLayout::RankMajor => enc(
+                                        d,
+                                        counts.rank_major_offset(home, d)
+                                            + layouts[home].rank_pos[t * r + d] as usize,
+                                        slot,
+                                    ),
+                                    RecvLayout::ExpertMajor { .. } => enc(
+                                        d,
+                                        counts.expert_major_row(home, d, e - d * el, a)
+                                            + layouts[home].expert_pos[t * k + slot] as usize,
+                                        0,
+                                    ),
+                                }
+                            };
+                            assert_eq!(
+                                gw[t * k + slot],
+                                want,
+                                "seed {seed} {l:?} t {t} slot {slot}"
+                            );
+                        }
+                    }
+                }
+                // Adjoint: <dispatch(x), g> = <x, dispatch^T(g)>.
+                assert!(
+                    (lhs - rhs).abs() <= 1e-9 * (1.0 + lhs.abs()),
+                    "{lhs} vs {rhs}"
+                );
+            }
+        }
+    }
+
+    // ------------------------------------------------------------- validation
+
+    fn small() -> (Shape, Vec<RankInput>) {
+        let shape = Shape {
+            num_ranks: 2,
+            num_experts: 8,
+            hidden: 16,
+            topk: 2,
+        };
+        let inputs = workload::rank_inputs(7, &shape, &[3, 2], Routing::Uniform);
+        (shape, inputs)
+    }
+
+    #[test]
+    fn shape_validation_names_the_field() {
+        let ok = Shape {
+            num_ranks: 2,
+            num_experts: 8,
+            hidden: 16,
+            topk: 2,
+        };
+        ok.validate().unwrap();
+        assert_eq!(ok.experts_per_rank(), 4);
+        assert_eq!(ok.rank_of_expert(3), 0);
+        assert_eq!(ok.rank_of_expert(4), 1);
+        let cases = [
+            (Shape { num_ranks: 0, ..ok }, "`num_ranks`"),
+            (
+                Shape {
+                    num_experts: 7,
+                    ..ok
+                },
+                "`num_experts`",
+            ),
+            (
+                Shape {
+                    num_experts: 0,
+                    ..ok
+                },
+                "`num_experts`",
+            ),
+            (Shape { hidden: 12, ..ok }, "`hidden`"),
+            (Shape { hidden: 0, ..ok }, "`hidden`"),
+            (
+                Shape {
+                    topk: 17,
+                    num_experts: 32,
+                    ..ok
+                },
+                "`topk`",
+            ),
+            (Shape { topk: 0, ..ok }, "`topk`"),
+            (Shape { topk: 9, ..ok }, "`topk`"),
+        ];
+        for (shape, name) in cases {
+            let msg = err_text(shape.validate());
+            assert!(msg.contains(name), "{shape:?}: {msg}");
+            // Everything that takes a shape validates it.
+            let msg = err_text(validate_topk(&shape, &[]));
+            assert!(msg.contains(name), "{msg}");
+        }
+        // 16 is allowed.
+        Shape {
+            topk: 16,
+            num_experts: 32,
+            ..ok
+        }
+        .validate()
+        .unwrap();
+        let msg = err_text(
+            Shape {
+                num_experts: 12,
+                num_ranks: 8,
+                ..ok
+            }
+            .validate(),
+        );
+        assert!(msg.contains("multiple of num_ranks"), "{msg}");
+    }
+
+    #[test]
+    fn topk_validation_names_token_and_slot() {
+        let (shape, _) = small();
+        validate_topk(&shape, &[0, 7, -1, -1, 3, 5]).unwrap();
+        let msg = err_text(validate_topk(&shape, &[0, 1, 8, 2]));
+        assert!(
+            msg.contains("`topk_idx`") && msg.contains("8 at token 1, slot 0"),
+            "{msg}"
+        );
+        let msg = err_text(validate_topk(&shape, &[0, 1, 2, -2]));
+        assert!(
+            msg.contains("`topk_idx`") && msg.contains("-2 at token 1, slot 1"),
+            "{msg}"
+        );
+        let msg = err_text(validate_topk(&shape, &[4, 4]));
+        assert!(
+            msg.contains("`topk_idx`") && msg.contains("repeated at token 0"),
+            "{msg}"
+        );
+        let msg = err_text(validate_topk(&shape, &[0, 1, 2]));
+        assert!(
+            msg.contains("`topk_idx`") && msg.contains("multiple of topk"),
+            "{msg}"
+        );
+        let msg = err_text(layout(&shape, &[3, 3]));
+        assert!(msg.contains("`topk_idx`"), "{msg}");
+    }
+
+    #[test]
+    fn dispatch_validation_names_the_argument() {
+        let (shape, inputs) = small();
+        let rm = RecvLayout::RankMajor;
+        let check = |inputs: &[RankInput], l: RecvLayout, name: &str| {
+            let msg = err_text(dispatch(&shape, inputs, 0, l));
+            assert!(msg.contains(name), "{name}: {msg}");
+        };
+        let mut bad = inputs.clone();
+        bad[1].tokens.pop();
+        check(&bad, rm, "`tokens`");
+        let mut bad = inputs.clone();
+        bad[0].topk_weights.push(0.5);
+        check(&bad, rm, "`topk_weights`");
+        let mut bad = inputs.clone();
+        bad[0].topk_idx.push(0);
+        check(&bad, rm, "`topk_idx`");
+        let mut bad = inputs.clone();
+        bad[1].topk_idx[3] = 8;
+        let msg = err_text(dispatch(&shape, &bad, 0, rm));
+        assert!(
+            msg.contains("`topk_idx`") && msg.contains("rank 1"),
+            "{msg}"
+        );
+        bad[1].topk_idx[3] = bad[1].topk_idx[2];
+        check(&bad, rm, "repeated");
+        check(&inputs[..1], rm, "`inputs`");
+        check(
+            &inputs,
+            RecvLayout::ExpertMajor { alignment: 0 },
+            "`alignment`",
+        );
+        let msg = err_text(dispatch(&shape, &inputs, 2, rm));
+        assert!(msg.contains("`dst`"), "{msg}");
+        let bad_shape = Shape {
+            hidden: 12,
+            ..shape
+        };
+        let msg = err_text(dispatch(&bad_shape, &inputs, 0, rm));
+        assert!(msg.contains("`hidden`"), "{msg}");
+    }
+
+    #[test]
+    fn combine_validation_names_the_argument() {
+        let (shape, inputs) = small();
+        let em = RecvLayout::ExpertMajor { alignment: 4 };
+        let outs: Vec<DispatchOutput> = (0..2)
+            .map(|d| dispatch(&shape, &inputs, d, em).unwrap())
+            .collect();
+        let x: Vec<Vec<bf16>> = outs.iter().map(|o| o.tokens.clone()).collect();
+        let w: Vec<Vec<f32>> = outs.iter().map(|o| o.topk_weights.clone()).collect();
+        combine_f64(&shape, &inputs, &x, 1, em, true).unwrap();
+        dispatch_backward(&shape, &inputs, &x, &w, 1, em).unwrap();
+
+        let mut short = x.clone();
+        let n = short[1].len() - 8;
+        short[1].truncate(n);
+        let msg = err_text(combine_f64(&shape, &inputs, &short, 0, em, true));
+        assert!(
+            msg.contains("`expert_out`") && msg.contains("rank 1"),
+            "{msg}"
+        );
+        let msg = err_text(combine_emulated(&shape, &inputs, &x[..1], 0, em, false));
+        assert!(msg.contains("`expert_out`"), "{msg}");
+        let msg = err_text(combine_emulated(&shape, &inputs, &x, 2, em, false));
+        assert!(msg.contains("`home`"), "{msg}");
+        let msg = err_text(dispatch_backward(&shape, &inputs, &short, &w, 0, em));
+        assert!(msg.contains("`grad_recv`"), "{msg}");
+        let msg = err_text(dispatch_backward(&shape, &inputs, &x, &w[..1], 0, em));
+        assert!(msg.contains("`grad_recv_w`"), "{msg}");
+        // Rank-major weights are [rows * K].
+        let rm = RecvLayout::RankMajor;
+        let xr: Vec<Vec<bf16>> = (0..2)
+            .map(|d| dispatch(&shape, &inputs, d, rm).unwrap().tokens)
+            .collect();
+        let msg = err_text(dispatch_backward(&shape, &inputs, &xr, &w, 0, rm));
+        assert!(msg.contains("`grad_recv_w`"), "{msg}");
+        let msg = err_text(combine_f64(&shape, &inputs, &xr, 0, rm, true));
+        assert!(msg.contains("`weights`"), "{msg}");
+
+        let g: Vec<Vec<bf16>> = inputs.iter().map(|i| i.tokens.clone()).collect();
+        combine_backward(&shape, &inputs, &g, 0, em, true).unwrap();
+        let msg = err_text(combine_backward(&shape, &inputs, &g[..1], 0, em, true));
+        assert!(msg.contains("`grad_out`"), "{msg}");
+        let mut gs = g.clone();
+        gs[0].pop();
+        let msg = err_text(combine_backward(&shape, &inputs, &gs, 0, em, false));
+        assert!(msg.contains("`grad_out`"), "{msg}");
+        let msg = err_text(combine_backward(&shape, &inputs, &g, 5, em, false));
+        assert!(msg.contains("`dst`"), "{msg}");
+        let msg = err_text(combine_backward(
+            &shape,
+            &inputs,
+            &g,
+            0,
+            RecvLayout::ExpertMajor { alignment: 0 },
+            false,
+        ));
+        assert!(msg.contains("`alignment`"), "{msg}");
+    }
+
+    #[test]
+    fn check_close_reports_the_first_bad_index() {
+        let got: Vec<bf16> = [1.0f32, 2.0, 3.0]
+            .iter()
+            .map(|&x| bf16::from_f32(x))
+            .collect();
+        check_close_bf16(&got, &[1.0, 2.0, 3.0], 1).unwrap();
+        check_close_bf16(&got, &[1.001, 2.01, 3.0], 1).unwrap();
+        let err = check_close_bf16(&got, &[1.0, 2.5, 3.5], 1).unwrap_err();
+        assert!(err.starts_with("index 1:"), "{err}");
+        assert!(check_close_bf16(&got, &[1.0, 2.0], 1)
+            .unwrap_err()
+            .contains("length"));
+        let nan = [bf16::NAN, bf16::ONE, bf16::ONE];
+        assert!(check_close_bf16(&nan, &[1.0, 1.0, 1.0], 1)
+            .unwrap_err()
+            .starts_with("index 0"));
+        check_close_bf16(&[], &[], 0).unwrap();
+    }
+}

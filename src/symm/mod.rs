@@ -1,0 +1,456 @@
+//! Symmetric memory: segments registered as NCCL windows on every rank, and a
+//! pool that sub-allocates from them at the same offset everywhere.
+//!
+//! A **segment** is `ncclMemAlloc` + `ncclCommWindowRegister(..,
+//! NCCL_WIN_COLL_SYMMETRIC)`, collective over the communicator. Its peers'
+//! addresses (load/store mappings of the other ranks' copies) come from
+//! `ncclGetPeerDevicePointer` on NCCL >= 2.29.2, else from a one-thread kernel
+//! calling the device API's `ncclGetPeerPointer` (kernels-cuda/symm.cu).
+//!
+//! The **pool** grows by whole segments. Allocation is collective by contract:
+//! every rank makes the same `alloc`/drop calls in the same order, so the
+//! first-fit allocator returns the same (segment, offset) on every rank; debug
+//! builds verify it with an all-gather.
+//!
+//! ```ignore
+//! let pool = SymmPool::new(&comm, 256 << 20)?;
+//! let buf: SymmBuffer<u32> = pool.alloc(1 << 20)?;      // same offset on every rank
+//! let peer = buf.peer_ptr(1);                            // rank 1's copy, mapped here
+//! assert!(pool.is_symm_backed(buf.device_ptr(), buf.num_bytes()));
+//! ```
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::runtime::nccl_call as nc;
+use crate::runtime::{Communicator, Module};
+use crate::sys::nccl::{ncclWindow_t, NCCL_WIN_COLL_SYMMETRIC};
+
+/// Offsets inside segments are multiples of this (bytes): 16-byte vectors
+/// and TMA bulk copies need at least 16; 256 keeps rows cache-line aligned.
+pub const ALLOC_ALIGN: usize = 256;
+/// Segment sizes are multiples of this (bytes), a safe multiple of the
+/// allocation granularity of ncclMemAlloc (cuMem) on Hopper.
+pub const SEGMENT_GRANULE: usize = 2 << 20;
+
+/// One registered window: same size on every rank.
+pub struct Segment {
+    comm: Arc<Communicator>,
+    base: u64,
+    size: usize,
+    win: ncclWindow_t,
+    /// `peers[r]`: rank r's copy as mapped here; 0 when not load/store reachable.
+    peers: Vec<u64>,
+    owned: bool,
+}
+
+// SAFETY: the raw handles are only used through &self with NCCL/driver calls
+// that are thread-safe for distinct objects.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Allocates and registers `size` bytes (rounded up to SEGMENT_GRANULE).
+    /// Collective.
+    pub fn new(comm: &Arc<Communicator>, size: usize) -> Result<Arc<Segment>> {
+        let size = size.max(1).div_ceil(SEGMENT_GRANULE) * SEGMENT_GRANULE;
+        comm.context()
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let ptr = nc::mem_alloc(size)?;
+        // SAFETY: ptr is a fresh ncclMemAlloc of `size` bytes; comm is live.
+        let win =
+            match unsafe { nc::window_register(comm.raw(), ptr, size, NCCL_WIN_COLL_SYMMETRIC) } {
+                Ok(w) => w,
+                Err(e) => {
+                    // SAFETY: allocated above, not registered.
+                    let _ = unsafe { nc::mem_free(ptr) };
+                    return Err(e);
+                }
+            };
+        let mut seg = Segment {
+            comm: comm.clone(),
+            base: ptr as u64,
+            size,
+            win,
+            peers: vec![],
+            owned: true,
+        };
+        seg.peers = seg.resolve_peers()?;
+        let seg = Arc::new(seg);
+        comm.register_segment(&seg);
+        Ok(seg)
+    }
+
+    /// Wraps a window the caller registered (with `NCCL_WIN_COLL_SYMMETRIC`)
+    /// over `size` bytes at `base`. The caller keeps ownership.
+    ///
+    /// # Safety
+    /// `win` must be a live symmetric window of `comm` covering exactly
+    /// `[base, base + size)`, alive as long as the returned segment.
+    pub unsafe fn wrap(
+        comm: &Arc<Communicator>,
+        win: ncclWindow_t,
+        base: u64,
+        size: usize,
+    ) -> Result<Arc<Segment>> {
+        if win.is_null() || base == 0 || size == 0 {
+            return Err(Error::arg(
+                "window",
+                "a live window with a non-null base and a size > 0",
+                "null or empty",
+            ));
+        }
+        let mut seg = Segment {
+            comm: comm.clone(),
+            base,
+            size,
+            win,
+            peers: vec![],
+            owned: false,
+        };
+        seg.peers = seg.resolve_peers()?;
+        let seg = Arc::new(seg);
+        comm.register_segment(&seg);
+        Ok(seg)
+    }
+
+    fn resolve_peers(&self) -> Result<Vec<u64>> {
+        let world = self.comm.world();
+        let mut peers = vec![0u64; world];
+        let node = self.comm.node_ranks();
+        // SAFETY: win is live.
+        if unsafe { nc::peer_device_pointer(self.win, 0, self.comm.rank())? }.is_some() {
+            for &r in &node {
+                // SAFETY: as above.
+                peers[r] = unsafe { nc::peer_device_pointer(self.win, 0, r)? }
+                    .unwrap_or(std::ptr::null_mut()) as u64;
+            }
+        } else {
+            // NCCL 2.28: ask the device API from a one-thread kernel. The LSA
+            // team is this host's ranks, which NCCL numbers contiguously.
+            let first = node[0];
+            if node.iter().enumerate().any(|(i, &r)| r != first + i) {
+                return Err(Error::InvalidState(
+                    "ranks of one host are not contiguous; NVLink peers unresolved".into(),
+                ));
+            }
+            let ctx = self.comm.context();
+            let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+            let mut out = stream
+                .alloc_zeros::<u64>(world)
+                .map_err(Error::cuda("cuMemAlloc"))?;
+            let f = Module::get(ctx, "symm")?.function("moe_ep_peer_pointers")?;
+            #[repr(C)]
+            #[derive(Clone, Copy)]
+            struct Args {
+                win: ncclWindow_t,
+                first: i32,
+                count: i32,
+                out: u64,
+            }
+            // The kernel takes 4 separate parameters; pass them as such.
+            let (out_ptr, _g) = {
+                use cudarc::driver::DevicePtrMut;
+                out.device_ptr_mut(&stream)
+            };
+            let mut a = Args {
+                win: self.win,
+                first: first as i32,
+                count: node.len() as i32,
+                out: out_ptr,
+            };
+            let mut args: [*mut c_void; 4] = [
+                &mut a.win as *mut _ as *mut c_void,
+                &mut a.first as *mut _ as *mut c_void,
+                &mut a.count as *mut _ as *mut c_void,
+                &mut a.out as *mut _ as *mut c_void,
+            ];
+            // SAFETY: matches moe_ep_peer_pointers(ncclWindow_t, int, int, u64*).
+            unsafe { f.launch_raw(&stream, 1, 32, 0, &mut args)? };
+            drop(_g);
+            let host = stream
+                .clone_dtoh(&out)
+                .map_err(Error::cuda("cuMemcpyDtoH"))?;
+            stream
+                .synchronize()
+                .map_err(Error::cuda("moe_ep_peer_pointers"))?;
+            for &r in &node {
+                peers[r] = host[r];
+            }
+        }
+        // Our own mapping is the allocation itself.
+        peers[self.comm.rank()] = self.base;
+        Ok(peers)
+    }
+
+    /// Device address of this rank's copy.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+    /// Size in bytes (same on every rank).
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    /// Rank `r`'s copy as mapped here; `None` when not load/store reachable.
+    pub fn peer_base(&self, r: usize) -> Option<u64> {
+        self.peers.get(r).copied().filter(|&p| p != 0)
+    }
+    /// The raw NCCL window.
+    pub fn window(&self) -> ncclWindow_t {
+        self.win
+    }
+    /// The communicator it belongs to.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+    pub(crate) fn contains(&self, ptr: u64, len: usize) -> bool {
+        ptr >= self.base
+            && ptr
+                .checked_add(len as u64)
+                .is_some_and(|end| end <= self.base + self.size as u64)
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let _ = self.comm.context().bind_to_thread();
+        // SAFETY: registered and allocated in new; deregistered before freeing.
+        unsafe {
+            if let Err(e) = nc::window_deregister(self.comm.raw(), self.win) {
+                eprintln!("moe-ep: ncclCommWindowDeregister failed in drop: {e}");
+            }
+            if let Err(e) = nc::mem_free(self.base as *mut c_void) {
+                eprintln!("moe-ep: ncclMemFree failed in drop: {e}");
+            }
+        }
+    }
+}
+
+struct Slot {
+    seg: Arc<Segment>,
+    /// Free ranges (offset, len), sorted by offset, coalesced. Empty for
+    /// wrapped caller windows (not allocated from).
+    free: Vec<(usize, usize)>,
+    pooled: bool,
+}
+
+struct PoolInner {
+    comm: Arc<Communicator>,
+    segment_bytes: usize,
+    slots: Mutex<Vec<Slot>>,
+}
+
+/// A pool of symmetric memory over one communicator. Cloning shares the pool.
+#[derive(Clone)]
+pub struct SymmPool {
+    inner: Arc<PoolInner>,
+}
+
+impl SymmPool {
+    /// A pool that grows by segments of at least `segment_bytes`. No memory
+    /// is taken until the first allocation.
+    pub fn new(comm: &Arc<Communicator>, segment_bytes: usize) -> Self {
+        SymmPool {
+            inner: Arc::new(PoolInner {
+                comm: comm.clone(),
+                segment_bytes: segment_bytes.max(SEGMENT_GRANULE),
+                slots: Mutex::new(vec![]),
+            }),
+        }
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.inner.comm
+    }
+
+    /// Allocates `len` elements of `T`, at the same offset on every rank.
+    /// Collective by contract (same calls, same order, on every rank).
+    pub fn alloc<T: Copy>(&self, len: usize) -> Result<SymmBuffer<T>> {
+        let bytes = (len.max(1) * std::mem::size_of::<T>()).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let mut slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let found = slots.iter_mut().enumerate().find_map(|(i, s)| {
+            let j = s.free.iter().position(|&(_, l)| l >= bytes)?;
+            let (off, l) = s.free[j];
+            if l == bytes {
+                s.free.remove(j);
+            } else {
+                s.free[j] = (off + bytes, l - bytes);
+            }
+            Some((i, off))
+        });
+        let (idx, offset) = match found {
+            Some(x) => x,
+            None => {
+                let seg = Segment::new(&self.inner.comm, bytes.max(self.inner.segment_bytes))?;
+                let size = seg.size();
+                let free = if size > bytes {
+                    vec![(bytes, size - bytes)]
+                } else {
+                    vec![]
+                };
+                slots.push(Slot {
+                    seg,
+                    free,
+                    pooled: true,
+                });
+                (slots.len() - 1, 0)
+            }
+        };
+        let seg = slots[idx].seg.clone();
+        drop(slots);
+        let buf = SymmBuffer {
+            seg,
+            offset,
+            len,
+            bytes,
+            pool: Some(self.inner.clone()),
+            _t: PhantomData,
+        };
+        if cfg!(debug_assertions) {
+            self.verify_symmetric(idx, offset)?;
+        }
+        Ok(buf)
+    }
+
+    /// Debug check of the collective contract: every rank got (idx, offset).
+    fn verify_symmetric(&self, idx: usize, offset: usize) -> Result<()> {
+        let comm = &self.inner.comm;
+        let stream = comm
+            .context()
+            .new_stream()
+            .map_err(Error::cuda("cuStreamCreate"))?;
+        let all = comm.all_gather_host(&stream, &[idx as u64, offset as u64])?;
+        for r in 0..comm.world() {
+            if all[2 * r] != idx as u64 || all[2 * r + 1] != offset as u64 {
+                return Err(Error::InvalidState(format!(
+                    "symmetric allocation diverged: rank {} got segment {idx} offset {offset}, rank {r} got segment {} offset {} (every rank must make the same allocations in the same order)",
+                    comm.rank(),
+                    all[2 * r],
+                    all[2 * r + 1]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers a window the caller created as part of this pool (for
+    /// `is_symm_backed`) and returns a buffer over all of it.
+    ///
+    /// # Safety
+    /// As [`Segment::wrap`]; `size` must be a multiple of `size_of::<T>()`.
+    pub unsafe fn wrap_window<T: Copy>(
+        &self,
+        win: ncclWindow_t,
+        base: u64,
+        size: usize,
+    ) -> Result<SymmBuffer<T>> {
+        let seg = Segment::wrap(&self.inner.comm, win, base, size)?;
+        let len = size / std::mem::size_of::<T>().max(1);
+        self.inner
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Slot {
+                seg: seg.clone(),
+                free: vec![],
+                pooled: false,
+            });
+        Ok(SymmBuffer {
+            seg,
+            offset: 0,
+            len,
+            bytes: size,
+            pool: None,
+            _t: PhantomData,
+        })
+    }
+
+    /// True if `[ptr, ptr + len)` lies inside a registered window of this
+    /// pool's communicator (any pool's buffer, or a wrapped caller window).
+    pub fn is_symm_backed(&self, ptr: u64, len: usize) -> bool {
+        self.inner.comm.is_symm_backed(ptr, len)
+    }
+
+    /// Number of segments this pool allocated (wrapped windows not counted).
+    pub fn num_segments(&self) -> usize {
+        let slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.iter().filter(|s| s.pooled).count()
+    }
+}
+
+impl PoolInner {
+    fn release(&self, seg: &Arc<Segment>, offset: usize, bytes: usize) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(slot) = slots.iter_mut().find(|s| Arc::ptr_eq(&s.seg, seg)) else {
+            return;
+        };
+        let i = slot.free.partition_point(|&(o, _)| o < offset);
+        slot.free.insert(i, (offset, bytes));
+        // Coalesce with the next and the previous range.
+        if i + 1 < slot.free.len() && slot.free[i].0 + slot.free[i].1 == slot.free[i + 1].0 {
+            slot.free[i].1 += slot.free[i + 1].1;
+            slot.free.remove(i + 1);
+        }
+        if i > 0 && slot.free[i - 1].0 + slot.free[i - 1].1 == slot.free[i].0 {
+            slot.free[i - 1].1 += slot.free[i].1;
+            slot.free.remove(i);
+        }
+    }
+}
+
+/// `len` elements of `T` in symmetric memory: the same offset of the same
+/// segment on every rank. Returned to its pool on drop.
+pub struct SymmBuffer<T> {
+    seg: Arc<Segment>,
+    offset: usize,
+    len: usize,
+    bytes: usize,
+    pool: Option<Arc<PoolInner>>,
+    _t: PhantomData<T>,
+}
+
+impl<T> SymmBuffer<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Size in bytes of the elements.
+    pub fn num_bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+    /// Byte offset inside the segment (equal on every rank).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// This rank's device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.seg.base + self.offset as u64
+    }
+    /// Rank `r`'s copy, mapped here; `None` when not load/store reachable.
+    pub fn peer_ptr(&self, r: usize) -> Option<u64> {
+        self.seg.peer_base(r).map(|b| b + self.offset as u64)
+    }
+    /// The segment it lives in.
+    pub fn segment(&self) -> &Arc<Segment> {
+        &self.seg
+    }
+}
+
+impl<T> Drop for SymmBuffer<T> {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.release(&self.seg, self.offset, self.bytes);
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! Launchers of `kernels-cuda/util.cu`: a pattern writer and checker (the
+//! symmetric-memory tests) and the SM copy loop that measures the peer-store
+//! ceiling (ep-bench). Raw device addresses: these exist to poke at peers'
+//! memory on purpose.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use crate::error::{Error, Result};
+use crate::ops::abi::THREADS;
+use crate::ops::DeviceRegion;
+use crate::runtime::Module;
+
+fn grid_for(n: u64, per_block: u64, max: u32) -> u32 {
+    n.div_ceil(per_block).clamp(1, max as u64) as u32
+}
+
+/// Writes `pattern(seed, i)` into `n` u32 at `dst` (possibly a peer's copy).
+///
+/// # Safety
+/// `dst` must be a device address writable for `n` u32 until the kernel ran.
+pub unsafe fn fill_pattern(stream: &Arc<CudaStream>, dst: u64, n: u64, seed: u32) -> Result<()> {
+    let f = Module::get(stream.context(), "util")?.function("moe_ep_fill_pattern")?;
+    let (mut d, mut n_, mut s) = (dst, n, seed);
+    let mut args = [
+        &mut d as *mut _ as *mut c_void,
+        &mut n_ as *mut _ as *mut c_void,
+        &mut s as *mut _ as *mut c_void,
+    ];
+    f.launch_raw(stream, grid_for(n, 256, 1024), 256, 0, &mut args)
+}
+
+/// Number of elements of `src` that differ from `pattern(seed, i)`
+/// (synchronises `stream`).
+pub fn pattern_mismatches(
+    stream: &Arc<CudaStream>,
+    src: &dyn DeviceRegion<u32>,
+    seed: u32,
+) -> Result<u64> {
+    let f = Module::get(stream.context(), "util")?.function("moe_ep_check_pattern")?;
+    let counter = stream
+        .alloc_zeros::<u64>(1)
+        .map_err(Error::cuda("cuMemAlloc"))?;
+    let (mut p, mut n, mut s, mut c) = (
+        src.device_ptr(),
+        src.len() as u64,
+        seed,
+        counter.device_ptr(),
+    );
+    let mut args = [
+        &mut p as *mut _ as *mut c_void,
+        &mut n as *mut _ as *mut c_void,
+        &mut s as *mut _ as *mut c_void,
+        &mut c as *mut _ as *mut c_void,
+    ];
+    // SAFETY: matches moe_ep_check_pattern(const u32*, u64, u32, u64*).
+    unsafe { f.launch_raw(stream, grid_for(n, 256, 1024), 256, 0, &mut args)? };
+    let v = stream
+        .clone_dtoh(&counter)
+        .map_err(Error::cuda("cuMemcpyDtoH"))?;
+    stream
+        .synchronize()
+        .map_err(Error::cuda("cuStreamSynchronize"))?;
+    Ok(v[0])
+}
+
+/// Copies `bytes` (a multiple of 16) from local `src` to `dst` with `blocks`
+/// SMs of 16-byte loads and stores: the peer-store ceiling when `dst` is a
+/// peer's buffer.
+///
+/// # Safety
+/// Both ranges must be valid device memory until the kernel ran.
+pub unsafe fn sm_copy(
+    stream: &Arc<CudaStream>,
+    src: u64,
+    dst: u64,
+    bytes: u64,
+    blocks: u32,
+) -> Result<()> {
+    if bytes % 16 != 0 {
+        return Err(Error::arg("bytes", "a multiple of 16", bytes));
+    }
+    let f = Module::get(stream.context(), "util")?.function("moe_ep_copy_v4")?;
+    let (mut s, mut d, mut n) = (src, dst, bytes / 16);
+    let mut args = [
+        &mut s as *mut _ as *mut c_void,
+        &mut d as *mut _ as *mut c_void,
+        &mut n as *mut _ as *mut c_void,
+    ];
+    f.launch_raw(stream, blocks.max(1), THREADS, 0, &mut args)
+}

@@ -1,0 +1,953 @@
+//! GPU tests of the NVLink path (`multi-gpu`; written for any world size >= 2).
+//!
+//! Each case runs layout, dispatch, combine and both backward passes on every
+//! rank and checks them against the CPU reference: dispatch bit for bit,
+//! combine bit for bit against the reference's emulation of the kernel's f32
+//! arithmetic *and* within bf16 rounding of the exact f64 sum, and the same
+//! bits over 10 runs.
+#![cfg(feature = "multi-gpu")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{ensure, gpus_or_skip, run_ranks, Rank};
+use moe_ep::cuda::{CudaSlice, CudaStream};
+use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
+use moe_ep::reference::{self as refr, RankInput, Shape};
+use moe_ep::workload::{self, Rng, Routing};
+use moe_ep::{bf16, EpGroup, Error, GroupConfig, RecvLayout, Result};
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    name: &'static str,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    routing: Routing,
+    /// This rank sends nothing (0 tokens).
+    silent_rank: Option<usize>,
+    idx_i32: bool,
+}
+
+const fn case(
+    name: &'static str,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    routing: Routing,
+) -> Case {
+    Case {
+        name,
+        tokens,
+        hidden,
+        topk,
+        experts,
+        routing,
+        silent_rank: None,
+        idx_i32: false,
+    }
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        case(
+            "uniform_t127_h2048_k8_e64",
+            127,
+            2048,
+            8,
+            64,
+            Routing::Uniform,
+        ),
+        case("uniform_t1_h2560_k2_e8", 1, 2560, 2, 8, Routing::Uniform),
+        case("empty_t0_h4096_k8_e256", 0, 4096, 8, 256, Routing::Uniform),
+        case(
+            "hot_expert_half_t500_h5120_k8_e256",
+            500,
+            5120,
+            8,
+            256,
+            Routing::Skewed { hot_share: 0.5 },
+        ),
+        case(
+            "masked_t300_h6144_k2_e64",
+            300,
+            6144,
+            2,
+            64,
+            Routing::Masked { masked_share: 0.3 },
+        ),
+        Case {
+            silent_rank: Some(1),
+            ..case(
+                "silent_rank1_t200_h7168_k1_e8",
+                200,
+                7168,
+                1,
+                8,
+                Routing::Uniform,
+            )
+        },
+        Case {
+            idx_i32: true,
+            ..case(
+                "i32_idx_t256_h2048_k16_e64",
+                256,
+                2048,
+                16,
+                64,
+                Routing::Uniform,
+            )
+        },
+        case(
+            "uniform_t4096_h7168_k8_e256",
+            4096,
+            7168,
+            8,
+            256,
+            Routing::Uniform,
+        ),
+    ]
+}
+
+fn shape_of(c: &Case, world: usize) -> Shape {
+    Shape {
+        num_ranks: world,
+        num_experts: c.experts,
+        hidden: c.hidden,
+        topk: c.topk,
+    }
+}
+
+fn tokens_per_rank(c: &Case, world: usize) -> Vec<usize> {
+    (0..world)
+        .map(|r| {
+            if Some(r) == c.silent_rank {
+                0
+            } else {
+                c.tokens
+            }
+        })
+        .collect()
+}
+
+fn up<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    v: &[T],
+) -> Result<CudaSlice<T>> {
+    if v.is_empty() {
+        return s.alloc_zeros::<T>(1).map_err(Error::cuda("alloc"));
+    }
+    s.clone_htod(v).map_err(Error::cuda("htod"))
+}
+
+fn up_len<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits + Copy + Default>(
+    s: &Arc<CudaStream>,
+    v: &[T],
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    let mut full = v.to_vec();
+    full.resize(len.max(v.len()).max(1), T::default());
+    up(s, &full)
+}
+
+fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
+    s: &Arc<CudaStream>,
+    ptr: &dyn DeviceRegion<T>,
+    n: usize,
+) -> Result<Vec<T>> {
+    let mut host = vec![T::default(); n];
+    if n == 0 {
+        return Ok(host);
+    }
+    // SAFETY: ptr holds at least n elements (checked by callers' sizing).
+    unsafe {
+        moe_ep::cuda::result::memcpy_dtoh_async(&mut host, ptr.device_ptr(), s.cu_stream())
+            .map_err(Error::cuda("dtoh"))?;
+    }
+    s.synchronize().map_err(Error::cuda("sync"))?;
+    Ok(host)
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Random expert outputs of rank `d` (`rows` x hidden), the same on every rank.
+fn expert_out(seed: u64, d: usize, rows: usize, hidden: usize) -> Vec<bf16> {
+    workload::tokens(&mut Rng::new(seed ^ (0xE0 + d as u64)), rows, hidden)
+}
+
+fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<()> {
+    ensure(got.len() == want.len(), || {
+        format!("{what}: {} values, want {}", got.len(), want.len())
+    })?;
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        return Err(Error::InvalidState(format!(
+            "{what}: first difference at {i}: got {:?}, want {:?}",
+            got[i], want[i]
+        )));
+    }
+    Ok(())
+}
+
+/// The whole forward and backward of one case and one layout on one rank.
+fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
+    let shape = shape_of(c, r.world);
+    let tpr = tokens_per_rank(c, r.world);
+    let inputs: Vec<RankInput> = workload::rank_inputs(seed, &shape, &tpr, c.routing);
+    let me = &inputs[r.rank];
+    let (t, h, k) = (tpr[r.rank], c.hidden, c.topk);
+    let refs: Vec<refr::DispatchOutput> = (0..r.world)
+        .map(|d| refr::dispatch(&shape, &inputs, d, layout))
+        .collect::<Result<_>>()?;
+    let cap = refs.iter().map(|o| o.num_rows).max().unwrap_or(0).max(1);
+
+    let mut cfg = GroupConfig::new(c.experts, h, c.tokens.max(1));
+    cfg.recv_capacity = cap;
+    cfg.timeout = Duration::from_secs(20);
+    let group = EpGroup::new(&r.comm, cfg)?;
+    let s = &r.stream;
+
+    let x = up(s, &me.tokens)?;
+    let w = up(s, &me.topk_weights)?;
+    let idx64 = up(s, &me.topk_idx)?;
+    let idx32 = up(
+        s,
+        &me.topk_idx.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+    )?;
+    let idx = if c.idx_i32 {
+        TopkIdx::I32(&idx32)
+    } else {
+        TopkIdx::I64(&idx64)
+    };
+    let handle = group.layout(s, idx, k, layout)?;
+
+    // Counts, on the host on request.
+    let hc = handle.host_counts(s)?;
+    let want = &refs[r.rank];
+    let layouts: Vec<refr::Layout> = inputs
+        .iter()
+        .map(|i| refr::layout(&shape, &i.topk_idx))
+        .collect::<Result<_>>()?;
+    let counts = refr::gather_counts(&shape, &layouts);
+    first_diff("rank counts", &hc.rank_counts, &counts.rank)?;
+    first_diff("expert counts", &hc.expert_counts, &counts.expert)?;
+    ensure(hc.recv_rows == want.num_rows, || {
+        format!("recv rows {} want {}", hc.recv_rows, want.num_rows)
+    })?;
+    let tple: Vec<usize> = want
+        .tokens_per_local_expert
+        .iter()
+        .map(|&v| v as usize)
+        .collect();
+    first_diff(
+        "tokens per local expert",
+        &hc.tokens_per_local_expert,
+        &tple,
+    )?;
+
+    // Dispatch, pool buffers: bit for bit.
+    let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+    let rows = want.num_rows;
+    let wpr = if matches!(layout, RecvLayout::RankMajor) {
+        k
+    } else {
+        1
+    };
+    first_diff(
+        "dispatch tokens",
+        &bits(&down(s, &got.tokens, rows * h)?),
+        &bits(&want.tokens),
+    )?;
+    first_diff(
+        "dispatch weights",
+        &down(s, &got.topk_weights, rows * wpr)?
+            .iter()
+            .map(|f| f.to_bits())
+            .collect::<Vec<_>>(),
+        &want
+            .topk_weights
+            .iter()
+            .map(|f| f.to_bits())
+            .collect::<Vec<_>>(),
+    )?;
+    first_diff(
+        "dispatch expert ids",
+        &down(s, &got.topk_idx, rows * wpr)?,
+        &want.topk_local_idx,
+    )?;
+    let src = down(s, &got.src, rows * 2)?;
+    let want_src: Vec<i32> = want.src.iter().flat_map(|&(a, b)| [a, b]).collect();
+    first_diff("dispatch source", &src, &want_src)?;
+    group.check()?;
+
+    // Combine: unweighted, and weighted by the received weights (expert-major).
+    let outs: Vec<Vec<bf16>> = (0..r.world)
+        .map(|d| expert_out(seed, d, refs[d].num_rows, h))
+        .collect();
+    let y = up_len(s, &outs[r.rank], cap * h)?;
+    let out = s
+        .alloc_zeros::<bf16>((t * h).max(1))
+        .map_err(Error::cuda("alloc"))?;
+    let weightings: &[bool] = if matches!(layout, RecvLayout::RankMajor) {
+        &[false]
+    } else {
+        &[false, true]
+    };
+    for &weighted in weightings {
+        let wts: Option<&dyn DeviceRegion<f32>> = if weighted {
+            Some(&got.topk_weights)
+        } else {
+            None
+        };
+        group.combine(s, &handle, &y, wts, &out)?;
+        let first = bits(&down(s, &out, t * h)?);
+        let emu = refr::combine_emulated(&shape, &inputs, &outs, r.rank, layout, weighted)?;
+        first_diff(
+            &format!("combine (weighted={weighted}) vs emulated f32"),
+            &first,
+            &bits(&emu),
+        )?;
+        let exact = refr::combine_f64(&shape, &inputs, &outs, r.rank, layout, weighted)?;
+        let got_bf: Vec<bf16> = first.iter().map(|&b| bf16::from_bits(b)).collect();
+        refr::check_close_bf16(&got_bf, &exact, r.world)
+            .map_err(|e| Error::InvalidState(format!("combine vs f64: {e}")))?;
+        for run in 1..10 {
+            group.combine(s, &handle, &y, wts, &out)?;
+            ensure(bits(&down(s, &out, t * h)?) == first, || {
+                format!("combine run {run} differs from run 0")
+            })?;
+        }
+    }
+    group.check()?;
+
+    // Dispatch backward: gradient rows combined home, weight gradients routed back.
+    let gw_rows: Vec<Vec<f32>> = (0..r.world)
+        .map(|d| {
+            let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
+            (0..refs[d].num_rows * wpr)
+                .map(|_| rng.f32_unit() - 0.5)
+                .collect()
+        })
+        .collect();
+    let gw_in = up_len(s, &gw_rows[r.rank], cap * wpr)?;
+    let grad_x = s
+        .alloc_zeros::<bf16>((t * h).max(1))
+        .map_err(Error::cuda("alloc"))?;
+    let grad_w = s
+        .alloc_zeros::<f32>((t * k).max(1))
+        .map_err(Error::cuda("alloc"))?;
+    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &grad_x, Some(&grad_w))?;
+    let (want_gx, want_gw) =
+        refr::dispatch_backward(&shape, &inputs, &outs, &gw_rows, r.rank, layout)?;
+    first_diff(
+        "dispatch_backward grad tokens",
+        &bits(&down(s, &grad_x, t * h)?),
+        &bits(&want_gx),
+    )?;
+    first_diff(
+        "dispatch_backward grad weights",
+        &down(s, &grad_w, t * k)?
+            .iter()
+            .map(|f| f.to_bits())
+            .collect::<Vec<_>>(),
+        &want_gw.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+    )?;
+
+    // Combine backward: the output gradient dispatched (scaled when weighted).
+    let grads: Vec<Vec<bf16>> = (0..r.world)
+        .map(|d| workload::tokens(&mut Rng::new(seed ^ (0x9B0 + d as u64)), tpr[d], h))
+        .collect();
+    let g = up(s, &grads[r.rank])?;
+    for &weighted in weightings {
+        let wts: Option<&dyn DeviceRegion<f32>> = if weighted {
+            Some(&got.topk_weights)
+        } else {
+            None
+        };
+        let gx = group.combine_backward(s, &handle, &g, wts, None)?;
+        let want_g = refr::combine_backward(&shape, &inputs, &grads, r.rank, layout, weighted)?;
+        first_diff(
+            &format!("combine_backward (weighted={weighted})"),
+            &bits(&down(s, &gx, rows * h)?),
+            &bits(&want_g),
+        )?;
+    }
+    group.check()?;
+    r.comm.barrier(s)?;
+    Ok(())
+}
+
+/// Every case of the table, both layouts, against the CPU reference.
+#[test]
+fn dispatch_combine_backward_match_reference() {
+    let Some(world) = gpus_or_skip("dispatch_combine_backward_match_reference", 2) else {
+        return;
+    };
+    for (i, c) in cases().iter().enumerate() {
+        if c.experts % world != 0 {
+            eprintln!(
+                "SKIP case {}: {} experts not divisible by {world} ranks",
+                c.name, c.experts
+            );
+            continue;
+        }
+        for layout in [
+            RecvLayout::RankMajor,
+            RecvLayout::ExpertMajor { alignment: 16 },
+        ] {
+            eprintln!("case {} {:?} on {world} GPUs", c.name, layout);
+            run_ranks(world, |r| {
+                run_case(r, c, layout, 1000 + i as u64)
+                    .map_err(|e| Error::InvalidState(format!("case {} {layout:?}: {e}", c.name)))
+            });
+        }
+    }
+}
+
+/// Caller-supplied receive buffers are written in place (zero copy); the
+/// pool supplies them when none are given; a plain allocation is refused
+/// with NotSymmetric; over-capacity is reported and writes nothing.
+#[test]
+fn caller_buffers_zero_copy_and_rejections() {
+    let Some(world) = gpus_or_skip("caller_buffers_zero_copy_and_rejections", 2) else {
+        return;
+    };
+    let c = case("zero_copy", 256, 2048, 8, 64, Routing::Uniform);
+    run_ranks(world, |r| {
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(7, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let want = refr::dispatch(&shape, &inputs, r.rank, RecvLayout::RankMajor)?;
+        let cap = r.world * c.tokens;
+        let group = EpGroup::new(&r.comm, GroupConfig::new(c.experts, c.hidden, c.tokens))?;
+        let s = &r.stream;
+        let (x, w, idx) = (
+            up(s, &me.tokens)?,
+            up(s, &me.topk_weights)?,
+            up(s, &me.topk_idx)?,
+        );
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+
+        let recv_tokens = group.pool().alloc::<bf16>(cap * c.hidden)?;
+        let recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
+        let got = group.dispatch(
+            s,
+            &handle,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: Some(&recv_tokens),
+                recv_topk_weights: Some(&recv_w),
+            },
+        )?;
+        ensure(
+            got.tokens.is_callers() && got.tokens.device_ptr() == recv_tokens.device_ptr(),
+            || "recv_tokens not used in place".into(),
+        )?;
+        ensure(got.topk_weights.device_ptr() == recv_w.device_ptr(), || {
+            "recv_topk_weights not used in place".into()
+        })?;
+        ensure(
+            group
+                .pool()
+                .is_symm_backed(recv_tokens.device_ptr(), recv_tokens.num_bytes()),
+            || "caller buffer not symm-backed".into(),
+        )?;
+        first_diff(
+            "zero-copy tokens",
+            &bits(&down(s, &recv_tokens, want.num_rows * c.hidden)?),
+            &bits(&want.tokens),
+        )?;
+        drop(got);
+
+        let pooled = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+        ensure(
+            !pooled.tokens.is_callers()
+                && group
+                    .pool()
+                    .is_symm_backed(pooled.tokens.device_ptr(), cap * c.hidden * 2),
+            || "pool buffer not symmetric".into(),
+        )?;
+        drop(pooled);
+
+        let plain = s
+            .alloc_zeros::<bf16>(cap * c.hidden)
+            .map_err(Error::cuda("alloc"))?;
+        match group.dispatch(
+            s,
+            &handle,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: Some(&plain),
+                recv_topk_weights: None,
+            },
+        ) {
+            Err(Error::NotSymmetric {
+                what: "recv_tokens",
+            }) => {}
+            Err(e) => {
+                return Err(Error::InvalidState(format!(
+                    "plain buffer: wrong error {e}"
+                )))
+            }
+            Ok(_) => {
+                return Err(Error::InvalidState(
+                    "plain buffer accepted as a receive buffer".into(),
+                ))
+            }
+        }
+        let short = group.pool().alloc::<bf16>(cap * c.hidden - 8)?;
+        match group.dispatch(
+            s,
+            &handle,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: Some(&short),
+                recv_topk_weights: None,
+            },
+        ) {
+            Err(Error::InvalidArgument {
+                arg: "recv_tokens", ..
+            }) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "short buffer: {:?}",
+                    other.err()
+                )))
+            }
+        }
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// A receive count over capacity is found on the device: every rank skips the
+/// data movement, the next call reports CapacityExceeded, and the bytes
+/// around (and inside) the caller's buffer are unchanged.
+#[test]
+fn over_capacity_is_reported_and_writes_nothing() {
+    let Some(world) = gpus_or_skip("over_capacity_is_reported_and_writes_nothing", 2) else {
+        return;
+    };
+    let c = case(
+        "over_capacity",
+        512,
+        2048,
+        8,
+        64,
+        Routing::Skewed { hot_share: 0.9 },
+    );
+    run_ranks(world, |r| {
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(11, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        cfg.recv_capacity = 100; // far below what this routing needs
+        let group = EpGroup::new(&r.comm, cfg)?;
+        let s = &r.stream;
+        let (x, w, idx) = (
+            up(s, &me.tokens)?,
+            up(s, &me.topk_weights)?,
+            up(s, &me.topk_idx)?,
+        );
+        let guard = 64 * c.hidden;
+        let total = guard + 100 * c.hidden + guard;
+        let buf = group.pool().alloc::<bf16>(total)?;
+        let pattern: Vec<bf16> = (0..total)
+            .map(|i| bf16::from_bits(0x3C00 ^ (i as u16 & 0x0FFF)))
+            .collect();
+        // SAFETY: buf holds `total` elements.
+        unsafe {
+            moe_ep::cuda::result::memcpy_htod_async(buf.device_ptr(), &pattern, s.cu_stream())
+                .map_err(Error::cuda("htod"))?
+        };
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        // The receive region inside the guards, as a view the API can take.
+        let seg_view = InnerRegion {
+            ptr: buf.device_ptr() + (guard * 2) as u64,
+            len: 100 * c.hidden,
+        };
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        let res = group.dispatch(
+            s,
+            &handle,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: Some(&seg_view),
+                recv_topk_weights: None,
+            },
+        );
+        let first_err = match res {
+            Ok(d) => {
+                drop(d);
+                s.synchronize().map_err(Error::cuda("sync"))?;
+                group.check().err()
+            }
+            Err(e) => Some(e),
+        };
+        match first_err {
+            Some(Error::CapacityExceeded {
+                needed,
+                capacity: 100,
+                ..
+            }) if needed > 100 => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "expected CapacityExceeded, got {other:?}"
+                )))
+            }
+        }
+        let after = down(s, &buf, total)?;
+        first_diff(
+            "buffer and guards after over-capacity dispatch",
+            &bits(&after),
+            &bits(&pattern),
+        )?;
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// A device region given by address (a sub-range of a pool buffer).
+struct InnerRegion {
+    ptr: u64,
+    len: usize,
+}
+impl<T> DeviceRegion<T> for InnerRegion {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Pipeline-parallel order: forward 0, forward 1, backward 0, forward 2,
+/// backward 1, backward 2, with three handles in flight; every result right.
+#[test]
+fn several_handles_in_flight() {
+    let Some(world) = gpus_or_skip("several_handles_in_flight", 2) else {
+        return;
+    };
+    let c = case("pipeline", 300, 2048, 8, 64, Routing::Uniform);
+    let layout = RecvLayout::ExpertMajor { alignment: 8 };
+    run_ranks(world, |r| {
+        let shape = shape_of(&c, r.world);
+        let tpr = vec![c.tokens; r.world];
+        let batches: Vec<Vec<RankInput>> = (0..3)
+            .map(|b| workload::rank_inputs(100 + b, &shape, &tpr, c.routing))
+            .collect();
+        let refs: Vec<Vec<refr::DispatchOutput>> = batches
+            .iter()
+            .map(|inp| {
+                (0..r.world)
+                    .map(|d| refr::dispatch(&shape, inp, d, layout))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        let cap = refs.iter().flatten().map(|o| o.num_rows).max().unwrap_or(1);
+        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        cfg.recv_capacity = cap;
+        let group = EpGroup::new(&r.comm, cfg)?;
+        let s = &r.stream;
+        struct Batch {
+            x: CudaSlice<bf16>,
+            w: CudaSlice<f32>,
+            idx: CudaSlice<i64>,
+            y: CudaSlice<bf16>,
+            g: CudaSlice<bf16>,
+            outs: Vec<Vec<bf16>>,
+            grads: Vec<Vec<bf16>>,
+        }
+        let mut bs = Vec::new();
+        for (b, inp) in batches.iter().enumerate() {
+            let outs: Vec<Vec<bf16>> = (0..r.world)
+                .map(|d| expert_out(500 + b as u64, d, refs[b][d].num_rows, c.hidden))
+                .collect();
+            let grads: Vec<Vec<bf16>> = (0..r.world)
+                .map(|d| {
+                    workload::tokens(
+                        &mut Rng::new(900 + b as u64 + d as u64 * 7),
+                        c.tokens,
+                        c.hidden,
+                    )
+                })
+                .collect();
+            bs.push(Batch {
+                x: up(s, &inp[r.rank].tokens)?,
+                w: up(s, &inp[r.rank].topk_weights)?,
+                idx: up(s, &inp[r.rank].topk_idx)?,
+                y: up_len(s, &outs[r.rank], cap * c.hidden)?,
+                g: up(s, &grads[r.rank])?,
+                outs,
+                grads,
+            });
+        }
+        let th = c.tokens * c.hidden;
+        let handles: Vec<_> = bs
+            .iter()
+            .map(|b| group.layout(s, TopkIdx::I64(&b.idx), c.topk, layout))
+            .collect::<Result<_>>()?;
+        let outs: Vec<CudaSlice<bf16>> = (0..3)
+            .map(|_| s.alloc_zeros::<bf16>(th).map_err(Error::cuda("alloc")))
+            .collect::<Result<_>>()?;
+        let mut recvs = Vec::new();
+        let mut grads_in = Vec::new();
+        let forward = |b: usize, recvs: &mut Vec<_>| -> Result<()> {
+            let d = group.dispatch(s, &handles[b], &bs[b].x, &bs[b].w, DispatchOut::default())?;
+            group.combine(s, &handles[b], &bs[b].y, None, &outs[b])?;
+            recvs.push(d);
+            Ok(())
+        };
+        let backward = |b: usize, grads_in: &mut Vec<_>| -> Result<()> {
+            let gx = group.combine_backward(s, &handles[b], &bs[b].g, None, None)?;
+            group.dispatch_backward(s, &handles[b], &gx, None, &outs[b], None)?;
+            grads_in.push(gx);
+            Ok(())
+        };
+        forward(0, &mut recvs)?;
+        forward(1, &mut recvs)?;
+        let combined0 = bits(&down(s, &outs[0], th)?);
+        backward(0, &mut grads_in)?;
+        forward(2, &mut recvs)?;
+        let combined1 = bits(&down(s, &outs[1], th)?);
+        backward(1, &mut grads_in)?;
+        let combined2 = bits(&down(s, &outs[2], th)?);
+        backward(2, &mut grads_in)?;
+        for (b, combined) in [combined0, combined1, combined2].iter().enumerate() {
+            let emu =
+                refr::combine_emulated(&shape, &batches[b], &bs[b].outs, r.rank, layout, false)?;
+            first_diff(&format!("forward {b} combine"), combined, &bits(&emu))?;
+            let rows = refs[b][r.rank].num_rows;
+            first_diff(
+                &format!("forward {b} dispatch"),
+                &bits(&down(s, &recvs[b].tokens, rows * c.hidden)?),
+                &bits(&refs[b][r.rank].tokens),
+            )?;
+            let want_g =
+                refr::combine_backward(&shape, &batches[b], &bs[b].grads, r.rank, layout, false)?;
+            first_diff(
+                &format!("backward {b} combine_backward"),
+                &bits(&down(s, &grads_in[b], rows * c.hidden)?),
+                &bits(&want_g),
+            )?;
+            // dispatch_backward(combine_backward(g)) = g summed over each token's rows.
+            let per_rank: Vec<Vec<bf16>> = (0..r.world)
+                .map(|d| {
+                    refr::combine_backward(&shape, &batches[b], &bs[b].grads, d, layout, false)
+                })
+                .collect::<Result<_>>()?;
+            let want_back =
+                refr::combine_emulated(&shape, &batches[b], &per_rank, r.rank, layout, false)?;
+            first_diff(
+                &format!("backward {b} dispatch_backward"),
+                &bits(&down(s, &outs[b], th)?),
+                &bits(&want_back),
+            )?;
+        }
+        group.check()?;
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// Dispatch + combine captured once in a CUDA graph and replayed 5 times:
+/// the same bits every time, equal to the eager result.
+#[test]
+fn cuda_graph_capture_and_replay() {
+    let Some(world) = gpus_or_skip("cuda_graph_capture_and_replay", 2) else {
+        return;
+    };
+    let c = case("graph", 256, 4096, 8, 64, Routing::Uniform);
+    run_ranks(world, |r| {
+        use moe_ep::cuda::sys::CUstreamCaptureMode;
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(3, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let group = EpGroup::new(&r.comm, GroupConfig::new(c.experts, c.hidden, c.tokens))?;
+        let s = &r.stream;
+        let cap = group.recv_capacity();
+        let (x, w, idx) = (
+            up(s, &me.tokens)?,
+            up(s, &me.topk_weights)?,
+            up(s, &me.topk_idx)?,
+        );
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        let recv = group.pool().alloc::<bf16>(cap * c.hidden)?;
+        let recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
+        let out = s
+            .alloc_zeros::<bf16>(c.tokens * c.hidden)
+            .map_err(Error::cuda("alloc"))?;
+        // Expert = identity on the received rows: combine reads recv itself.
+        let eager = {
+            let d = group.dispatch(
+                s,
+                &handle,
+                &x,
+                &w,
+                DispatchOut {
+                    recv_tokens: Some(&recv),
+                    recv_topk_weights: Some(&recv_w),
+                },
+            )?;
+            group.combine(s, &handle, &recv, None, &out)?;
+            drop(d);
+            bits(&down(s, &out, c.tokens * c.hidden)?)
+        };
+        let n_ranks_hit: Vec<f64> = {
+            let l = refr::layout(&shape, &me.topk_idx)?;
+            (0..c.tokens)
+                .map(|t| {
+                    (0..r.world)
+                        .filter(|&d| l.is_token_in_rank[t * r.world + d])
+                        .count() as f64
+                })
+                .collect()
+        };
+        // identity experts: out = x * (number of ranks the token reached)
+        let want: Vec<u16> = (0..c.tokens * c.hidden)
+            .map(|i| bf16::from_f64(me.tokens[i].to_f64() * n_ranks_hit[i / c.hidden]).to_bits())
+            .collect();
+        first_diff("eager identity combine", &eager, &want)?;
+        r.comm.barrier(s)?;
+        let zero = vec![bf16::ZERO; c.tokens * c.hidden];
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(Error::cuda("begin_capture"))?;
+        let d = group.dispatch(
+            s,
+            &handle,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: Some(&recv),
+                recv_topk_weights: Some(&recv_w),
+            },
+        )?;
+        group.combine(s, &handle, &recv, None, &out)?;
+        let graph = s
+            .end_capture(moe_ep::cuda::sys::CUgraphInstantiate_flags(0))
+            .map_err(Error::cuda("end_capture"))?
+            .ok_or_else(|| Error::InvalidState("empty graph".into()))?;
+        for replay in 0..5 {
+            // SAFETY: out holds tokens*hidden bf16.
+            unsafe {
+                moe_ep::cuda::result::memcpy_htod_async(
+                    DeviceRegion::device_ptr(&out),
+                    &zero,
+                    s.cu_stream(),
+                )
+                .map_err(Error::cuda("htod"))?
+            };
+            graph.launch().map_err(Error::cuda("graph launch"))?;
+            first_diff(
+                &format!("graph replay {replay}"),
+                &bits(&down(s, &out, c.tokens * c.hidden)?),
+                &eager,
+            )?;
+        }
+        drop(d);
+        group.check()?;
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// An expert id out of range is reported by the next call, naming topk_idx.
+#[test]
+fn bad_expert_id_is_reported() {
+    let Some(world) = gpus_or_skip("bad_expert_id_is_reported", 2) else {
+        return;
+    };
+    run_ranks(world, |r| {
+        let (t, k, e, h) = (16, 2, 8 * r.world, 1024);
+        let group = EpGroup::new(&r.comm, GroupConfig::new(e, h, t))?;
+        let s = &r.stream;
+        let mut idx: Vec<i64> = (0..t * k).map(|i| (i % e) as i64).collect();
+        if r.rank == 0 {
+            idx[5] = e as i64 + 3;
+        }
+        let d_idx = up(s, &idx)?;
+        let _handle = group.layout(s, TopkIdx::I64(&d_idx), k, RecvLayout::RankMajor)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        let res = group.check();
+        if r.rank == 0 {
+            match res {
+                Err(Error::InvalidDeviceData {
+                    arg: "topk_idx",
+                    detail,
+                }) if detail.contains("token 2 slot 1") => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "expected InvalidDeviceData for topk_idx, got {other:?}"
+                    )))
+                }
+            }
+        } else {
+            res?;
+        }
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// A peer that never dispatches: the wait is bounded and the error names the
+/// rank and counter that stalled; the group refuses further work.
+#[test]
+fn stalled_peer_times_out_with_rank_and_counter() {
+    let Some(world) = gpus_or_skip("stalled_peer_times_out_with_rank_and_counter", 2) else {
+        return;
+    };
+    let c = case("stall", 64, 1024, 2, 16, Routing::Uniform);
+    run_ranks(world, |r| {
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(5, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        cfg.timeout = Duration::from_millis(300);
+        let group = EpGroup::new(&r.comm, cfg)?;
+        let s = &r.stream;
+        let (x, w, idx) = (
+            up(s, &me.tokens)?,
+            up(s, &me.topk_weights)?,
+            up(s, &me.topk_idx)?,
+        );
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        if r.rank != 0 {
+            return Ok(()); // the stalled peers never dispatch
+        }
+        let d = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        drop(d);
+        match group.check() {
+            Err(Error::PeerTimeout {
+                rank: 0,
+                peer,
+                counter: "dispatch done",
+                ..
+            }) if peer != 0 => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "expected PeerTimeout on dispatch done, got {other:?}"
+                )))
+            }
+        }
+        match group.dispatch(s, &handle, &x, &w, DispatchOut::default()) {
+            Err(Error::InvalidState(_)) => Ok(()),
+            other => Err(Error::InvalidState(format!(
+                "poisoned group accepted work: {:?}",
+                other.err()
+            ))),
+        }
+    });
+}

@@ -1,0 +1,224 @@
+//! GPU tests of the symmetric-memory pool (`multi-gpu`; any world size >= 2).
+#![cfg(feature = "multi-gpu")]
+
+mod common;
+
+use common::{ensure, gpus_or_skip, run_ranks};
+use moe_ep::cuda::result::mem_get_info;
+use moe_ep::symm::{SymmBuffer, SymmPool, SEGMENT_GRANULE};
+use moe_ep::util::{fill_pattern, pattern_mismatches};
+use moe_ep::Error;
+
+const SEG: usize = 64 << 20;
+
+/// Collective allocations land at equal offsets; each rank writes a pattern
+/// into its right neighbour's copy through the peer pointer and every rank
+/// checks what it received; pool buffers are symmetric, plain ones are not.
+#[test]
+fn pool_offsets_peer_writes_and_is_symm_backed() {
+    let Some(world) = gpus_or_skip("pool_offsets_peer_writes_and_is_symm_backed", 2) else {
+        return;
+    };
+    run_ranks(world, |r| {
+        let pool = SymmPool::new(&r.comm, SEG);
+        let a: SymmBuffer<u32> = pool.alloc(1000)?;
+        let b: SymmBuffer<u32> = pool.alloc(1 << 20)?;
+        let offsets = r
+            .comm
+            .all_gather_host(&r.stream, &[a.offset() as u64, b.offset() as u64])?;
+        for s in 0..r.world {
+            ensure(
+                offsets[2 * s] == a.offset() as u64 && offsets[2 * s + 1] == b.offset() as u64,
+                || {
+                    format!(
+                        "offsets differ: rank {s} has {:?}, rank {} has ({}, {})",
+                        &offsets[2 * s..2 * s + 2],
+                        r.rank,
+                        a.offset(),
+                        b.offset()
+                    )
+                },
+            )?;
+        }
+        let right = (r.rank + 1) % r.world;
+        let left = (r.rank + r.world - 1) % r.world;
+        let peer = b
+            .peer_ptr(right)
+            .ok_or_else(|| Error::InvalidState(format!("no peer pointer to rank {right}")))?;
+        // SAFETY: peer is rank `right`'s copy of b, b.len() u32.
+        unsafe { fill_pattern(&r.stream, peer, b.len() as u64, 1000 + r.rank as u32)? };
+        r.stream.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(&r.stream)?;
+        let bad = pattern_mismatches(&r.stream, &b, 1000 + left as u32)?;
+        ensure(bad == 0, || {
+            format!(
+                "rank {}: {bad} of {} words from rank {left} wrong",
+                r.rank,
+                b.len()
+            )
+        })?;
+        // A different seed must not match: the check can fail.
+        let wrong = pattern_mismatches(&r.stream, &b, 7)?;
+        ensure(wrong > 0, || {
+            "pattern checker accepted the wrong seed".into()
+        })?;
+
+        ensure(pool.is_symm_backed(b.device_ptr(), b.num_bytes()), || {
+            "pool buffer not symm-backed".into()
+        })?;
+        ensure(!pool.is_symm_backed(b.device_ptr(), SEG * 4), || {
+            "range past the segment reported symmetric".into()
+        })?;
+        let plain = r
+            .stream
+            .alloc_zeros::<u32>(1024)
+            .map_err(Error::cuda("alloc"))?;
+        let plain_ptr = moe_ep::ops::DeviceRegion::device_ptr(&plain);
+        ensure(!pool.is_symm_backed(plain_ptr, 4096), || {
+            "cudaMalloc buffer reported symmetric".into()
+        })?;
+        Ok(())
+    });
+}
+
+/// An allocation larger than what is left grows the pool by a segment, and
+/// freed space is reused at the same offset.
+#[test]
+fn pool_grows_past_one_segment_and_reuses() {
+    let Some(world) = gpus_or_skip("pool_grows_past_one_segment_and_reuses", 2) else {
+        return;
+    };
+    run_ranks(world, |r| {
+        let pool = SymmPool::new(&r.comm, SEGMENT_GRANULE * 4);
+        let a: SymmBuffer<u8> = pool.alloc(SEGMENT_GRANULE * 3)?;
+        ensure(pool.num_segments() == 1, || {
+            format!("{} segments after the first alloc", pool.num_segments())
+        })?;
+        let b: SymmBuffer<u8> = pool.alloc(SEGMENT_GRANULE * 2)?; // does not fit the rest of segment 0
+        ensure(pool.num_segments() == 2, || {
+            format!("{} segments after growth", pool.num_segments())
+        })?;
+        ensure(!std::sync::Arc::ptr_eq(a.segment(), b.segment()), || {
+            "growth reused the full segment".into()
+        })?;
+        let big: SymmBuffer<u8> = pool.alloc(SEGMENT_GRANULE * 9)?; // larger than a default segment
+        ensure(big.segment().size() >= SEGMENT_GRANULE * 9, || {
+            "oversized request got a small segment".into()
+        })?;
+        // The peer copy of a buffer in the second segment works too.
+        let peer = b
+            .peer_ptr((r.rank + 1) % r.world)
+            .ok_or_else(|| Error::InvalidState("no peer".into()))?;
+        ensure(peer != 0, || "null peer".into())?;
+        let off = a.offset();
+        drop(a);
+        let c: SymmBuffer<u8> = pool.alloc(SEGMENT_GRANULE)?;
+        ensure(
+            c.offset() == off && std::sync::Arc::ptr_eq(c.segment(), b.segment()) == false,
+            || "freed range not reused first-fit".into(),
+        )?;
+        Ok(())
+    });
+}
+
+/// 1000 allocate/free cycles leave device memory where it started.
+#[test]
+fn thousand_alloc_free_cycles_leak_nothing() {
+    let Some(world) = gpus_or_skip("thousand_alloc_free_cycles_leak_nothing", 2) else {
+        return;
+    };
+    run_ranks(world, |r| {
+        let pool = SymmPool::new(&r.comm, SEG);
+        let warm: SymmBuffer<u8> = pool.alloc(1 << 20)?;
+        drop(warm);
+        r.ctx.synchronize().map_err(Error::cuda("sync"))?;
+        let (free_before, _) = mem_get_info().map_err(Error::cuda("cuMemGetInfo"))?;
+        for i in 0..1000usize {
+            let x: SymmBuffer<u32> = pool.alloc(1 + (i * 7919) % (1 << 20))?;
+            let y: SymmBuffer<u8> = pool.alloc(4096 + i)?;
+            drop(x);
+            drop(y);
+        }
+        r.ctx.synchronize().map_err(Error::cuda("sync"))?;
+        let (free_after, _) = mem_get_info().map_err(Error::cuda("cuMemGetInfo"))?;
+        ensure(pool.num_segments() == 1, || {
+            format!("{} segments after the cycles", pool.num_segments())
+        })?;
+        ensure(free_after == free_before, || {
+            format!("free device memory moved: {free_before} -> {free_after} bytes")
+        })?;
+        Ok(())
+    });
+}
+
+/// One process per GPU: this test re-runs its own binary once per rank (the
+/// child part below), sharing the NCCL unique id through the environment.
+#[test]
+fn one_process_per_gpu() {
+    let Some(world) = gpus_or_skip("one_process_per_gpu", 2) else {
+        return;
+    };
+    let id = moe_ep::UniqueId::generate().expect("unique id");
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args([
+                    "--exact",
+                    "process_rank_child",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("MOE_EP_CHILD_RANK", rank.to_string())
+                .env("MOE_EP_CHILD_WORLD", world.to_string())
+                .env("MOE_EP_CHILD_ID", id.to_hex())
+                .spawn()
+                .expect("spawn child")
+        })
+        .collect();
+    for (rank, mut c) in children.into_iter().enumerate() {
+        let st = c.wait().expect("wait");
+        assert!(st.success(), "rank {rank} process failed: {st}");
+    }
+}
+
+/// The per-process rank of `one_process_per_gpu` (ignored unless started by it).
+#[test]
+#[ignore = "started by one_process_per_gpu with MOE_EP_CHILD_* set"]
+fn process_rank_child() {
+    let get = |k: &str| {
+        std::env::var(k).unwrap_or_else(|_| panic!("{k} unset: run one_process_per_gpu instead"))
+    };
+    let (rank, world): (usize, usize) = (
+        get("MOE_EP_CHILD_RANK").parse().unwrap(),
+        get("MOE_EP_CHILD_WORLD").parse().unwrap(),
+    );
+    let id = moe_ep::UniqueId::from_hex(&get("MOE_EP_CHILD_ID")).unwrap();
+    let ctx = moe_ep::context(rank).unwrap();
+    let comm = moe_ep::Communicator::init(&ctx, &id, rank, world).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let pool = SymmPool::new(&comm, SEG);
+    let b: SymmBuffer<u32> = pool.alloc(1 << 16).unwrap();
+    let right = (rank + 1) % world;
+    let left = (rank + world - 1) % world;
+    // SAFETY: right's copy of b.
+    unsafe {
+        fill_pattern(
+            &stream,
+            b.peer_ptr(right).unwrap(),
+            b.len() as u64,
+            50 + rank as u32,
+        )
+        .unwrap()
+    };
+    stream.synchronize().unwrap();
+    comm.barrier(&stream).unwrap();
+    assert_eq!(
+        pattern_mismatches(&stream, &b, 50 + left as u32).unwrap(),
+        0,
+        "rank {rank}: data from rank {left} wrong"
+    );
+    comm.barrier(&stream).unwrap();
+    println!("process rank {rank}/{world}: received rank {left}'s pattern intact");
+}
