@@ -58,30 +58,39 @@ MOE_EP_DEVICE uint64_t globaltimer_ns() {
 }
 
 // ---- errors ----
-// First error wins; the host reads ErrorInfo at its next call.
-MOE_EP_DEVICE void report_error(ErrorInfo* e, int code, int rank, int peer, int counter,
+// Where kernels report: a claim word in device memory (first error wins, by
+// an atomic there) and the report itself in host-mapped memory, written with
+// plain stores by the one winning thread (no atomics on host memory, which
+// not every platform supports). The host clears both.
+struct ErrSink {
+  ErrorInfo* host;
+  unsigned long long* claim;
+};
+MOE_EP_DEVICE void report_error(const ErrSink& e, int code, int rank, int peer, int counter,
                                 uint64_t expected, uint64_t seen, uint64_t needed,
                                 uint64_t capacity) {
-  if (e == nullptr) return;
-  if (atomicCAS_system(&e->code, MOE_EP_OK, -1) != MOE_EP_OK) return;
-  e->rank = rank;
-  e->peer = peer;
-  e->counter = counter;
-  e->expected = expected;
-  e->seen = seen;
-  e->needed = needed;
-  e->capacity = capacity;
+  if (e.host == nullptr || e.claim == nullptr) return;
+  if (atomicCAS(e.claim, 0ull, (unsigned long long)code) != 0ull) return;
+  volatile ErrorInfo* h = e.host;
+  h->rank = rank;
+  h->peer = peer;
+  h->counter = counter;
+  h->expected = expected;
+  h->seen = seen;
+  h->needed = needed;
+  h->capacity = capacity;
   __threadfence_system();
-  atomicExch_system(&e->code, code);
+  h->code = code;
+  __threadfence_system();
 }
-MOE_EP_DEVICE bool has_error(const ErrorInfo* e) {
-  return e != nullptr && *reinterpret_cast<const volatile int32_t*>(&e->code) != MOE_EP_OK;
+MOE_EP_DEVICE bool has_error(const ErrSink& e) {
+  return e.claim != nullptr && *reinterpret_cast<volatile unsigned long long*>(e.claim) != 0ull;
 }
 
 // Bounded wait: spins until *flag >= target, or reports a timeout naming the
 // peer and counter and returns false. Call from one thread per flag.
 MOE_EP_DEVICE bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
-                                 ErrorInfo* err, int rank, int peer, int counter) {
+                                 const ErrSink& err, int rank, int peer, int counter) {
   uint64_t v = ld_acquire_sys_u64(flag);
   if (v >= target) return true;
   const uint64_t start = globaltimer_ns();

@@ -43,9 +43,13 @@ struct Ws {
     return reinterpret_cast<float*>(base[r] + w.stage_w_off) +
            (size_t)parity * w.stage_rows * MOE_EP_MAX_TOPK;
   }
-  // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per block.
-  __device__ uint64_t* seq(int which) const {
-    return reinterpret_cast<uint64_t*>(base[0] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
+  // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per
+  // block. [3][0] is the error claim word (see ErrSink).
+  __device__ uint64_t* seq(int which, int me) const {
+    return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
+  }
+  __device__ ErrSink err(ErrorInfo* host, int me) const {
+    return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
   }
 };
 
@@ -66,7 +70,7 @@ __device__ uint64_t next_seq(uint64_t* seq_local) {
 // every (rank, block) has signalled this op. Returns false on timeout/error.
 __device__ bool signal_and_wait(uint64_t* (*flags_of)(const Ws&, int), const Ws& ws, int rank,
                                 int world, int num_blocks, uint64_t seq, uint64_t timeout_ns,
-                                ErrorInfo* err, int counter) {
+                                const ErrSink& err, int counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
     fence_acq_rel_sys();
@@ -169,6 +173,7 @@ __device__ void layout_scan_body(const LayoutParams& p) {
   const int El = E / R;
   const int b = blockIdx.x;
   int32_t* my_counts = p.bufs.info + info_offsets(R, E, El).counts + p.rank * (E + R);
+  const ErrSink err = Ws{p.w, p.ws, R, E}.err(p.error, p.rank);
 
   if (b < E + R) {
     const bool is_expert = b < E;
@@ -205,13 +210,13 @@ __device__ void layout_scan_body(const LayoutParams& p) {
       const long v = (long)idx[(size_t)t * K + k];
       int norm = (int)v;
       if (v < -1 || v >= E) {
-        report_error(p.error, MOE_EP_ERR_BAD_EXPERT, p.rank, -1, 0, (uint64_t)E, (uint64_t)v,
+        report_error(err, MOE_EP_ERR_BAD_EXPERT, p.rank, -1, 0, (uint64_t)E, (uint64_t)v,
                      t, k);
         norm = -1;
       } else if (v >= 0) {
         for (int k2 = 0; k2 < k; ++k2) {
           if ((long)idx[(size_t)t * K + k2] == v) {
-            report_error(p.error, MOE_EP_ERR_DUP_EXPERT, p.rank, -1, 0, 0, (uint64_t)v, t, k);
+            report_error(err, MOE_EP_ERR_DUP_EXPERT, p.rank, -1, 0, 0, (uint64_t)v, t, k);
             norm = -1;
           }
         }
@@ -243,8 +248,9 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.bufs.info;
-  const uint64_t seq = next_seq(ws.seq(0));
+  const uint64_t seq = next_seq(ws.seq(0, me));
   const int parity = (int)(seq & 1);
+  const ErrSink err = ws.err(p.error, me);
 
   // Phase 1: my row to every rank, then one release flag each.
   const int32_t* row = info + o.counts + me * n;
@@ -260,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   // Phase 2: wait for every row.
   bool ok = true;
   if (threadIdx.x < R) {
-    ok = wait_at_least(ws.count_flag(me) + threadIdx.x, seq, p.timeout_ns, p.error, me,
+    ok = wait_at_least(ws.count_flag(me) + threadIdx.x, seq, p.timeout_ns, err, me,
                        threadIdx.x, MOE_EP_CTR_LAYOUT_COUNTS);
   }
   if (!__syncthreads_and(ok)) return;
@@ -330,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     for (int d = 0; d < R; ++d) {
       const int need = info[o.rows_needed + d];
       if (need > p.recv_capacity) {
-        report_error(p.error, MOE_EP_ERR_CAPACITY, me, d, 0, 0, 0, need, p.recv_capacity);
+        report_error(err, MOE_EP_ERR_CAPACITY, me, d, 0, 0, 0, need, p.recv_capacity);
         break;
       }
     }
@@ -382,7 +388,8 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const bool expert_major = p.layout == 1;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  const uint64_t seq = next_seq(ws.seq(1));
+  const uint64_t seq = next_seq(ws.seq(1, me));
+  const ErrSink err = ws.err(p.error, me);
 
   // NOTE: every rank derived rows_needed from the same matrix: if one rank
   // would overflow, every rank skips the data and only keeps the flags in step.
@@ -443,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     }
   }
 
-  if (!signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, p.error,
+  if (!signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
                        MOE_EP_CTR_DISPATCH_DONE) ||
       overflow || !expert_major) {
     return;
@@ -513,7 +520,8 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const bool expert_major = p.layout == 1;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  const uint64_t seq = next_seq(ws.seq(2));
+  const uint64_t seq = next_seq(ws.seq(2, me));
+  const ErrSink err = ws.err(p.error, me);
   const int parity = (int)(seq & 1);
 
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.
@@ -566,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     }
   }
 
-  if (!signal_and_wait(combine_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, p.error,
+  if (!signal_and_wait(combine_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
                        MOE_EP_CTR_COMBINE_DONE) ||
       overflow) {
     return;
