@@ -362,7 +362,8 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     let grads: Vec<Vec<bf16>> = (0..r.world)
         .map(|d| workload::tokens(&mut Rng::new(seed ^ (0x9B0 + d as u64)), tpr[d], h))
         .collect();
-    let g = up(s, &grads[r.rank])?;
+    let g_buf = up(s, &grads[r.rank])?;
+    let g = g_buf.slice(0..t * h);
     for &weighted in weightings {
         let wts: Option<&dyn DeviceRegion<f32>> = if weighted {
             Some(&got.topk_weights)

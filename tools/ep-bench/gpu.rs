@@ -1,13 +1,319 @@
-//! Placeholder while the GPU half of ep-bench is written (same session).
-use crate::cli::{Case, Opts};
+//! The GPU half of ep-bench: one rank's measurements.
+//!
+//! For each case every rank builds its routing (the same generators as the
+//! tests, seeded per rank, so every rank can rebuild every other rank's
+//! routing for `--check` and for sizing), creates an `EpGroup`, and times each
+//! op with CUDA events around it: warm-up runs first, then `--iters` timed
+//! runs, each after an L2 flush and a host barrier that lines the ranks up.
+//! The baselines move the same bytes in the same run: NCCL grouped
+//! send/recv, an SM copy loop storing into the peer's symmetric buffer (the
+//! peer-store ceiling) and the copy engine's peer copy. Rank 0 gathers every
+//! rank's statistics and returns them.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use moe_ep::cuda::{result as cu, CudaContext, CudaEvent, CudaSlice, CudaStream};
+use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
+use moe_ep::reference::{self as refr, RankInput, Shape};
+use moe_ep::runtime::nccl_call as nc;
+use moe_ep::workload::{self, Rng};
+use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
+
+use crate::cli::{Case, Layout, Op, Opts, Routing};
 use crate::launch::RankEnv;
-use crate::report::CaseResult;
-pub fn device_count() -> Result<usize, String> {
-    moe_ep::device_count().map_err(|e| e.to_string())
+use crate::report::{self, CaseResult, OpResult, Progress, Stat};
+
+type R<T> = Result<T, String>;
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
 }
-pub fn nccl_unique_id() -> Result<[u8; 128], String> {
-    Err("not yet".into())
+
+/// Visible GPUs (parent process, when `--gpus` is not given).
+pub fn device_count() -> R<usize> {
+    moe_ep::device_count().map_err(s)
 }
-pub fn run_rank(_: &Opts, _: &[Case], _: &RankEnv) -> Result<Vec<CaseResult>, String> {
-    Err("not yet".into())
+
+/// A fresh NCCL unique id (parent process, or rank 0 of a launcher job).
+pub fn nccl_unique_id() -> R<[u8; 128]> {
+    Ok(UniqueId::generate().map_err(s)?.0.internal)
+}
+
+struct Timer {
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+impl Timer {
+    fn new(ctx: &Arc<CudaContext>) -> R<Timer> {
+        Ok(Timer { start: ctx.new_event(None).map_err(s)?, end: ctx.new_event(None).map_err(s)? })
+    }
+}
+
+struct Ctx<'a> {
+    opts: &'a Opts,
+    stream: Arc<CudaStream>,
+    comm: Arc<Communicator>,
+    flush: CudaSlice<u8>,
+    timer: Timer,
+}
+
+impl Ctx<'_> {
+    /// Runs `f` warm-up + iters times; returns the per-iteration times (us).
+    fn time(&self, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+        for _ in 0..self.opts.warmup {
+            f()?;
+        }
+        self.stream.synchronize().map_err(s)?;
+        let mut out = Vec::with_capacity(self.opts.iters);
+        for _ in 0..self.opts.iters {
+            if self.opts.flush_l2 {
+                // SAFETY: flush is a live allocation of its length.
+                unsafe { cu::memset_d8_async(DeviceRegion::device_ptr(&self.flush), 0x5a, self.flush.len(), self.stream.cu_stream()) }.map_err(s)?;
+            }
+            self.comm.barrier(&self.stream).map_err(s)?;
+            self.timer.start.record(&self.stream).map_err(s)?;
+            f()?;
+            self.timer.end.record(&self.stream).map_err(s)?;
+            self.timer.end.synchronize().map_err(s)?;
+            out.push(self.timer.start.elapsed_ms(&self.timer.end).map_err(s)? as f64 * 1e3);
+        }
+        Ok(out)
+    }
+}
+
+fn recv_layout(l: Layout) -> RecvLayout {
+    match l {
+        Layout::RankMajor => RecvLayout::RankMajor,
+        Layout::ExpertMajor { alignment } => RecvLayout::ExpertMajor { alignment },
+    }
+}
+
+/// Every rank's top-k routing of a case (cheap: no token data).
+fn routings(case: &Case, shape: &Shape, seed: u64, world: usize) -> R<Vec<Vec<i64>>> {
+    (0..world)
+        .map(|r| match &case.routing {
+            Routing::File(path) => workload::read_topk_file(path, case.topk).map_err(s).and_then(|v| {
+                let need = case.tokens * case.topk;
+                if v.len() < need {
+                    return Err(format!("--routing file: {} has {} tokens, the case needs {}", path.display(), v.len() / case.topk, case.tokens));
+                }
+                Ok(v[..need].to_vec())
+            }),
+            other => {
+                let routing = match other {
+                    Routing::Uniform => workload::Routing::Uniform,
+                    Routing::Skewed(h) => workload::Routing::Skewed { hot_share: *h },
+                    Routing::Masked(m) => workload::Routing::Masked { masked_share: *m },
+                    Routing::File(_) => unreachable!(),
+                };
+                Ok(workload::topk_idx(&mut Rng::new(workload::rank_seed(seed, r)), case.tokens, shape, routing))
+            }
+        })
+        .collect()
+}
+
+/// One rank's inputs: the same generator as `workload::rank_inputs`, but with
+/// this case's routing (which may come from a file).
+fn rank_input(case: &Case, seed: u64, rank: usize, topk_idx: Vec<i64>) -> RankInput {
+    let mut rng = Rng::new(workload::rank_seed(seed, rank) ^ 0x70CE);
+    RankInput { tokens: workload::tokens(&mut rng, case.tokens, case.hidden), topk_weights: workload::topk_weights(&mut rng, case.tokens, case.topk), topk_idx }
+}
+
+/// Measures every case on this rank; rank 0 returns the gathered results.
+pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>> {
+    let id = env.unique_id(nccl_unique_id)?;
+    let uid = UniqueId(moe_ep::sys::nccl::ncclUniqueId { internal: id });
+    let ctx = moe_ep::context(env.device()).map_err(s)?;
+    let comm = Communicator::init(&ctx, &uid, env.rank, env.world).map_err(|e| format!("NCCL init: {e}"))?;
+    let stream = ctx.new_stream().map_err(s)?;
+    let flush = stream.alloc_zeros::<u8>(256 << 20).map_err(s)?;
+    let c = Ctx { opts, timer: Timer::new(&ctx)?, stream, comm, flush };
+    let gpu_name = ctx.name().unwrap_or_else(|_| "GPU".into());
+    let mut progress = Progress::new(cases.len(), env.is_root() && !opts.quiet);
+    let mut results = Vec::new();
+    for case in cases {
+        progress.start_case(case);
+        let r = run_case(&c, case, env.world).map_err(|e| format!("{}: {e}", case.label()))?;
+        results.push(CaseResult { case: case.clone(), ops: r.0, world: env.world, gpu_name: gpu_name.clone(), check: r.1 });
+    }
+    progress.finish();
+    Ok(if env.is_root() { results } else { Vec::new() })
+}
+
+fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<bool>)> {
+    let opts = c.opts;
+    let (rank, s_) = (c.comm.rank(), &c.stream);
+    let shape = Shape { num_ranks: world, num_experts: case.experts, hidden: case.hidden, topk: case.topk };
+    shape.validate().map_err(s)?;
+    let layout = recv_layout(case.layout);
+    let routing = routings(case, &shape, opts.seed, world)?;
+    let layouts: Vec<refr::Layout> = routing.iter().map(|t| refr::layout(&shape, t)).collect::<Result<_, _>>().map_err(s)?;
+    let counts = refr::gather_counts(&shape, &layouts);
+    let cap = (0..world)
+        .map(|d| match layout {
+            RecvLayout::RankMajor => counts.rank_major_rows(d),
+            RecvLayout::ExpertMajor { alignment } => counts.expert_major_rows(d, alignment),
+        })
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mut cfg = GroupConfig::new(case.experts, case.hidden, case.tokens.max(1));
+    cfg.recv_capacity = cap;
+    cfg.num_sms = case.num_sms;
+    let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
+    let me = rank_input(case, opts.seed, rank, routing[rank].clone());
+    let (t, h, k) = (case.tokens, case.hidden, case.topk);
+    let up = |v: &[bf16]| s_.clone_htod(if v.is_empty() { &[bf16::ZERO][..] } else { v }).map_err(s);
+    let x = up(&me.tokens)?;
+    let w = s_.clone_htod(if me.topk_weights.is_empty() { &[0f32][..] } else { &me.topk_weights }).map_err(s)?;
+    let idx = s_.clone_htod(if me.topk_idx.is_empty() { &[-1i64][..] } else { &me.topk_idx }).map_err(s)?;
+    let (xv, wv, idxv) = (x.slice(0..t * h), w.slice(0..t * k), idx.slice(0..t * k));
+    let recv = group.pool().alloc::<bf16>(cap * h).map_err(s)?;
+    let wpr = if matches!(layout, RecvLayout::RankMajor) { k } else { 1 };
+    let recv_w = group.pool().alloc::<f32>(cap * wpr).map_err(s)?;
+    let out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
+    let grad_w = s_.alloc_zeros::<f32>((t * k).max(1)).map_err(s)?;
+
+    let handle = group.layout(s_, TopkIdx::I64(&idxv), k, layout).map_err(s)?;
+    let eb = case.elem_bytes();
+    let bytes = |op: Op| crate::accounting::op_bytes(op, &counts.rank, world, rank, h, eb);
+    let mut mine: Vec<(String, Vec<f64>, u64, u64)> = Vec::new();
+
+    // --check: dispatch and combine against the CPU reference, once.
+    let check = if opts.check {
+        let inputs: Vec<RankInput> = (0..world).map(|r| rank_input(case, opts.seed, r, routing[r].clone())).collect();
+        let ok = check_case(c, &group, &handle, &shape, &inputs, layout, (&xv, &wv), (&recv, &recv_w), &out)?;
+        let all = c.comm.all_gather_host(s_, &[ok as u8]).map_err(s)?;
+        Some(all.iter().all(|&v| v == 1))
+    } else {
+        None
+    };
+
+    for &op in &opts.ops {
+        let samples = match op {
+            Op::Layout => c.time(|| group.layout(s_, TopkIdx::I64(&idxv), k, layout).map(drop).map_err(s))?,
+            Op::Dispatch => c.time(|| {
+                group.dispatch(s_, &handle, &xv, &wv, DispatchOut { recv_tokens: Some(&recv), recv_topk_weights: Some(&recv_w) }).map(drop).map_err(s)
+            })?,
+            Op::Combine => c.time(|| group.combine(s_, &handle, &recv, None, &out).map_err(s))?,
+            Op::DispatchBwd => c.time(|| group.dispatch_backward(s_, &handle, &recv, Some(&recv_w), &out, Some(&grad_w)).map_err(s))?,
+            Op::CombineBwd => c.time(|| group.combine_backward(s_, &handle, &out, None, Some(&recv)).map(drop).map_err(s))?,
+        };
+        let b = bytes(op);
+        mine.push((op.name().to_string(), samples, b.nvlink, b.logical));
+    }
+    group.check().map_err(s)?;
+
+    if opts.baselines && world > 1 {
+        let nv = bytes(Op::Dispatch).nvlink;
+        mine.extend(baselines(c, &group, &counts.rank, world, h * eb, nv, case.num_sms)?);
+    }
+    Ok((gather(c, mine)?, check))
+}
+
+/// NCCL grouped send/recv of this rank's dispatch rows to every peer; SM
+/// stores into the next rank's symmetric buffer; copy-engine peer copy.
+fn baselines(c: &Ctx<'_>, group: &EpGroup, counts: &[u32], world: usize, row: usize, nv: u64, sms: usize) -> R<Vec<(String, Vec<f64>, u64, u64)>> {
+    let rank = c.comm.rank();
+    let total_rows: usize = (0..world).map(|d| counts[rank * world + d].max(counts[d * world + rank]) as usize).sum::<usize>().max(1);
+    let send = group.pool().alloc::<u8>(total_rows * row).map_err(s)?;
+    let recv = group.pool().alloc::<u8>(total_rows * row).map_err(s)?;
+    let cs = c.stream.cu_stream() as *mut c_void;
+    let a2a = c.time(|| {
+        nc::group_start().map_err(s)?;
+        let mut off = 0usize;
+        for d in (0..world).filter(|&d| d != rank) {
+            let (ns, nr) = (counts[rank * world + d] as usize * row, counts[d * world + rank] as usize * row);
+            // SAFETY: both ranges lie inside send/recv (sized above).
+            unsafe {
+                nc::send((send.device_ptr() as usize + off) as *const c_void, ns, moe_ep::sys::nccl::ncclUint8, d, c.comm.raw(), cs).map_err(s)?;
+                nc::recv((recv.device_ptr() as usize + off) as *mut c_void, nr, moe_ep::sys::nccl::ncclUint8, d, c.comm.raw(), cs).map_err(s)?;
+            }
+            off += ns.max(nr);
+        }
+        nc::group_end().map_err(s)
+    })?;
+    let peer = (rank + 1) % world;
+    let dst = recv.peer_ptr(peer).ok_or("peer not reachable")?;
+    let len = (nv / 16 * 16).min(recv.len() as u64);
+    // SAFETY: len bytes fit both buffers.
+    let store = c.time(|| unsafe { moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s) })?;
+    let ce = c.time(|| unsafe { cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s) })?;
+    Ok(vec![
+        (report::NCCL_ALLTOALL.to_string(), a2a, nv, nv),
+        (report::PEER_STORE_CEILING.to_string(), store, len, len),
+        (report::COPY_ENGINE.to_string(), ce, len, len),
+    ])
+}
+
+/// All ranks' statistics of every op, gathered in rank order.
+fn gather(c: &Ctx<'_>, mine: Vec<(String, Vec<f64>, u64, u64)>) -> R<Vec<OpResult>> {
+    let mut flat: Vec<f64> = Vec::new();
+    for (_, samples, nv, lg) in &mine {
+        let mut v = samples.clone();
+        let st = Stat::from_samples(&mut v);
+        flat.extend([st.median_us, st.min_us, st.max_us, *nv as f64, *lg as f64]);
+    }
+    let all = c.comm.all_gather_host(&c.stream, &flat).map_err(s)?;
+    let world = c.comm.world();
+    let per = flat.len();
+    Ok(mine
+        .iter()
+        .enumerate()
+        .map(|(i, (name, ..))| {
+            let at = |r: usize, j: usize| all[r * per + i * 5 + j];
+            OpResult {
+                op: name.clone(),
+                per_rank: (0..world).map(|r| Stat { median_us: at(r, 0), min_us: at(r, 1), max_us: at(r, 2) }).collect(),
+                nvlink_bytes: (0..world).map(|r| at(r, 3) as u64).collect(),
+                logical_bytes: (0..world).map(|r| at(r, 4) as u64).collect(),
+            }
+        })
+        .collect())
+}
+
+/// Dispatch bit for bit and combine (identity experts) bit for bit against
+/// the reference's emulation of the kernel arithmetic.
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    c: &Ctx<'_>,
+    group: &EpGroup,
+    handle: &moe_ep::Handle,
+    shape: &Shape,
+    inputs: &[RankInput],
+    layout: RecvLayout,
+    (x, w): (&dyn DeviceRegion<bf16>, &dyn DeviceRegion<f32>),
+    (recv, recv_w): (&moe_ep::SymmBuffer<bf16>, &moe_ep::SymmBuffer<f32>),
+    out: &CudaSlice<bf16>,
+) -> R<bool> {
+    let (rank, s_) = (c.comm.rank(), &c.stream);
+    let want = refr::dispatch(shape, inputs, rank, layout).map_err(s)?;
+    let d = group.dispatch(s_, handle, x, w, DispatchOut { recv_tokens: Some(recv), recv_topk_weights: Some(recv_w) }).map_err(s)?;
+    drop(d);
+    group.combine(s_, handle, recv, None, out).map_err(s)?;
+    let h = shape.hidden;
+    let mut got = vec![bf16::ZERO; want.num_rows * h];
+    let t = inputs[rank].topk_idx.len() / shape.topk;
+    let mut comb = vec![bf16::ZERO; t * h];
+    // SAFETY: both buffers hold at least these many elements.
+    unsafe {
+        if !got.is_empty() {
+            cu::memcpy_dtoh_async(&mut got, recv.device_ptr(), s_.cu_stream()).map_err(s)?;
+        }
+        if !comb.is_empty() {
+            cu::memcpy_dtoh_async(&mut comb, DeviceRegion::device_ptr(out), s_.cu_stream()).map_err(s)?;
+        }
+    }
+    s_.synchronize().map_err(s)?;
+    group.check().map_err(s)?;
+    let outs: Vec<Vec<bf16>> = (0..shape.num_ranks).map(|d| refr::dispatch(shape, inputs, d, layout).map(|o| o.tokens)).collect::<Result<_, Error>>().map_err(s)?;
+    let emu = refr::combine_emulated(shape, inputs, &outs, rank, layout, false).map_err(s)?;
+    let same = |a: &[bf16], b: &[bf16]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let ok = same(&got, &want.tokens) && same(&comb, &emu);
+    if !ok {
+        eprintln!("ep-bench: rank {rank}: --check failed (dispatch {}, combine {})", same(&got, &want.tokens), same(&comb, &emu));
+    }
+    Ok(ok)
 }
