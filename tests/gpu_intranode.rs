@@ -212,13 +212,12 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     let group = EpGroup::new(&r.comm, cfg)?;
     let s = &r.stream;
 
-    let x = up(s, &me.tokens)?;
-    let w = up(s, &me.topk_weights)?;
-    let idx64 = up(s, &me.topk_idx)?;
-    let idx32 = up(
-        s,
-        &me.topk_idx.iter().map(|&v| v as i32).collect::<Vec<_>>(),
-    )?;
+    // Exact-length views: T may be 0 (`up` keeps one element for empty input).
+    let (x_buf, w_buf) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
+    let (x, w) = (x_buf.slice(0..t * h), w_buf.slice(0..t * k));
+    let idx64_buf = up(s, &me.topk_idx)?;
+    let idx32_buf = up(s, &me.topk_idx.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
+    let (idx64, idx32) = (idx64_buf.slice(0..t * k), idx32_buf.slice(0..t * k));
     let idx = if c.idx_i32 {
         TopkIdx::I32(&idx32)
     } else {

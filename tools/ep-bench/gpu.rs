@@ -47,7 +47,8 @@ struct Timer {
 
 impl Timer {
     fn new(ctx: &Arc<CudaContext>) -> R<Timer> {
-        Ok(Timer { start: ctx.new_event(None).map_err(s)?, end: ctx.new_event(None).map_err(s)? })
+        let timing = Some(moe_ep::cuda::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        Ok(Timer { start: ctx.new_event(timing).map_err(s)?, end: ctx.new_event(timing).map_err(s)? })
     }
 }
 
