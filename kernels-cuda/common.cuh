@@ -27,21 +27,23 @@ MOE_EP_DEVICE int32_t ld_relaxed_sys_s32(const int32_t* p) {
 MOE_EP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // ---- bulk data: 16-byte vectors ----
+// NOTE: the loads are not `volatile`, so the compiler may hoist several of
+// them ahead of the stores and keep them in flight; ordering against peers'
+// writes comes from the acquire + barrier that precede every use.
 // Local inputs that no one writes during the kernel: non-coherent path, no L1 allocation.
 MOE_EP_DEVICE int4 ld_nc_v4(const int4* p) {
   int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 // Data written by peers (after an acquire): plain coherent load, no L1 allocation.
 MOE_EP_DEVICE int4 ld_v4(const int4* p) {
   int4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
+  asm("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 // Stores into a peer's (or our own) buffer.

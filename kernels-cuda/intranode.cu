@@ -476,12 +476,21 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       rows[k] = __shfl_sync(0xffffffffu, row_k, k);
       wrow[k] = __shfl_sync(0xffffffffu, wk, k);
     }
-    for (int c = lane; c < n16; c += 32) {
-      const int4 v = ld_v4(rx + (size_t)primary * n16 + c);
+    for (int base = 0; base < n16; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const int c = base + i * 32 + lane;
+        if (c < n16) v[i] = ld_v4(rx + (size_t)primary * n16 + c);
+      }
 #pragma unroll
       for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
         if (!((rows_mask >> k) & 1u) || (rows[k] == primary && !scaled)) continue;
-        st_na_v4(rx + (size_t)rows[k] * n16 + c, scaled ? scale_v4(v, wrow[k]) : v);
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const int c = base + i * 32 + lane;
+          if (c < n16) st_na_v4(rx + (size_t)rows[k] * n16 + c, scaled ? scale_v4(v[i], wrow[k]) : v[i]);
+        }
       }
     }
   }
@@ -542,7 +551,8 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       nrows = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
     }
     if (!expert_major) {
-      for (int c = lane; c < n16; c += 32) st_na_v4(dst + c, ld_nc_v4(y + (size_t)u * n16 + c));
+      int4* const dsts[MOE_EP_MAX_RANKS] = {dst};
+      copy_row_to_ranks(y + (size_t)u * n16, dsts, 1u, n16, lane);
     } else {
       // Rows in ascending order (= ascending local expert), weights per row.
       int rows[MOE_EP_MAX_TOPK];
@@ -553,13 +563,30 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
         ws_[i] = (rows[i] >= 0 && p.w_rows != nullptr) ? p.w_rows[rows[i]] : 1.f;
       }
       const bool weighted = p.w_rows != nullptr;
-      for (int c = lane; c < n16; c += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      constexpr int kU = 2;  // 16 accumulators per vector: keep it under the register cap
+      for (int base = 0; base < n16; base += 32 * kU) {
+        float acc[kU][8];
+#pragma unroll
+        for (int j = 0; j < kU; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
 #pragma unroll
         for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
-          if (i < nrows) acc_v4(acc, ld_nc_v4(y + (size_t)rows[i] * n16 + c), ws_[i], weighted);
+          if (i >= nrows) break;
+          int4 v[kU];
+#pragma unroll
+          for (int j = 0; j < kU; ++j) {
+            const int c = base + j * 32 + lane;
+            if (c < n16) v[j] = ld_nc_v4(y + (size_t)rows[i] * n16 + c);
+          }
+#pragma unroll
+          for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], ws_[i], weighted);
         }
-        st_na_v4(dst + c, pack_v4(acc));
+#pragma unroll
+        for (int j = 0; j < kU; ++j) {
+          const int c = base + j * 32 + lane;
+          if (c < n16) st_na_v4(dst + c, pack_v4(acc[j]));
+        }
       }
     }
     // Gradient of the dispatched top-k weights travels home beside the row.
@@ -590,13 +617,29 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     int slots[MOE_EP_MAX_RANKS];
 #pragma unroll
     for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
-    for (int c = lane; c < n16; c += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    // NOTE: every rank's partial of a chunk is loaded before any is added, so
+    // up to R x kHome loads are in flight; the sum stays in rank order.
+    constexpr int kHome = 1;
+    for (int base = 0; base < n16; base += 32 * kHome) {
+      int4 v[kHome][MOE_EP_MAX_RANKS];
 #pragma unroll
       for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-        if (d < R && slots[d] >= 0) acc_v4(acc, ld_v4(stage + (size_t)slots[d] * n16 + c), 1.f, false);
+#pragma unroll
+        for (int j = 0; j < kHome; ++j) {
+          const int c = base + j * 32 + lane;
+          v[j][d] = (d < R && slots[d] >= 0 && c < n16) ? ld_v4(stage + (size_t)slots[d] * n16 + c) : make_int4(0, 0, 0, 0);
+        }
       }
-      st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
+#pragma unroll
+      for (int j = 0; j < kHome; ++j) {
+        const int c = base + j * 32 + lane;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+          if (d < R && slots[d] >= 0) acc_v4(acc, v[j][d], 1.f, false);
+        }
+        if (c < n16) st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
+      }
     }
     if (p.grad_w_out != nullptr && lane < K) {
       const int e = p.bufs.topk[(size_t)t * K + lane];
