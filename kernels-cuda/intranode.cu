@@ -16,7 +16,7 @@
 namespace {
 
 constexpr int kWarps = MOE_EP_THREADS / 32;
-constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane per row chunk
+constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 
 // Workspace regions as mapped here for rank `r`.
 struct Ws {
@@ -514,79 +514,115 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
 }
 
 // ============================================================================
-// Combine: each warp takes a received token u, reduces its rows here in f32
-// (expert-major: ascending row order, optionally weighted), rounds to bf16 and
-// pushes the partial into the home rank's stage. After everyone's flags, each
-// home rank sums, per token, the partials in ascending rank order.
+// Combine: each warp takes a token u received from another rank, reduces its
+// rows here in f32 (expert-major: ascending row order, optionally weighted),
+// rounds to bf16 and pushes the partial into the home rank's stage. After
+// everyone's flags, each home rank sums, per token, the partials in ascending
+// rank order; its own partial it reads (rank-major) or reduces (expert-major)
+// straight from the local expert outputs, never staging it.
 // ============================================================================
-extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
-    moe_ep_combine(const __grid_constant__ CombineParams p) {
+
+// The f32 sum of one received token's rows here, chunk `c` of its row:
+// rank-major the row itself, expert-major its rows in ascending order.
+struct RowSet {
+  int rows[MOE_EP_MAX_TOPK];
+  float w[MOE_EP_MAX_TOPK];
+  int n;
+};
+__device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool expert_major, int K,
+                                          int lane) {
+  RowSet rs;
+  if (!expert_major) {
+    rs.n = 1;
+    rs.rows[0] = u;
+    rs.w[0] = 1.f;
+    return rs;
+  }
+  const int row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
+  rs.n = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
+#pragma unroll
+  for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
+    rs.rows[i] = i < rs.n ? nth_smallest(row_k, i, lane) : -1;
+    rs.w[i] = (rs.rows[i] >= 0 && p.w_rows != nullptr) ? p.w_rows[rs.rows[i]] : 1.f;
+  }
+  return rs;
+}
+
+// Partial (as bf16) of chunks [base + j*32 + lane] of a row set.
+template <int kU>
+__device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, int n16, int base,
+                                               int lane, bool weighted, bool expert_major,
+                                               int4 (&out)[kU]) {
+  if (!expert_major) {
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int c = base + j * 32 + lane;
+      out[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.rows[0] * n16 + c) : make_int4(0, 0, 0, 0);
+    }
+    return;
+  }
+  float acc[kU][8];
+#pragma unroll
+  for (int j = 0; j < kU; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
+    if (i >= rs.n) break;
+    int4 v[kU];
+#pragma unroll
+    for (int j = 0; j < kU; ++j) {
+      const int c = base + j * 32 + lane;
+      v[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.rows[i] * n16 + c) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], rs.w[i], weighted);
+  }
+#pragma unroll
+  for (int j = 0; j < kU; ++j) out[j] = pack_v4(acc[j]);
+}
+
+// kMaxR: compile-time bound on the world, so the home's loads of every
+// rank's partial stay in registers (kHome chunks each).
+template <int kMaxR>
+__device__ void combine_body(const CombineParams& p) {
+  constexpr int kHome = kMaxR <= 2 ? 4 : (kMaxR <= 4 ? 2 : 1);
+  constexpr int kPush = 2;
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
   const int n16 = p.hidden / 8;
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.bufs.info;
   const bool expert_major = p.layout == 1;
+  const bool weighted = p.w_rows != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   const uint64_t seq = next_seq(ws.seq(2, me));
   const ErrSink err = ws.err(p.error, me);
   const int parity = (int)(seq & 1);
+  const int4* y = reinterpret_cast<const int4*>(p.y);
 
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.
   bool overflow = false;
   for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.recv_capacity;
 
-  // ---- push: one partial row per received token to its home rank ----
-  const int u_count = overflow ? 0 : info[o.src_u_off + R];
-  const int4* y = reinterpret_cast<const int4*>(p.y);
-  for (int u = gw; u < u_count; u += nw) {
+  // ---- push: one partial row per token received from another rank ----
+  const int self_lo = info[o.src_u_off + me], self_n = info[o.src_u_off + me + 1] - self_lo;
+  const int n_remote = overflow ? 0 : info[o.src_u_off + R] - self_n;
+  for (int i = gw; i < n_remote; i += nw) {
+    const int u = i < self_lo ? i : i + self_n;
     int s = 0;
     while (s + 1 < R && u >= info[o.src_u_off + s + 1]) ++s;
     const int slot = info[o.my_slot_on + s] + (u - info[o.src_u_off + s]);
     int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
-    int row_k = -1, nrows = 1;
-    if (expert_major) {
-      row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
-      nrows = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
-    }
-    if (!expert_major) {
-      int4* const dsts[MOE_EP_MAX_RANKS] = {dst};
-      copy_row_to_ranks(y + (size_t)u * n16, dsts, 1u, n16, lane);
-    } else {
-      // Rows in ascending order (= ascending local expert), weights per row.
-      int rows[MOE_EP_MAX_TOPK];
-      float ws_[MOE_EP_MAX_TOPK];
+    const RowSet rs = row_set(p, u, expert_major, K, lane);
+    for (int base = 0; base < n16; base += 32 * kPush) {
+      int4 v[kPush];
+      partial_chunks<kPush>(y, rs, n16, base, lane, weighted, expert_major, v);
 #pragma unroll
-      for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
-        rows[i] = i < nrows ? nth_smallest(row_k, i, lane) : -1;
-        ws_[i] = (rows[i] >= 0 && p.w_rows != nullptr) ? p.w_rows[rows[i]] : 1.f;
-      }
-      const bool weighted = p.w_rows != nullptr;
-      constexpr int kU = 2;  // 16 accumulators per vector: keep it under the register cap
-      for (int base = 0; base < n16; base += 32 * kU) {
-        float acc[kU][8];
-#pragma unroll
-        for (int j = 0; j < kU; ++j)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
-#pragma unroll
-        for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
-          if (i >= nrows) break;
-          int4 v[kU];
-#pragma unroll
-          for (int j = 0; j < kU; ++j) {
-            const int c = base + j * 32 + lane;
-            if (c < n16) v[j] = ld_nc_v4(y + (size_t)rows[i] * n16 + c);
-          }
-#pragma unroll
-          for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], ws_[i], weighted);
-        }
-#pragma unroll
-        for (int j = 0; j < kU; ++j) {
-          const int c = base + j * 32 + lane;
-          if (c < n16) st_na_v4(dst + c, pack_v4(acc[j]));
-        }
+      for (int j = 0; j < kPush; ++j) {
+        const int c = base + j * 32 + lane;
+        if (c < n16) st_na_v4(dst + c, v[j]);
       }
     }
     // Gradient of the dispatched top-k weights travels home beside the row.
@@ -594,8 +630,9 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       float g = 0.f;
       if (!expert_major) {
         g = p.grad_w_in[(size_t)u * K + lane];
-      } else if (row_k >= 0) {
-        g = p.grad_w_in[row_k];
+      } else {
+        const int row_k = p.bufs.meta[(size_t)u * K + lane];
+        g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
       }
       ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
     }
@@ -613,31 +650,37 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   int4* out = reinterpret_cast<int4*>(p.out);
   for (int t = gw; t < p.num_tokens; t += nw) {
     const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
-    const int slot = pos >= 0 ? info[o.home_slot + lane] + pos : -1;
-    int slots[MOE_EP_MAX_RANKS];
+    const int slot = pos >= 0 ? (lane == me ? self_lo + pos : info[o.home_slot + lane] + pos) : -1;
+    int slots[kMaxR];
 #pragma unroll
-    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
-    // NOTE: every rank's partial of a chunk is loaded before any is added, so
-    // up to R x kHome loads are in flight; the sum stays in rank order.
-    constexpr int kHome = 1;
+    for (int d = 0; d < kMaxR; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
+    const int u_self = slots[me < kMaxR ? me : 0];
+    RowSet rs;
+    rs.n = 0;
+    if (u_self >= 0) rs = row_set(p, u_self, expert_major, K, lane);
     for (int base = 0; base < n16; base += 32 * kHome) {
-      int4 v[kHome][MOE_EP_MAX_RANKS];
+      int4 v[kMaxR][kHome];
 #pragma unroll
-      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+      for (int d = 0; d < kMaxR; ++d) {
+        if (d >= R || slots[d] < 0) continue;
+        if (d == me) {
+          partial_chunks<kHome>(y, rs, n16, base, lane, weighted, expert_major, v[d]);
+        } else {
 #pragma unroll
-        for (int j = 0; j < kHome; ++j) {
-          const int c = base + j * 32 + lane;
-          v[j][d] = (d < R && slots[d] >= 0 && c < n16) ? ld_v4(stage + (size_t)slots[d] * n16 + c) : make_int4(0, 0, 0, 0);
+          for (int j = 0; j < kHome; ++j) {
+            const int c = base + j * 32 + lane;
+            v[d][j] = c < n16 ? ld_v4(stage + (size_t)slots[d] * n16 + c) : make_int4(0, 0, 0, 0);
+          }
         }
       }
 #pragma unroll
       for (int j = 0; j < kHome; ++j) {
-        const int c = base + j * 32 + lane;
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-        for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-          if (d < R && slots[d] >= 0) acc_v4(acc, v[j][d], 1.f, false);
+        for (int d = 0; d < kMaxR; ++d) {
+          if (d < R && slots[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
         }
+        const int c = base + j * 32 + lane;
         if (c < n16) st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
       }
     }
@@ -645,12 +688,32 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       const int e = p.bufs.topk[(size_t)t * K + lane];
       float g = 0.f;
 #pragma unroll
-      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-        if (e >= 0 && e / El == d && slots[d] >= 0) {
+      for (int d = 0; d < kMaxR; ++d) {
+        if (e < 0 || e / El != d || slots[d] < 0) continue;
+        if (d != me) {
           g = stage_w[(size_t)slots[d] * MOE_EP_MAX_TOPK + lane];
+        } else if (!expert_major) {
+          g = p.grad_w_in[(size_t)slots[d] * K + lane];
+        } else {
+          const int row_k = p.bufs.meta[(size_t)slots[d] * K + lane];
+          g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
         }
       }
       p.grad_w_out[(size_t)t * K + lane] = g;
     }
   }
+}
+
+// One entry point per bound on the world (the launcher picks the smallest).
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_combine_r2(const __grid_constant__ CombineParams p) {
+  combine_body<2>(p);
+}
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_combine_r4(const __grid_constant__ CombineParams p) {
+  combine_body<4>(p);
+}
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_combine_r8(const __grid_constant__ CombineParams p) {
+  combine_body<8>(p);
 }

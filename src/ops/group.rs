@@ -230,7 +230,12 @@ impl EpGroup {
             k_layout_exchange: m.function("moe_ep_layout_exchange")?,
             k_layout_meta: m.function("moe_ep_layout_meta")?,
             k_dispatch: m.function("moe_ep_dispatch")?,
-            k_combine: m.function("moe_ep_combine")?,
+            // The smallest compile-time world bound that fits (registers).
+            k_combine: m.function(match world {
+                0..=2 => "moe_ep_combine_r2",
+                3..=4 => "moe_ep_combine_r4",
+                _ => "moe_ep_combine_r8",
+            })?,
             cfg,
         })
     }
