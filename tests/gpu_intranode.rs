@@ -216,7 +216,10 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     let (x_buf, w_buf) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
     let (x, w) = (x_buf.slice(0..t * h), w_buf.slice(0..t * k));
     let idx64_buf = up(s, &me.topk_idx)?;
-    let idx32_buf = up(s, &me.topk_idx.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
+    let idx32_buf = up(
+        s,
+        &me.topk_idx.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+    )?;
     let (idx64, idx32) = (idx64_buf.slice(0..t * k), idx32_buf.slice(0..t * k));
     let idx = if c.idx_i32 {
         TopkIdx::I32(&idx32)

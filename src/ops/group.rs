@@ -279,9 +279,13 @@ impl EpGroup {
         // common.cuh), so the next error is recorded too.
         self.error.write(ErrorInfo::default());
         let claim = self.ws_peers[self.comm.rank()] + self.w.seq_off + 3 * MAX_BLOCKS as u64 * 8;
-        self.comm.context().bind_to_thread().map_err(Error::cuda("cuCtxSetCurrent"))?;
+        self.comm
+            .context()
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
         // SAFETY: the claim word lies inside the workspace (seq region).
-        unsafe { cudarc::driver::result::memset_d8_sync(claim, 0, 8) }.map_err(Error::cuda("cuMemsetD8"))?;
+        unsafe { cudarc::driver::result::memset_d8_sync(claim, 0, 8) }
+            .map_err(Error::cuda("cuMemsetD8"))?;
         Err(match e.code {
             abi::code::TIMEOUT => {
                 self.poisoned.store(true, Ordering::Relaxed);

@@ -222,6 +222,7 @@ impl EpGroup {
         topk: usize,
         layout: RecvLayout,
     ) -> Result<Handle> {
+        let _range = crate::runtime::nvtx::range("moe_ep::layout");
         self.check()?;
         self.bind(stream)?;
         let (idx_ptr, idx_len, is_i64) = topk_idx.ptr_len();
@@ -416,6 +417,7 @@ impl EpGroup {
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
     ) -> Result<Dispatched<'a>> {
+        let _range = crate::runtime::nvtx::range("moe_ep::dispatch");
         self.check()?;
         self.bind(stream)?;
         self.check_handle(handle)?;
@@ -531,6 +533,7 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &dyn DeviceRegion<bf16>,
     ) -> Result<()> {
+        let _range = crate::runtime::nvtx::range("moe_ep::combine");
         self.check()?;
         self.bind(stream)?;
         self.check_handle(handle)?;
@@ -576,6 +579,7 @@ impl EpGroup {
         grad_tokens: &dyn DeviceRegion<bf16>,
         grad_topk_weights: Option<&dyn DeviceRegion<f32>>,
     ) -> Result<()> {
+        let _range = crate::runtime::nvtx::range("moe_ep::dispatch_backward");
         self.check()?;
         self.bind(stream)?;
         self.check_handle(handle)?;
@@ -636,6 +640,7 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a dyn DeviceRegion<bf16>>,
     ) -> Result<RecvBuf<'a, bf16>> {
+        let _range = crate::runtime::nvtx::range("moe_ep::combine_backward");
         self.check()?;
         self.bind(stream)?;
         self.check_handle(handle)?;

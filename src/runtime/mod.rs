@@ -5,6 +5,7 @@ pub mod comm;
 pub mod device;
 pub mod module;
 pub mod nccl_call;
+pub mod nvtx;
 
 pub use comm::Communicator;
 pub use device::{context, device_count, driver, MappedHost};

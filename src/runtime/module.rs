@@ -54,22 +54,23 @@ impl Module {
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
         // SAFETY: the images are complete cubin / NUL-terminated PTX from build.rs.
-        let (raw, image) = match unsafe {
-            result::module::load_data(cubin.as_ptr() as *const c_void)
-        } {
-            Ok(m) => (m, "sm_90a cubin"),
-            Err(cubin_err) => match unsafe {
-                result::module::load_data(ptx.as_ptr() as *const c_void)
-            } {
-                Ok(m) => (m, "compute_90 PTX"),
-                Err(ptx_err) => return Err(Error::Module {
-                    module: name,
-                    detail: format!(
+        let (raw, image) =
+            match unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) } {
+                Ok(m) => (m, "sm_90a cubin"),
+                Err(cubin_err) => {
+                    match unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) } {
+                        Ok(m) => (m, "compute_90 PTX"),
+                        Err(ptx_err) => {
+                            return Err(Error::Module {
+                                module: name,
+                                detail: format!(
                         "cubin: {cubin_err}; PTX: {ptx_err} (moe-ep needs an sm_90 or newer GPU)"
                     ),
-                }),
-            },
-        };
+                            })
+                        }
+                    }
+                }
+            };
         Ok(Module {
             name,
             raw,

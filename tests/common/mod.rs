@@ -53,22 +53,35 @@ where
     use std::sync::{Condvar, Mutex};
     use std::time::{Duration, Instant};
     let id = UniqueId::generate().expect("ncclGetUniqueId");
-    let state: (Mutex<Vec<Option<std::result::Result<(), String>>>>, Condvar) = (Mutex::new(vec![None; world]), Condvar::new());
+    let state: (Mutex<Vec<Option<std::result::Result<(), String>>>>, Condvar) =
+        (Mutex::new(vec![None; world]), Condvar::new());
     std::thread::scope(|s| {
         for rank in 0..world {
             let (f, id, state) = (&f, &id, &state);
             s.spawn(move || {
-                let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> std::result::Result<(), String> {
-                    let ctx = moe_ep::context(rank).map_err(|e| e.to_string())?;
-                    let comm = Communicator::init(&ctx, id, rank, world).map_err(|e| format!("init: {e}"))?;
-                    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
-                    let r = Rank { rank, world, ctx, stream, comm };
-                    f(&r).map_err(|e| format!("{e}"))
-                }))
+                let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                    || -> std::result::Result<(), String> {
+                        let ctx = moe_ep::context(rank).map_err(|e| e.to_string())?;
+                        let comm = Communicator::init(&ctx, id, rank, world)
+                            .map_err(|e| format!("init: {e}"))?;
+                        let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+                        let r = Rank {
+                            rank,
+                            world,
+                            ctx,
+                            stream,
+                            comm,
+                        };
+                        f(&r).map_err(|e| format!("{e}"))
+                    },
+                ))
                 .unwrap_or_else(|p| {
                     Err(format!(
                         "panicked: {}",
-                        p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+                        p.downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default()
                     ))
                 });
                 state.0.lock().unwrap()[rank] = Some(res);
@@ -97,11 +110,19 @@ where
                 let _ = writeln!(std::io::stderr(), "FAILED (watchdog):\n{}", msgs.join("\n"));
                 std::process::exit(101);
             }
-            done = state.1.wait_timeout(done, Duration::from_millis(200)).unwrap().0;
+            done = state
+                .1
+                .wait_timeout(done, Duration::from_millis(200))
+                .unwrap()
+                .0;
         }
     });
     let results = state.0.into_inner().unwrap();
-    let errors: Vec<String> = results.into_iter().enumerate().filter_map(|(r, x)| x.and_then(|x| x.err()).map(|e| format!("rank {r}: {e}"))).collect();
+    let errors: Vec<String> = results
+        .into_iter()
+        .enumerate()
+        .filter_map(|(r, x)| x.and_then(|x| x.err()).map(|e| format!("rank {r}: {e}")))
+        .collect();
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 

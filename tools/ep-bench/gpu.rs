@@ -48,7 +48,10 @@ struct Timer {
 impl Timer {
     fn new(ctx: &Arc<CudaContext>) -> R<Timer> {
         let timing = Some(moe_ep::cuda::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        Ok(Timer { start: ctx.new_event(timing).map_err(s)?, end: ctx.new_event(timing).map_err(s)? })
+        Ok(Timer {
+            start: ctx.new_event(timing).map_err(s)?,
+            end: ctx.new_event(timing).map_err(s)?,
+        })
     }
 }
 
@@ -71,7 +74,15 @@ impl Ctx<'_> {
         for _ in 0..self.opts.iters {
             if self.opts.flush_l2 {
                 // SAFETY: flush is a live allocation of its length.
-                unsafe { cu::memset_d8_async(DeviceRegion::device_ptr(&self.flush), 0x5a, self.flush.len(), self.stream.cu_stream()) }.map_err(s)?;
+                unsafe {
+                    cu::memset_d8_async(
+                        DeviceRegion::device_ptr(&self.flush),
+                        0x5a,
+                        self.flush.len(),
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(s)?;
             }
             self.comm.barrier(&self.stream).map_err(s)?;
             self.timer.start.record(&self.stream).map_err(s)?;
@@ -95,13 +106,20 @@ fn recv_layout(l: Layout) -> RecvLayout {
 fn routings(case: &Case, shape: &Shape, seed: u64, world: usize) -> R<Vec<Vec<i64>>> {
     (0..world)
         .map(|r| match &case.routing {
-            Routing::File(path) => workload::read_topk_file(path, case.topk).map_err(s).and_then(|v| {
-                let need = case.tokens * case.topk;
-                if v.len() < need {
-                    return Err(format!("--routing file: {} has {} tokens, the case needs {}", path.display(), v.len() / case.topk, case.tokens));
-                }
-                Ok(v[..need].to_vec())
-            }),
+            Routing::File(path) => workload::read_topk_file(path, case.topk)
+                .map_err(s)
+                .and_then(|v| {
+                    let need = case.tokens * case.topk;
+                    if v.len() < need {
+                        return Err(format!(
+                            "--routing file: {} has {} tokens, the case needs {}",
+                            path.display(),
+                            v.len() / case.topk,
+                            case.tokens
+                        ));
+                    }
+                    Ok(v[..need].to_vec())
+                }),
             other => {
                 let routing = match other {
                     Routing::Uniform => workload::Routing::Uniform,
@@ -109,7 +127,12 @@ fn routings(case: &Case, shape: &Shape, seed: u64, world: usize) -> R<Vec<Vec<i6
                     Routing::Masked(m) => workload::Routing::Masked { masked_share: *m },
                     Routing::File(_) => unreachable!(),
                 };
-                Ok(workload::topk_idx(&mut Rng::new(workload::rank_seed(seed, r)), case.tokens, shape, routing))
+                Ok(workload::topk_idx(
+                    &mut Rng::new(workload::rank_seed(seed, r)),
+                    case.tokens,
+                    shape,
+                    routing,
+                ))
             }
         })
         .collect()
@@ -119,7 +142,11 @@ fn routings(case: &Case, shape: &Shape, seed: u64, world: usize) -> R<Vec<Vec<i6
 /// this case's routing (which may come from a file).
 fn rank_input(case: &Case, seed: u64, rank: usize, topk_idx: Vec<i64>) -> RankInput {
     let mut rng = Rng::new(workload::rank_seed(seed, rank) ^ 0x70CE);
-    RankInput { tokens: workload::tokens(&mut rng, case.tokens, case.hidden), topk_weights: workload::topk_weights(&mut rng, case.tokens, case.topk), topk_idx }
+    RankInput {
+        tokens: workload::tokens(&mut rng, case.tokens, case.hidden),
+        topk_weights: workload::topk_weights(&mut rng, case.tokens, case.topk),
+        topk_idx,
+    }
 }
 
 /// Measures every case on this rank; rank 0 returns the gathered results.
@@ -127,17 +154,30 @@ pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>
     let id = env.unique_id(nccl_unique_id)?;
     let uid = UniqueId(moe_ep::sys::nccl::ncclUniqueId { internal: id });
     let ctx = moe_ep::context(env.device()).map_err(s)?;
-    let comm = Communicator::init(&ctx, &uid, env.rank, env.world).map_err(|e| format!("NCCL init: {e}"))?;
+    let comm = Communicator::init(&ctx, &uid, env.rank, env.world)
+        .map_err(|e| format!("NCCL init: {e}"))?;
     let stream = ctx.new_stream().map_err(s)?;
     let flush = stream.alloc_zeros::<u8>(256 << 20).map_err(s)?;
-    let c = Ctx { opts, timer: Timer::new(&ctx)?, stream, comm, flush };
+    let c = Ctx {
+        opts,
+        timer: Timer::new(&ctx)?,
+        stream,
+        comm,
+        flush,
+    };
     let gpu_name = ctx.name().unwrap_or_else(|_| "GPU".into());
     let mut progress = Progress::new(cases.len(), env.is_root() && !opts.quiet);
     let mut results = Vec::new();
     for case in cases {
         progress.start_case(case);
         let r = run_case(&c, case, env.world).map_err(|e| format!("{}: {e}", case.label()))?;
-        results.push(CaseResult { case: case.clone(), ops: r.0, world: env.world, gpu_name: gpu_name.clone(), check: r.1 });
+        results.push(CaseResult {
+            case: case.clone(),
+            ops: r.0,
+            world: env.world,
+            gpu_name: gpu_name.clone(),
+            check: r.1,
+        });
     }
     progress.finish();
     Ok(if env.is_root() { results } else { Vec::new() })
@@ -146,11 +186,20 @@ pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>
 fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<bool>)> {
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
-    let shape = Shape { num_ranks: world, num_experts: case.experts, hidden: case.hidden, topk: case.topk };
+    let shape = Shape {
+        num_ranks: world,
+        num_experts: case.experts,
+        hidden: case.hidden,
+        topk: case.topk,
+    };
     shape.validate().map_err(s)?;
     let layout = recv_layout(case.layout);
     let routing = routings(case, &shape, opts.seed, world)?;
-    let layouts: Vec<refr::Layout> = routing.iter().map(|t| refr::layout(&shape, t)).collect::<Result<_, _>>().map_err(s)?;
+    let layouts: Vec<refr::Layout> = routing
+        .iter()
+        .map(|t| refr::layout(&shape, t))
+        .collect::<Result<_, _>>()
+        .map_err(s)?;
     let counts = refr::gather_counts(&shape, &layouts);
     let cap = (0..world)
         .map(|d| match layout {
@@ -166,26 +215,59 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
-    let up = |v: &[bf16]| s_.clone_htod(if v.is_empty() { &[bf16::ZERO][..] } else { v }).map_err(s);
+    let up = |v: &[bf16]| {
+        s_.clone_htod(if v.is_empty() { &[bf16::ZERO][..] } else { v })
+            .map_err(s)
+    };
     let x = up(&me.tokens)?;
-    let w = s_.clone_htod(if me.topk_weights.is_empty() { &[0f32][..] } else { &me.topk_weights }).map_err(s)?;
-    let idx = s_.clone_htod(if me.topk_idx.is_empty() { &[-1i64][..] } else { &me.topk_idx }).map_err(s)?;
+    let w = s_
+        .clone_htod(if me.topk_weights.is_empty() {
+            &[0f32][..]
+        } else {
+            &me.topk_weights
+        })
+        .map_err(s)?;
+    let idx = s_
+        .clone_htod(if me.topk_idx.is_empty() {
+            &[-1i64][..]
+        } else {
+            &me.topk_idx
+        })
+        .map_err(s)?;
     let (xv, wv, idxv) = (x.slice(0..t * h), w.slice(0..t * k), idx.slice(0..t * k));
     let recv = group.pool().alloc::<bf16>(cap * h).map_err(s)?;
-    let wpr = if matches!(layout, RecvLayout::RankMajor) { k } else { 1 };
+    let wpr = if matches!(layout, RecvLayout::RankMajor) {
+        k
+    } else {
+        1
+    };
     let recv_w = group.pool().alloc::<f32>(cap * wpr).map_err(s)?;
     let out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
     let grad_w = s_.alloc_zeros::<f32>((t * k).max(1)).map_err(s)?;
 
-    let handle = group.layout(s_, TopkIdx::I64(&idxv), k, layout).map_err(s)?;
+    let handle = group
+        .layout(s_, TopkIdx::I64(&idxv), k, layout)
+        .map_err(s)?;
     let eb = case.elem_bytes();
     let bytes = |op: Op| crate::accounting::op_bytes(op, &counts.rank, world, rank, h, eb);
     let mut mine: Vec<(String, Vec<f64>, u64, u64)> = Vec::new();
 
     // --check: dispatch and combine against the CPU reference, once.
     let check = if opts.check {
-        let inputs: Vec<RankInput> = (0..world).map(|r| rank_input(case, opts.seed, r, routing[r].clone())).collect();
-        let ok = check_case(c, &group, &handle, &shape, &inputs, layout, (&xv, &wv), (&recv, &recv_w), &out)?;
+        let inputs: Vec<RankInput> = (0..world)
+            .map(|r| rank_input(case, opts.seed, r, routing[r].clone()))
+            .collect();
+        let ok = check_case(
+            c,
+            &group,
+            &handle,
+            &shape,
+            &inputs,
+            layout,
+            (&xv, &wv),
+            (&recv, &recv_w),
+            &out,
+        )?;
         let all = c.comm.all_gather_host(s_, &[ok as u8]).map_err(s)?;
         Some(all.iter().all(|&v| v == 1))
     } else {
@@ -194,13 +276,39 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 
     for &op in &opts.ops {
         let samples = match op {
-            Op::Layout => c.time(|| group.layout(s_, TopkIdx::I64(&idxv), k, layout).map(drop).map_err(s))?,
+            Op::Layout => c.time(|| {
+                group
+                    .layout(s_, TopkIdx::I64(&idxv), k, layout)
+                    .map(drop)
+                    .map_err(s)
+            })?,
             Op::Dispatch => c.time(|| {
-                group.dispatch(s_, &handle, &xv, &wv, DispatchOut { recv_tokens: Some(&recv), recv_topk_weights: Some(&recv_w) }).map(drop).map_err(s)
+                group
+                    .dispatch(
+                        s_,
+                        &handle,
+                        &xv,
+                        &wv,
+                        DispatchOut {
+                            recv_tokens: Some(&recv),
+                            recv_topk_weights: Some(&recv_w),
+                        },
+                    )
+                    .map(drop)
+                    .map_err(s)
             })?,
             Op::Combine => c.time(|| group.combine(s_, &handle, &recv, None, &out).map_err(s))?,
-            Op::DispatchBwd => c.time(|| group.dispatch_backward(s_, &handle, &recv, Some(&recv_w), &out, Some(&grad_w)).map_err(s))?,
-            Op::CombineBwd => c.time(|| group.combine_backward(s_, &handle, &out, None, Some(&recv)).map(drop).map_err(s))?,
+            Op::DispatchBwd => c.time(|| {
+                group
+                    .dispatch_backward(s_, &handle, &recv, Some(&recv_w), &out, Some(&grad_w))
+                    .map_err(s)
+            })?,
+            Op::CombineBwd => c.time(|| {
+                group
+                    .combine_backward(s_, &handle, &out, None, Some(&recv))
+                    .map(drop)
+                    .map_err(s)
+            })?,
         };
         let b = bytes(op);
         mine.push((op.name().to_string(), samples, b.nvlink, b.logical));
@@ -209,16 +317,35 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 
     if opts.baselines && world > 1 {
         let nv = bytes(Op::Dispatch).nvlink;
-        mine.extend(baselines(c, &group, &counts.rank, world, h * eb, nv, case.num_sms)?);
+        mine.extend(baselines(
+            c,
+            &group,
+            &counts.rank,
+            world,
+            h * eb,
+            nv,
+            case.num_sms,
+        )?);
     }
     Ok((gather(c, mine)?, check))
 }
 
 /// NCCL grouped send/recv of this rank's dispatch rows to every peer; SM
 /// stores into the next rank's symmetric buffer; copy-engine peer copy.
-fn baselines(c: &Ctx<'_>, group: &EpGroup, counts: &[u32], world: usize, row: usize, nv: u64, sms: usize) -> R<Vec<(String, Vec<f64>, u64, u64)>> {
+fn baselines(
+    c: &Ctx<'_>,
+    group: &EpGroup,
+    counts: &[u32],
+    world: usize,
+    row: usize,
+    nv: u64,
+    sms: usize,
+) -> R<Vec<(String, Vec<f64>, u64, u64)>> {
     let rank = c.comm.rank();
-    let total_rows: usize = (0..world).map(|d| counts[rank * world + d].max(counts[d * world + rank]) as usize).sum::<usize>().max(1);
+    let total_rows: usize = (0..world)
+        .map(|d| counts[rank * world + d].max(counts[d * world + rank]) as usize)
+        .sum::<usize>()
+        .max(1);
     let send = group.pool().alloc::<u8>(total_rows * row).map_err(s)?;
     let recv = group.pool().alloc::<u8>(total_rows * row).map_err(s)?;
     let cs = c.stream.cu_stream() as *mut c_void;
@@ -226,11 +353,30 @@ fn baselines(c: &Ctx<'_>, group: &EpGroup, counts: &[u32], world: usize, row: us
         nc::group_start().map_err(s)?;
         let mut off = 0usize;
         for d in (0..world).filter(|&d| d != rank) {
-            let (ns, nr) = (counts[rank * world + d] as usize * row, counts[d * world + rank] as usize * row);
+            let (ns, nr) = (
+                counts[rank * world + d] as usize * row,
+                counts[d * world + rank] as usize * row,
+            );
             // SAFETY: both ranges lie inside send/recv (sized above).
             unsafe {
-                nc::send((send.device_ptr() as usize + off) as *const c_void, ns, moe_ep::sys::nccl::ncclUint8, d, c.comm.raw(), cs).map_err(s)?;
-                nc::recv((recv.device_ptr() as usize + off) as *mut c_void, nr, moe_ep::sys::nccl::ncclUint8, d, c.comm.raw(), cs).map_err(s)?;
+                nc::send(
+                    (send.device_ptr() as usize + off) as *const c_void,
+                    ns,
+                    moe_ep::sys::nccl::ncclUint8,
+                    d,
+                    c.comm.raw(),
+                    cs,
+                )
+                .map_err(s)?;
+                nc::recv(
+                    (recv.device_ptr() as usize + off) as *mut c_void,
+                    nr,
+                    moe_ep::sys::nccl::ncclUint8,
+                    d,
+                    c.comm.raw(),
+                    cs,
+                )
+                .map_err(s)?;
             }
             off += ns.max(nr);
         }
@@ -240,8 +386,12 @@ fn baselines(c: &Ctx<'_>, group: &EpGroup, counts: &[u32], world: usize, row: us
     let dst = recv.peer_ptr(peer).ok_or("peer not reachable")?;
     let len = (nv / 16 * 16).min(recv.len() as u64);
     // SAFETY: len bytes fit both buffers.
-    let store = c.time(|| unsafe { moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s) })?;
-    let ce = c.time(|| unsafe { cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s) })?;
+    let store = c.time(|| unsafe {
+        moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
+    })?;
+    let ce = c.time(|| unsafe {
+        cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)
+    })?;
     Ok(vec![
         (report::NCCL_ALLTOALL.to_string(), a2a, nv, nv),
         (report::PEER_STORE_CEILING.to_string(), store, len, len),
@@ -267,7 +417,13 @@ fn gather(c: &Ctx<'_>, mine: Vec<(String, Vec<f64>, u64, u64)>) -> R<Vec<OpResul
             let at = |r: usize, j: usize| all[r * per + i * 5 + j];
             OpResult {
                 op: name.clone(),
-                per_rank: (0..world).map(|r| Stat { median_us: at(r, 0), min_us: at(r, 1), max_us: at(r, 2) }).collect(),
+                per_rank: (0..world)
+                    .map(|r| Stat {
+                        median_us: at(r, 0),
+                        min_us: at(r, 1),
+                        max_us: at(r, 2),
+                    })
+                    .collect(),
                 nvlink_bytes: (0..world).map(|r| at(r, 3) as u64).collect(),
                 logical_bytes: (0..world).map(|r| at(r, 4) as u64).collect(),
             }
@@ -291,7 +447,18 @@ fn check_case(
 ) -> R<bool> {
     let (rank, s_) = (c.comm.rank(), &c.stream);
     let want = refr::dispatch(shape, inputs, rank, layout).map_err(s)?;
-    let d = group.dispatch(s_, handle, x, w, DispatchOut { recv_tokens: Some(recv), recv_topk_weights: Some(recv_w) }).map_err(s)?;
+    let d = group
+        .dispatch(
+            s_,
+            handle,
+            x,
+            w,
+            DispatchOut {
+                recv_tokens: Some(recv),
+                recv_topk_weights: Some(recv_w),
+            },
+        )
+        .map_err(s)?;
     drop(d);
     group.combine(s_, handle, recv, None, out).map_err(s)?;
     let h = shape.hidden;
@@ -304,17 +471,27 @@ fn check_case(
             cu::memcpy_dtoh_async(&mut got, recv.device_ptr(), s_.cu_stream()).map_err(s)?;
         }
         if !comb.is_empty() {
-            cu::memcpy_dtoh_async(&mut comb, DeviceRegion::device_ptr(out), s_.cu_stream()).map_err(s)?;
+            cu::memcpy_dtoh_async(&mut comb, DeviceRegion::device_ptr(out), s_.cu_stream())
+                .map_err(s)?;
         }
     }
     s_.synchronize().map_err(s)?;
     group.check().map_err(s)?;
-    let outs: Vec<Vec<bf16>> = (0..shape.num_ranks).map(|d| refr::dispatch(shape, inputs, d, layout).map(|o| o.tokens)).collect::<Result<_, Error>>().map_err(s)?;
+    let outs: Vec<Vec<bf16>> = (0..shape.num_ranks)
+        .map(|d| refr::dispatch(shape, inputs, d, layout).map(|o| o.tokens))
+        .collect::<Result<_, Error>>()
+        .map_err(s)?;
     let emu = refr::combine_emulated(shape, inputs, &outs, rank, layout, false).map_err(s)?;
-    let same = |a: &[bf16], b: &[bf16]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let same = |a: &[bf16], b: &[bf16]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    };
     let ok = same(&got, &want.tokens) && same(&comb, &emu);
     if !ok {
-        eprintln!("ep-bench: rank {rank}: --check failed (dispatch {}, combine {})", same(&got, &want.tokens), same(&comb, &emu));
+        eprintln!(
+            "ep-bench: rank {rank}: --check failed (dispatch {}, combine {})",
+            same(&got, &want.tokens),
+            same(&comb, &emu)
+        );
     }
     Ok(ok)
 }
