@@ -95,8 +95,7 @@ struct Workspace {
   uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
   uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine)
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
-  uint64_t stage_flag_off; // uint64 [2 parity][stage_rows]    per-slot arrival (combine seq), by peers
-  uint64_t _pad;
+  uint64_t _pad[2];
 };
 
 struct LayoutParams {

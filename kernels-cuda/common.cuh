@@ -24,13 +24,6 @@ MOE_EP_DEVICE int32_t ld_relaxed_sys_s32(const int32_t* p) {
   asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// A float written by a peer before its release flag, read after our acquire
-// by another lane of the warp: relaxed at system scope, never cached stale.
-MOE_EP_DEVICE float ld_acquire_sys_f32(const float* p) {
-  float v;
-  asm volatile("ld.acquire.sys.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-  return v;
-}
 MOE_EP_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // ---- bulk data: 16-byte vectors ----

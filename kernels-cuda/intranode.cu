@@ -39,9 +39,6 @@ struct Ws {
     return reinterpret_cast<int4*>(base[r] + w.stage_off) +
            (size_t)parity * w.stage_rows * (hidden / 8);
   }
-  __device__ uint64_t* stage_flag(int r, int parity) const {
-    return reinterpret_cast<uint64_t*>(base[r] + w.stage_flag_off) + (size_t)parity * w.stage_rows;
-  }
   __device__ float* stage_w(int r, int parity) const {
     return reinterpret_cast<float*>(base[r] + w.stage_w_off) +
            (size_t)parity * w.stage_rows * MOE_EP_MAX_TOPK;
@@ -147,6 +144,18 @@ __device__ __forceinline__ void copy_row_to_ranks(const int4* src, int4* const (
       }
     }
   }
+}
+
+// The `i`-th smallest of the valid (>= 0) values held by lanes < n; -1 if none.
+__device__ __forceinline__ int nth_smallest(int v, int i, int lane) {
+  const bool valid = v >= 0;
+  int below = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int o = __shfl_sync(0xffffffffu, v, j);
+    below += (o >= 0 && valid && (o < v)) ? 1 : 0;
+  }
+  const unsigned who = __ballot_sync(0xffffffffu, valid && below == i);
+  return who ? __shfl_sync(0xffffffffu, v, __ffs(who) - 1) : -1;
 }
 
 }  // namespace
@@ -516,37 +525,26 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
 // The f32 sum of one received token's rows here, chunk `c` of its row:
 // rank-major the row itself, expert-major its rows in ascending order.
 struct RowSet {
-  int row_lane;   // lane i: the i-th smallest row of the token here (expert-major)
-  float w_lane;   // lane i: that row's weight (1 when unweighted)
-  int n;          // number of rows
-  int first;      // rank-major: the token's one row
+  int rows[MOE_EP_MAX_TOPK];
+  float w[MOE_EP_MAX_TOPK];
+  int n;
 };
-// NOTE: rows live one per lane and are fetched with shuffles, so nothing is
-// indexed at run time in registers (no local-memory stack frame).
 __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool expert_major, int K,
                                           int lane) {
   RowSet rs;
-  rs.first = u;
-  rs.row_lane = -1;
-  rs.w_lane = 1.f;
   if (!expert_major) {
     rs.n = 1;
+    rs.rows[0] = u;
+    rs.w[0] = 1.f;
     return rs;
   }
   const int row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
-  const unsigned valid = __ballot_sync(0xffffffffu, row_k >= 0);
-  rs.n = __popc(valid);
-  int below = 0;
-  for (int j = 0; j < K; ++j) {
-    const int o = __shfl_sync(0xffffffffu, row_k, j);
-    below += (o >= 0 && o < row_k) ? 1 : 0;
+  rs.n = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
+#pragma unroll
+  for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
+    rs.rows[i] = i < rs.n ? nth_smallest(row_k, i, lane) : -1;
+    rs.w[i] = (rs.rows[i] >= 0 && p.w_rows != nullptr) ? p.w_rows[rs.rows[i]] : 1.f;
   }
-  for (int i = 0; i < rs.n; ++i) {
-    const unsigned who = __ballot_sync(0xffffffffu, row_k >= 0 && below == i);
-    const int v = __shfl_sync(0xffffffffu, row_k, who ? __ffs(who) - 1 : 0);
-    if (lane == i) rs.row_lane = v;
-  }
-  if (rs.row_lane >= 0 && p.w_rows != nullptr) rs.w_lane = p.w_rows[rs.row_lane];
   return rs;
 }
 
@@ -559,7 +557,7 @@ __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, 
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
       const int c = base + j * 32 + lane;
-      out[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.first * n16 + c) : make_int4(0, 0, 0, 0);
+      out[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.rows[0] * n16 + c) : make_int4(0, 0, 0, 0);
     }
     return;
   }
@@ -568,28 +566,17 @@ __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, 
   for (int j = 0; j < kU; ++j)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
-  // NOTE: rows are loaded four at a time before any is added, so several
-  // loads are in flight; the adds stay in ascending row order.
-  for (int i0 = 0; i0 < rs.n; i0 += 4) {
-    int4 v[4][kU];
-    float w[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int row = __shfl_sync(0xffffffffu, rs.row_lane, (i0 + q) & 31);
-      w[q] = __shfl_sync(0xffffffffu, rs.w_lane, (i0 + q) & 31);
+  for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
+    if (i >= rs.n) break;
+    int4 v[kU];
 #pragma unroll
-      for (int j = 0; j < kU; ++j) {
-        const int c = base + j * 32 + lane;
-        v[q][j] = (i0 + q < rs.n && c < n16) ? ld_nc_v4(y + (size_t)row * n16 + c) : make_int4(0, 0, 0, 0);
-      }
+    for (int j = 0; j < kU; ++j) {
+      const int c = base + j * 32 + lane;
+      v[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.rows[i] * n16 + c) : make_int4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      if (i0 + q < rs.n) {
-#pragma unroll
-        for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[q][j], w[q], weighted);
-      }
-    }
+    for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], rs.w[i], weighted);
   }
 #pragma unroll
   for (int j = 0; j < kU; ++j) out[j] = pack_v4(acc[j]);
@@ -599,12 +586,8 @@ __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, 
 // rank's partial stay in registers (kHome chunks each).
 template <int kMaxR>
 __device__ void combine_body(const CombineParams& p) {
-  constexpr int kHome = kMaxR <= 2 ? 2 : 1;
+  constexpr int kHome = kMaxR <= 2 ? 4 : (kMaxR <= 4 ? 2 : 1);
   constexpr int kPush = 2;
-  // Roles: the first kPushWarps warps of every block push partials to their
-  // home ranks; the others reduce this rank's tokens as their partials arrive
-  // (one release flag per pushed row), so the two overlap.
-  constexpr int kPushWarps = kWarps / 2;
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
   const int n16 = p.hidden / 8;
   const Ws ws{p.w, p.ws, R, E};
@@ -612,7 +595,8 @@ __device__ void combine_body(const CombineParams& p) {
   const int32_t* info = p.bufs.info;
   const bool expert_major = p.layout == 1;
   const bool weighted = p.w_rows != nullptr;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   const uint64_t seq = next_seq(ws.seq(2, me));
   const ErrSink err = ws.err(p.error, me);
   const int parity = (int)(seq & 1);
@@ -621,124 +605,103 @@ __device__ void combine_body(const CombineParams& p) {
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.
   bool overflow = false;
   for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.recv_capacity;
-  const int self_lo = info[o.src_u_off + me], self_n = info[o.src_u_off + me + 1] - self_lo;
 
-  if (warp < kPushWarps) {
-    // ---- push: one partial row per token received from another rank ----
-    const int pw = blockIdx.x * kPushWarps + warp, npw = gridDim.x * kPushWarps;
-    const int n_remote = overflow ? 0 : info[o.src_u_off + R] - self_n;
-    for (int i = pw; i < n_remote; i += npw) {
-      const int u = i < self_lo ? i : i + self_n;
-      int s = 0;
-      while (s + 1 < R && u >= info[o.src_u_off + s + 1]) ++s;
-      const int slot = info[o.my_slot_on + s] + (u - info[o.src_u_off + s]);
-      int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
-      const RowSet rs = row_set(p, u, expert_major, K, lane);
-      for (int base = 0; base < n16; base += 32 * kPush) {
-        int4 v[kPush];
-        partial_chunks<kPush>(y, rs, n16, base, lane, weighted, expert_major, v);
+  // ---- push: one partial row per token received from another rank ----
+  const int self_lo = info[o.src_u_off + me], self_n = info[o.src_u_off + me + 1] - self_lo;
+  const int n_remote = overflow ? 0 : info[o.src_u_off + R] - self_n;
+  for (int i = gw; i < n_remote; i += nw) {
+    const int u = i < self_lo ? i : i + self_n;
+    int s = 0;
+    while (s + 1 < R && u >= info[o.src_u_off + s + 1]) ++s;
+    const int slot = info[o.my_slot_on + s] + (u - info[o.src_u_off + s]);
+    int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
+    const RowSet rs = row_set(p, u, expert_major, K, lane);
+    for (int base = 0; base < n16; base += 32 * kPush) {
+      int4 v[kPush];
+      partial_chunks<kPush>(y, rs, n16, base, lane, weighted, expert_major, v);
 #pragma unroll
-        for (int j = 0; j < kPush; ++j) {
-          const int c = base + j * 32 + lane;
-          if (c < n16) st_na_v4(dst + c, v[j]);
-        }
-      }
-      // Gradient of the dispatched top-k weights travels home beside the row.
-      if (p.grad_w_in != nullptr && lane < K) {
-        float g = 0.f;
-        if (!expert_major) {
-          g = p.grad_w_in[(size_t)u * K + lane];
-        } else {
-          const int row_k = p.bufs.meta[(size_t)u * K + lane];
-          g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
-        }
-        ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
-      }
-      // NOTE: the warp barrier orders every lane's stores before lane 0's
-      // fence + release, which publishes the row to the home rank.
-      __syncwarp();
-      if (lane == 0) {
-        fence_acq_rel_sys();
-        st_release_sys_u64(ws.stage_flag(s, parity) + slot, seq);
+      for (int j = 0; j < kPush; ++j) {
+        const int c = base + j * 32 + lane;
+        if (c < n16) st_na_v4(dst + c, v[j]);
       }
     }
-  } else if (!overflow) {
-    // ---- home: sum each token's partials in ascending rank order ----
-    const int rw = blockIdx.x * (kWarps - kPushWarps) + (warp - kPushWarps);
-    const int nrw = gridDim.x * (kWarps - kPushWarps);
-    const int4* stage = ws.stage(me, parity, p.hidden);
-    const float* stage_w = ws.stage_w(me, parity);
-    const uint64_t* arrived = ws.stage_flag(me, parity);
-    int4* out = reinterpret_cast<int4*>(p.out);
-    bool ok = true;
-    for (int t = rw; t < p.num_tokens && ok; t += nrw) {
-      const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
-      const int slot = pos >= 0 ? (lane == me ? self_lo + pos : info[o.home_slot + lane] + pos) : -1;
-      // Lane d waits for rank d's partial of this token (bounded).
-      bool mine_ok = true;
-      if (slot >= 0 && lane != me && lane < R) {
-        mine_ok = wait_at_least(arrived + slot, seq, p.timeout_ns, err, me, lane, MOE_EP_CTR_COMBINE_DONE);
+    // Gradient of the dispatched top-k weights travels home beside the row.
+    if (p.grad_w_in != nullptr && lane < K) {
+      float g = 0.f;
+      if (!expert_major) {
+        g = p.grad_w_in[(size_t)u * K + lane];
+      } else {
+        const int row_k = p.bufs.meta[(size_t)u * K + lane];
+        g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
       }
-      ok = __all_sync(0xffffffffu, mine_ok);
-      if (!ok) break;
-      __syncwarp();  // NOTE: orders the other lanes' loads after lane d's acquire
-      int slots[kMaxR];
-#pragma unroll
-      for (int d = 0; d < kMaxR; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
-      const int u_self = slots[me < kMaxR ? me : 0];
-      RowSet rs;
-      rs.n = 0;
-      if (u_self >= 0) rs = row_set(p, u_self, expert_major, K, lane);
-      for (int base = 0; base < n16; base += 32 * kHome) {
-        int4 v[kMaxR][kHome];
-#pragma unroll
-        for (int d = 0; d < kMaxR; ++d) {
-          if (d >= R || slots[d] < 0) continue;
-          if (d == me) {
-            partial_chunks<kHome>(y, rs, n16, base, lane, weighted, expert_major, v[d]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < kHome; ++j) {
-              const int c = base + j * 32 + lane;
-              v[d][j] = c < n16 ? ld_v4(stage + (size_t)slots[d] * n16 + c) : make_int4(0, 0, 0, 0);
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kHome; ++j) {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-          for (int d = 0; d < kMaxR; ++d) {
-            if (d < R && slots[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
-          }
-          const int c = base + j * 32 + lane;
-          if (c < n16) st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
-        }
-      }
-      if (p.grad_w_out != nullptr && lane < K) {
-        const int e = p.bufs.topk[(size_t)t * K + lane];
-        float g = 0.f;
-#pragma unroll
-        for (int d = 0; d < kMaxR; ++d) {
-          if (e < 0 || e / El != d || slots[d] < 0) continue;
-          if (d != me) {
-            g = ld_acquire_sys_f32(stage_w + (size_t)slots[d] * MOE_EP_MAX_TOPK + lane);
-          } else if (!expert_major) {
-            g = p.grad_w_in[(size_t)slots[d] * K + lane];
-          } else {
-            const int row_k = p.bufs.meta[(size_t)slots[d] * K + lane];
-            g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
-          }
-        }
-        p.grad_w_out[(size_t)t * K + lane] = g;
-      }
+      ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
     }
   }
 
-  // Everyone's pushes and reductions are done before any rank starts the
-  // next combine into the other parity (keeps the ranks within one op).
-  signal_and_wait(combine_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
-                  MOE_EP_CTR_COMBINE_DONE);
+  if (!signal_and_wait(combine_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
+                       MOE_EP_CTR_COMBINE_DONE) ||
+      overflow) {
+    return;
+  }
+
+  // ---- home: sum each token's partials in ascending rank order ----
+  const int4* stage = ws.stage(me, parity, p.hidden);
+  const float* stage_w = ws.stage_w(me, parity);
+  int4* out = reinterpret_cast<int4*>(p.out);
+  for (int t = gw; t < p.num_tokens; t += nw) {
+    const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
+    const int slot = pos >= 0 ? (lane == me ? self_lo + pos : info[o.home_slot + lane] + pos) : -1;
+    int slots[kMaxR];
+#pragma unroll
+    for (int d = 0; d < kMaxR; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
+    const int u_self = slots[me < kMaxR ? me : 0];
+    RowSet rs;
+    rs.n = 0;
+    if (u_self >= 0) rs = row_set(p, u_self, expert_major, K, lane);
+    for (int base = 0; base < n16; base += 32 * kHome) {
+      int4 v[kMaxR][kHome];
+#pragma unroll
+      for (int d = 0; d < kMaxR; ++d) {
+        if (d >= R || slots[d] < 0) continue;
+        if (d == me) {
+          partial_chunks<kHome>(y, rs, n16, base, lane, weighted, expert_major, v[d]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kHome; ++j) {
+            const int c = base + j * 32 + lane;
+            v[d][j] = c < n16 ? ld_v4(stage + (size_t)slots[d] * n16 + c) : make_int4(0, 0, 0, 0);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kHome; ++j) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int d = 0; d < kMaxR; ++d) {
+          if (d < R && slots[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
+        }
+        const int c = base + j * 32 + lane;
+        if (c < n16) st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
+      }
+    }
+    if (p.grad_w_out != nullptr && lane < K) {
+      const int e = p.bufs.topk[(size_t)t * K + lane];
+      float g = 0.f;
+#pragma unroll
+      for (int d = 0; d < kMaxR; ++d) {
+        if (e < 0 || e / El != d || slots[d] < 0) continue;
+        if (d != me) {
+          g = stage_w[(size_t)slots[d] * MOE_EP_MAX_TOPK + lane];
+        } else if (!expert_major) {
+          g = p.grad_w_in[(size_t)slots[d] * K + lane];
+        } else {
+          const int row_k = p.bufs.meta[(size_t)slots[d] * K + lane];
+          g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
+        }
+      }
+      p.grad_w_out[(size_t)t * K + lane] = g;
+    }
+  }
 }
 
 // One entry point per bound on the world (the launcher picks the smallest).

@@ -67,8 +67,7 @@ pub struct Workspace {
     pub stage_w_off: u64,
     pub seq_off: u64,
     pub stage_rows: u64,
-    pub stage_flag_off: u64,
-    pub _pad: u64,
+    pub _pad: [u64; 2],
 }
 
 #[repr(C)]

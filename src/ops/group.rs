@@ -164,11 +164,11 @@ impl EpGroup {
         //   count_flag     u64   [R]
         //   dispatch_done  u64   [R][MAX_BLOCKS]
         //   combine_done   u64   [R][MAX_BLOCKS]
-        //   stage_flag     u64   [2][R * max_tokens]    per-slot arrival of combine partials
         //   seq            u64   [4][MAX_BLOCKS]        local counters
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
         //   stage          bf16  [2][R * max_tokens][H]
         let (r, e, h) = (world as u64, cfg.num_experts as u64, cfg.hidden as u64);
+        let stage_rows = r * cfg.max_tokens_per_rank as u64;
         let align = |x: u64| x.div_ceil(256) * 256;
         let mut w = Workspace::default();
         let mut at = 0u64;
@@ -181,8 +181,6 @@ impl EpGroup {
         w.count_flag_off = carve(r * 8).0;
         w.dispatch_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.combine_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
-        let stage_rows = r * cfg.max_tokens_per_rank as u64;
-        w.stage_flag_off = carve(2 * stage_rows * 8).0;
         let zeroed; // everything before the stage must start at zero
         (w.seq_off, zeroed) = carve(4 * MAX_BLOCKS as u64 * 8);
         w.stage_w_off = carve(2 * stage_rows * MAX_TOPK as u64 * 4).0;
