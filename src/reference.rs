@@ -111,14 +111,14 @@ impl Shape {
         if self.num_ranks == 0 {
             return Err(Error::arg("num_ranks", "at least 1", self.num_ranks));
         }
-        if self.num_experts == 0 || self.num_experts % self.num_ranks != 0 {
+        if self.num_experts == 0 || !self.num_experts.is_multiple_of(self.num_ranks) {
             return Err(Error::arg(
                 "num_experts",
                 format!("a positive multiple of num_ranks = {}", self.num_ranks),
                 self.num_experts,
             ));
         }
-        if self.hidden == 0 || self.hidden % 8 != 0 {
+        if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
             return Err(Error::arg(
                 "hidden",
                 "a positive multiple of 8",
@@ -201,7 +201,7 @@ pub fn validate_topk(shape: &Shape, topk_idx: &[i64]) -> Result<()> {
     shape.validate()?;
     let k = shape.topk;
     let e_max = shape.num_experts as i64;
-    if topk_idx.len() % k != 0 {
+    if !topk_idx.len().is_multiple_of(k) {
         return Err(Error::arg(
             "topk_idx",
             format!("a length that is a multiple of topk = {k}"),
@@ -608,7 +608,7 @@ pub fn dispatch(
     };
     for row in &p.rows {
         let Some(RowSrc { rank, token, slot }) = *row else {
-            out.tokens.extend(std::iter::repeat(bf16::ZERO).take(h));
+            out.tokens.extend(std::iter::repeat_n(bf16::ZERO, h));
             out.topk_weights.push(0.0);
             out.topk_local_idx.push(-1);
             out.src.push((-1, -1));
@@ -942,7 +942,7 @@ pub fn combine_backward(
     let mut out = Vec::with_capacity(p.rows.len() * h);
     for (row, src) in p.rows.iter().enumerate() {
         let Some(src) = src else {
-            out.extend(std::iter::repeat(bf16::ZERO).take(h));
+            out.extend(std::iter::repeat_n(bf16::ZERO, h));
             continue;
         };
         let g = &grad_out[src.rank][src.token * h..(src.token + 1) * h];

@@ -79,7 +79,7 @@ pub unsafe fn sm_copy(
     bytes: u64,
     blocks: u32,
 ) -> Result<()> {
-    if bytes % 16 != 0 {
+    if !bytes.is_multiple_of(16) {
         return Err(Error::arg("bytes", "a multiple of 16", bytes));
     }
     let f = Module::get(stream.context(), "util")?.function("moe_ep_copy_v4")?;

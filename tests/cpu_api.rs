@@ -92,5 +92,5 @@ fn every_kernel_module_is_embedded_with_cubin_and_ptx() {
             "{name}: PTX"
         );
     }
-    assert!(moe_ep::kernels::NCCL_HEADERS_VERSION_CODE >= 22800);
+    const { assert!(moe_ep::kernels::NCCL_HEADERS_VERSION_CODE >= 22800) };
 }

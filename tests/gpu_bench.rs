@@ -19,7 +19,10 @@ fn bench_bin() -> PathBuf {
         return built;
     }
     let exe = std::env::current_exe().unwrap();
-    exe.parent().and_then(|d| d.parent()).map(|d| d.join("bin/ep-bench")).unwrap_or(built)
+    exe.parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("bin/ep-bench"))
+        .unwrap_or(built)
 }
 
 #[test]
@@ -28,17 +31,47 @@ fn short_sweep_with_check_on_two_gpus() {
         return;
     }
     let out = Command::new(bench_bin())
-        .args(["--gpus", "2", "--tokens", "128,512", "--hidden", "2048", "--experts", "64"])
+        .args([
+            "--gpus",
+            "2",
+            "--tokens",
+            "128,512",
+            "--hidden",
+            "2048",
+            "--experts",
+            "64",
+        ])
         .args(["--iters", "3", "--warmup", "1", "--check", "--quiet"])
         .output()
         .expect("run ep-bench");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "ep-bench failed ({}):\n{stdout}\n{stderr}", out.status);
-    for needle in ["dispatch", "combine", "nccl-alltoall", "peer-store-ceiling", "copy-engine", "vs NCCL"] {
+    assert!(
+        out.status.success(),
+        "ep-bench failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    for needle in [
+        "dispatch",
+        "combine",
+        "nccl-alltoall",
+        "peer-store-ceiling",
+        "copy-engine",
+        "vs NCCL",
+    ] {
         assert!(stdout.contains(needle), "table lacks `{needle}`:\n{stdout}");
     }
-    let checks = stdout.lines().filter(|l| l.trim_start().starts_with("128") || l.trim_start().starts_with("512"));
-    assert!(checks.clone().count() >= 10, "expected rows for both token counts:\n{stdout}");
-    assert!(checks.filter(|l| l.contains("dispatch")).all(|l| l.trim_end().ends_with("ok")), "--check did not pass:\n{stdout}");
+    let checks = stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with("128") || l.trim_start().starts_with("512"));
+    assert!(
+        checks.clone().count() >= 10,
+        "expected rows for both token counts:\n{stdout}"
+    );
+    assert!(
+        checks
+            .filter(|l| l.contains("dispatch"))
+            .all(|l| l.trim_end().ends_with("ok")),
+        "--check did not pass:\n{stdout}"
+    );
 }

@@ -114,7 +114,7 @@ fn pool_grows_past_one_segment_and_reuses() {
         drop(a);
         let c: SymmBuffer<u8> = pool.alloc(SEGMENT_GRANULE)?;
         ensure(
-            c.offset() == off && std::sync::Arc::ptr_eq(c.segment(), b.segment()) == false,
+            c.offset() == off && !std::sync::Arc::ptr_eq(c.segment(), b.segment()),
             || "freed range not reused first-fit".into(),
         )?;
         Ok(())

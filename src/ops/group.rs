@@ -67,14 +67,14 @@ impl GroupConfig {
                 world,
             ));
         }
-        if self.num_experts == 0 || self.num_experts % world != 0 {
+        if self.num_experts == 0 || !self.num_experts.is_multiple_of(world) {
             return Err(Error::arg(
                 "num_experts",
                 format!("a positive multiple of the world size {world}"),
                 self.num_experts,
             ));
         }
-        if self.hidden == 0 || self.hidden % 8 != 0 || self.hidden > 65536 {
+        if self.hidden == 0 || !self.hidden.is_multiple_of(8) || self.hidden > 65536 {
             return Err(Error::arg(
                 "hidden",
                 "a positive multiple of 8 (16-byte rows), at most 65536",

@@ -437,7 +437,7 @@ pub(crate) fn lib_or_skip(test: &str) -> Option<&'static NcclLib> {
     use std::io::Write;
     match nccl() {
         Ok(lib) => Some(lib),
-        Err(e) if std::env::var_os(NCCL_LIBRARY_ENV).map_or(true, |p| p.is_empty()) => {
+        Err(e) if std::env::var_os(NCCL_LIBRARY_ENV).is_none_or(|p| p.is_empty()) => {
             // Written to the stderr handle, not eprintln!, so the harness does not capture it.
             let _ = writeln!(
                 std::io::stderr(),

@@ -53,8 +53,8 @@ where
     use std::sync::{Condvar, Mutex};
     use std::time::{Duration, Instant};
     let id = UniqueId::generate().expect("ncclGetUniqueId");
-    let state: (Mutex<Vec<Option<std::result::Result<(), String>>>>, Condvar) =
-        (Mutex::new(vec![None; world]), Condvar::new());
+    type Outcome = Option<std::result::Result<(), String>>;
+    let state: (Mutex<Vec<Outcome>>, Condvar) = (Mutex::new(vec![None; world]), Condvar::new());
     std::thread::scope(|s| {
         for rank in 0..world {
             let (f, id, state) = (&f, &id, &state);

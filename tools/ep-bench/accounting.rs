@@ -167,12 +167,12 @@ pub fn count_row(
     world: usize,
     dedup: bool,
 ) -> Result<Vec<u32>, String> {
-    if world == 0 || experts == 0 || experts % world != 0 {
+    if world == 0 || experts == 0 || !experts.is_multiple_of(world) {
         return Err(format!(
             "count_row: {experts} experts do not split over {world} ranks"
         ));
     }
-    if topk == 0 || topk_idx.len() % topk != 0 {
+    if topk == 0 || !topk_idx.len().is_multiple_of(topk) {
         return Err(format!(
             "count_row: {} ids is not a multiple of topk {topk}",
             topk_idx.len()

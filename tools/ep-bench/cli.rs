@@ -273,7 +273,7 @@ impl Case {
     /// by `world` (or `world` is 0).
     #[allow(dead_code)] // offered to gpu.rs, which may not use it
     pub fn experts_per_rank(&self, world: usize) -> Option<usize> {
-        if world == 0 || self.experts % world != 0 {
+        if world == 0 || !self.experts.is_multiple_of(world) {
             None
         } else {
             Some(self.experts / world)
@@ -601,7 +601,7 @@ pub fn validate_for_world(opts: &Opts, world: usize) -> Result<(), String> {
         }
     }
     if let Some(rpn) = opts.ranks_per_node {
-        if rpn == 0 || world % rpn != 0 {
+        if rpn == 0 || !world.is_multiple_of(rpn) {
             return Err(format!(
                 "--ranks-per-node: {rpn} does not divide the world size {world}"
             ));

@@ -25,6 +25,8 @@ use crate::launch::RankEnv;
 use crate::report::{self, CaseResult, OpResult, Progress, Stat};
 
 type R<T> = Result<T, String>;
+/// One op's samples on this rank: (name, per-iteration µs, NVLink bytes, logical bytes).
+type Measured = (String, Vec<f64>, u64, u64);
 
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
@@ -250,7 +252,7 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
         .map_err(s)?;
     let eb = case.elem_bytes();
     let bytes = |op: Op| crate::accounting::op_bytes(op, &counts.rank, world, rank, h, eb);
-    let mut mine: Vec<(String, Vec<f64>, u64, u64)> = Vec::new();
+    let mut mine: Vec<Measured> = Vec::new();
 
     // --check: dispatch and combine against the CPU reference, once.
     let check = if opts.check {
@@ -340,7 +342,7 @@ fn baselines(
     row: usize,
     nv: u64,
     sms: usize,
-) -> R<Vec<(String, Vec<f64>, u64, u64)>> {
+) -> R<Vec<Measured>> {
     let rank = c.comm.rank();
     let total_rows: usize = (0..world)
         .map(|d| counts[rank * world + d].max(counts[d * world + rank]) as usize)
@@ -400,7 +402,7 @@ fn baselines(
 }
 
 /// All ranks' statistics of every op, gathered in rank order.
-fn gather(c: &Ctx<'_>, mine: Vec<(String, Vec<f64>, u64, u64)>) -> R<Vec<OpResult>> {
+fn gather(c: &Ctx<'_>, mine: Vec<Measured>) -> R<Vec<OpResult>> {
     let mut flat: Vec<f64> = Vec::new();
     for (_, samples, nv, lg) in &mine {
         let mut v = samples.clone();

@@ -90,7 +90,7 @@ impl OpResult {
     pub fn slowest_rank(&self) -> Option<usize> {
         let mut best: Option<(usize, f64)> = None;
         for (r, s) in self.per_rank.iter().enumerate() {
-            if s.is_valid() && best.map_or(true, |(_, m)| s.median_us > m) {
+            if s.is_valid() && best.is_none_or(|(_, m)| s.median_us > m) {
                 best = Some((r, s.median_us));
             }
         }
