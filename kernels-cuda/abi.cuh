@@ -14,6 +14,12 @@
 #define MOE_EP_MAX_TOPK 16
 // Threads per block of the data-moving kernels.
 #define MOE_EP_THREADS 512
+// Combine pipelines its push and its reduction over chunks of each home
+// rank's tokens: token t is in sub-chunk floor(t * SUBCHUNKS / T). The layout
+// records, per (source, destination), how many of the source's tokens for the
+// destination come before each sub-chunk; a combine runs in 1, 2, 4, 8 or 16
+// chunks of whole sub-chunks.
+#define MOE_EP_SUBCHUNKS 16
 // sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).
 #define MOE_EP_NCCL_CONFIG_BYTES 80
 
@@ -54,9 +60,15 @@ struct LayoutBufs {
                           // token u, the row of its slot k's expert here, or -1
 };
 
+// One row of the count matrix, as rank s sends it: [E] tokens per expert,
+// [R] tokens per destination rank, then [R][SUBCHUNKS - 1]: for destination
+// d and j = 1..15, how many of s's tokens for d come before token
+// floor(j * T_s / SUBCHUNKS).
+__host__ __device__ inline int count_row(int R, int E) { return E + R * MOE_EP_SUBCHUNKS; }
+
 // Offsets of the words inside LayoutBufs::info (R = world, E = experts,
 // El = experts per rank). Computed once by the exchange kernel.
-//   counts        [R][E + R]   the gathered count matrix (row s: E expert counts, R rank counts)
+//   counts        [R][count_row]  the gathered count matrix (row s: see count_row)
 //   dst_u_off     [R]          first rank-major row of mine on rank d
 //   erow_base     [E]          first expert-major row of mine in expert e's block (on e's rank)
 //   src_u_off     [R + 1]      on me: first rank-major row from source s; [R] = total rows
@@ -72,7 +84,7 @@ struct InfoOffsets {
 __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
   InfoOffsets o;
   o.counts = 0;
-  o.dst_u_off = o.counts + R * (E + R);
+  o.dst_u_off = o.counts + R * count_row(R, E);
   o.erow_base = o.dst_u_off + R;
   o.src_u_off = o.erow_base + E;
   o.my_slot_on = o.src_u_off + R + 1;
@@ -87,7 +99,7 @@ __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
 // The group's symmetric workspace, the same offsets on every rank (bytes from
 // the workspace base). Carved by src/ops/group.rs, whose comment has the sizes.
 struct Workspace {
-  uint64_t counts_off;     // int32 [2 parity][R src][E + R]   written by peers
+  uint64_t counts_off;     // int32 [2 parity][R src][count_row] written by peers
   uint64_t count_flag_off; // uint64 [R src]                   epoch, written by peers
   uint64_t dispatch_done_off; // uint64 [R src][MAX_BLOCKS]    written by peers
   uint64_t combine_done_off;  // uint64 [R src][MAX_BLOCKS]    written by peers
@@ -143,7 +155,8 @@ struct CombineParams {
   float* grad_w_out;       // [T][K] local, or null
   ErrorInfo* error;
   int32_t rank, world, num_tokens, hidden, topk, num_experts;
-  int32_t layout, num_blocks, recv_capacity, _pad;
+  int32_t layout, num_blocks, recv_capacity;
+  int32_t num_chunks;      // 1, 2, 4, 8 or 16 (MOE_EP_SUBCHUNKS / num_chunks sub-chunks each)
   uint64_t timeout_ns;
 };
 

@@ -53,6 +53,21 @@ MOE_EP_DEVICE void st_na_v4(int4* p, int4 v) {
                : "memory");
 }
 
+// Asks L2 to fetch [p, p + bytes) now (bytes: a multiple of 16, p 16-byte
+// aligned); no registers held, no completion to wait for.
+// MOE_EP_PREFETCH=0 turns every such hint off (a tuning switch).
+#ifndef MOE_EP_PREFETCH
+#define MOE_EP_PREFETCH 1
+#endif
+MOE_EP_DEVICE void prefetch_l2(const void* p, uint32_t bytes) {
+#if MOE_EP_PREFETCH
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 MOE_EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));

@@ -18,13 +18,39 @@ namespace {
 constexpr int kWarps = MOE_EP_THREADS / 32;
 constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 
+// Tuning switches (build with MOE_EP_KERNEL_DEFINES="NAME=0" to compare):
+#ifndef MOE_EP_DISPATCH_SPLIT_ROWS
+#define MOE_EP_DISPATCH_SPLIT_ROWS 0  // 1: dispatch items are row pieces (0: whole rows)
+#endif
+#ifndef MOE_EP_PIECE
+#define MOE_EP_PIECE 8  // 16-byte vectors per lane per piece (registers in flight)
+#endif
+#ifndef MOE_EP_HOME_VECS
+#define MOE_EP_HOME_VECS 4  // vectors per lane per rank the 2-rank home sum loads at once
+#endif
+
+// Work items of dispatch and combine are (row, piece): a piece is up to
+// kPiece 16-byte vectors per lane, every piece of a row the same size.
+constexpr int kPiece = MOE_EP_PIECE;
+
+// A row of n16 vectors cut into `n` pieces of `per` vectors per lane.
+struct Pieces {
+  int n, per;
+};
+__device__ __forceinline__ Pieces pieces_of(int n16) {
+  Pieces pc;
+  pc.n = (n16 + 32 * kPiece - 1) / (32 * kPiece);
+  pc.per = (n16 + 32 * pc.n - 1) / (32 * pc.n);
+  return pc;
+}
+
 // Workspace regions as mapped here for rank `r`.
 struct Ws {
   const Workspace& w;
   char* const* base;
   int R, E;
   __device__ int32_t* counts(int r, int parity) const {
-    return reinterpret_cast<int32_t*>(base[r] + w.counts_off) + parity * R * (E + R);
+    return reinterpret_cast<int32_t*>(base[r] + w.counts_off) + parity * R * count_row(R, E);
   }
   __device__ uint64_t* count_flag(int r) const {
     return reinterpret_cast<uint64_t*>(base[r] + w.count_flag_off);
@@ -87,7 +113,6 @@ __device__ bool signal_and_wait(uint64_t* (*flags_of)(const Ws&, int), const Ws&
   return __syncthreads_and(ok) != 0;
 }
 __device__ uint64_t* dispatch_flags(const Ws& ws, int r) { return ws.dispatch_done(r); }
-__device__ uint64_t* combine_flags(const Ws& ws, int r) { return ws.combine_done(r); }
 
 // ---- bf16 <-> f32 on 16-byte vectors of 8 values ----
 __device__ __forceinline__ void acc_v4(float (&acc)[8], int4 v, float w, bool weighted) {
@@ -123,24 +148,42 @@ __device__ __forceinline__ int4 scale_v4(int4 v, float w) {
   return pack_v4(acc);
 }
 
-// Copies one row of n16 16-byte vectors from local `src` to every rank in
-// `dmask` (row pointer dst[r]). One warp; the row is read once.
-__device__ __forceinline__ void copy_row_to_ranks(const int4* src, int4* const (&dst)[MOE_EP_MAX_RANKS],
-                                                  unsigned dmask, int n16, int lane) {
-  for (int base = 0; base < n16; base += 32 * kUnroll) {
-    int4 v[kUnroll];
+// Copies vectors [first, lim) of a row, `per` (<= kPiece) per lane per
+// pass, from local `src` to every rank in `dmask` (row pointer dst[r]) and,
+// with kLocal, to the rows lrow[k] of `local` for k in `lmask` (scaled by
+// lw[k] when `scaled`). One warp; the piece is read once.
+template <bool kLocal>
+__device__ __forceinline__ void copy_piece(const int4* src, int4* const (&dst)[MOE_EP_MAX_RANKS],
+                                           unsigned dmask, int4* local, unsigned lmask,
+                                           const int (&lrow)[MOE_EP_MAX_TOPK],
+                                           const float (&lw)[MOE_EP_MAX_TOPK], bool scaled,
+                                           int n16, int first, int lim, int per, int lane) {
+  for (int base = first; base < lim; base += 32 * per) {
+    int4 v[kPiece];
 #pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
+    for (int i = 0; i < kPiece; ++i) {
       const int idx = base + i * 32 + lane;
-      if (idx < n16) v[i] = ld_nc_v4(src + idx);
+      if (i < per && idx < lim) v[i] = ld_nc_v4(src + idx);
     }
 #pragma unroll
     for (int r = 0; r < MOE_EP_MAX_RANKS; ++r) {
       if (!((dmask >> r) & 1u)) continue;
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
+      for (int i = 0; i < kPiece; ++i) {
         const int idx = base + i * 32 + lane;
-        if (idx < n16) st_na_v4(dst[r] + idx, v[i]);
+        if (i < per && idx < lim) st_na_v4(dst[r] + idx, v[i]);
+      }
+    }
+    if constexpr (kLocal) {
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        if (!((lmask >> k) & 1u)) continue;
+        int4* row = local + (size_t)lrow[k] * n16;
+#pragma unroll
+        for (int i = 0; i < kPiece; ++i) {
+          const int idx = base + i * 32 + lane;
+          if (i < per && idx < lim) st_na_v4(row + idx, scaled ? scale_v4(v[i], lw[k]) : v[i]);
+        }
       }
     }
   }
@@ -172,7 +215,7 @@ __device__ void layout_scan_body(const LayoutParams& p) {
   const int T = p.num_tokens, K = p.topk, E = p.num_experts, R = p.world;
   const int El = E / R;
   const int b = blockIdx.x;
-  int32_t* my_counts = p.bufs.info + info_offsets(R, E, El).counts + p.rank * (E + R);
+  int32_t* my_counts = p.bufs.info + info_offsets(R, E, El).counts + p.rank * count_row(R, E);
   const ErrSink err = Ws{p.w, p.ws, R, E}.err(p.error, p.rank);
 
   if (b < E + R) {
@@ -196,11 +239,24 @@ __device__ void layout_scan_body(const LayoutParams& p) {
           if (hit >= 0) p.bufs.expert_pos[(size_t)t * K + hit] = pos;
         } else {
           p.bufs.rank_pos[(size_t)t * R + (b - E)] = hit >= 0 ? pos : -1;
+          // Sub-chunk starts: tokens for d before token floor(j * T / SUBCHUNKS).
+          for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
+            if ((int)((long)j * T / MOE_EP_SUBCHUNKS) == t) {
+              my_counts[E + R + (b - E) * (MOE_EP_SUBCHUNKS - 1) + j - 1] = pos;
+            }
+          }
         }
       }
       running += total;
     }
-    if (threadIdx.x == 0) my_counts[b] = running;  // expert e at [e], rank d at [E + d]
+    if (threadIdx.x == 0) {
+      my_counts[b] = running;  // expert e at [e], rank d at [E + d]
+      if (!is_expert && T == 0) {
+        for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
+          my_counts[E + R + (b - E) * (MOE_EP_SUBCHUNKS - 1) + j - 1] = 0;
+        }
+      }
+    }
     return;
   }
 
@@ -244,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
 // ============================================================================
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_layout_exchange(const __grid_constant__ LayoutParams p) {
-  const int R = p.world, E = p.num_experts, El = E / R, n = E + R, me = p.rank;
+  const int R = p.world, E = p.num_experts, El = E / R, n = count_row(R, E), me = p.rank;
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.bufs.info;
@@ -371,13 +427,34 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
 }
 
 // ============================================================================
-// Dispatch: each warp takes a token, reads it once and stores it into the
-// receive buffer of every rank that hosts one of its experts (rank-major: row
-// u; expert-major: the row of its first local expert there, the receiver
-// copies the others). Then one flag per (me, block) on every rank, a bounded
-// wait for everyone's flags, and (expert-major) the receiver's local copies
-// and zero padding.
+// Dispatch: each warp takes a (token, piece), reads it once and stores it
+// into the receive buffer of every rank that hosts one of the token's experts
+// (rank-major: row u; expert-major: the row of its first local expert there,
+// the receiver copies the others; on the sender's own rank the sender writes
+// every row). The warp's next item is loaded (routing) and fetched into L2
+// (data) while the current one moves. Then one flag per (me, block) on every
+// rank, a bounded wait for everyone's flags, and (expert-major) the
+// receiver's local copies.
 // ============================================================================
+namespace {
+// One token's routing as this lane sees it (lane < R: rank d = lane; lane < K: slot k = lane).
+struct TokRoute {
+  int pos;   // position in my stream to rank `lane`, -1 if not sent
+  int e;     // expert of slot `lane`, -1 masked
+  int epos;  // position of (t, slot) in my stream to expert e (expert-major)
+  float wt;  // top-k weight of slot `lane`
+};
+__device__ __forceinline__ TokRoute load_route(const DispatchParams& p, int t, int R, int K,
+                                               bool expert_major, int lane) {
+  TokRoute r;
+  r.pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
+  r.e = lane < K ? p.bufs.topk[(size_t)t * K + lane] : -1;
+  r.epos = (expert_major && lane < K) ? p.bufs.expert_pos[(size_t)t * K + lane] : 0;
+  r.wt = (lane < K && p.topk_w != nullptr) ? p.topk_w[(size_t)t * K + lane] : 0.f;
+  return r;
+}
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_dispatch(const __grid_constant__ DispatchParams p) {
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
@@ -386,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.bufs.info;
   const bool expert_major = p.layout == 1;
+  const bool scaled = p.scale_w != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   const uint64_t seq = next_seq(ws.seq(1, me));
@@ -396,17 +474,57 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   bool overflow = false;
   for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.recv_capacity;
 
+  int4* rx = reinterpret_cast<int4*>(p.recv_x[me]);
+  if (expert_major && !overflow) {
+    // Zero padding rows at the tail of each local expert's block (only this
+    // rank writes them, so before the wait).
+    const int4 zero = make_int4(0, 0, 0, 0);
+    for (int j = 0; j < El; ++j) {
+      const int first = info[o.expert_start + j] + info[o.expert_count + j];
+      const int end = info[o.expert_start + j + 1];
+      for (int row = first + gw; row < end; row += nw) {
+        for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
+        if (lane == 0) {
+          if (p.recv_w[me]) p.recv_w[me][row] = 0.f;
+          if (p.recv_idx[me]) p.recv_idx[me][row] = -1;
+          if (p.recv_src[me]) {
+            p.recv_src[me][(size_t)row * 2] = -1;
+            p.recv_src[me][(size_t)row * 2 + 1] = -1;
+          }
+        }
+      }
+    }
+  }
+
   // ---- sender ----
   const int4* x = reinterpret_cast<const int4*>(p.x);
-  for (int t = gw; t < p.num_tokens && !overflow; t += nw) {
-    const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
-    const int u = pos >= 0 ? info[o.dst_u_off + lane] + pos : -1;
-    const unsigned dmask = __ballot_sync(0xffffffffu, u >= 0);
-    const int e = lane < K ? p.bufs.topk[(size_t)t * K + lane] : -1;
-    const int dk = e >= 0 ? e / El : -1;
-    const int erow = e >= 0 ? info[o.erow_base + e] + p.bufs.expert_pos[(size_t)t * K + lane] : -1;
-    const float wt = (e >= 0 && p.topk_w != nullptr) ? p.topk_w[(size_t)t * K + lane] : 0.f;
+  const int u_off = lane < R ? info[o.dst_u_off + lane] : 0;  // my first row on rank `lane`
+  Pieces pc = pieces_of(n16);
+#if !MOE_EP_DISPATCH_SPLIT_ROWS
+  pc.n = 1;  // whole rows: pc.per vectors per lane per pass
+#endif
+  const int n_items = overflow ? 0 : p.num_tokens * pc.n;
+  TokRoute cur{-1, -1, 0, 0.f};
+  if (gw < n_items) cur = load_route(p, gw / pc.n, R, K, expert_major, lane);
+  for (int it = gw; it < n_items; it += nw) {
+    const int t = it / pc.n, piece = it % pc.n;
+    const int first = piece * pc.per * 32;
+    const int lim = pc.n == 1 ? n16 : min(n16, first + pc.per * 32);
+    TokRoute next = cur;
+    if (it + nw < n_items) {
+      const int tn = (it + nw) / pc.n, fn = ((it + nw) % pc.n) * pc.per * 32;
+      if (tn != t) next = load_route(p, tn, R, K, expert_major, lane);
+      if (lane == 0) {
+        const int ln = pc.n == 1 ? n16 : min(n16, fn + pc.per * 32);
+        prefetch_l2(x + (size_t)tn * n16 + fn, (uint32_t)(ln - fn) * 16);
+      }
+    }
 
+    const int u = cur.pos >= 0 ? u_off + cur.pos : -1;
+    const int e = cur.e;
+    const int dk = e >= 0 ? e / El : -1;
+    const int erow = (expert_major && e >= 0) ? info[o.erow_base + e] + cur.epos : -1;
+    unsigned dmask = __ballot_sync(0xffffffffu, u >= 0);
     int4* dst[MOE_EP_MAX_RANKS];
 #pragma unroll
     for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
@@ -424,30 +542,50 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
         if (row >= 0) dst[d] = reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)row * n16;
       }
     }
-    copy_row_to_ranks(x + (size_t)t * n16, dst, dmask, n16, lane);
-
-    // Metadata: top-k weights, local expert ids, source.
+    // Expert-major rows on my own rank: every one written here (slot k's
+    // row lrow[k]), none left for the receiver pass.
+    int lrow[MOE_EP_MAX_TOPK];
+    float lw[MOE_EP_MAX_TOPK];
     if (!expert_major) {
-      for (int d = 0; d < R; ++d) {
-        const int ud = __shfl_sync(0xffffffffu, u, d);
-        if (ud < 0) continue;
-        if (lane < K) {
-          if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? wt : 0.f;
-          if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? e - d * El : -1;
-        }
-        if (lane == 0 && p.recv_src[d]) {
-          p.recv_src[d][(size_t)ud * 2] = me;
-          p.recv_src[d][(size_t)ud * 2 + 1] = t;
-        }
+      copy_piece<false>(x + (size_t)t * n16, dst, dmask, nullptr, 0u, lrow, lw, false, n16, first,
+                        lim, pc.per, lane);
+    } else {
+      const unsigned lmask = __ballot_sync(0xffffffffu, dk == me);
+      const float my_w = (scaled && dk == me) ? p.scale_w[erow] : 1.f;
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        lrow[k] = __shfl_sync(0xffffffffu, erow, k);
+        lw[k] = __shfl_sync(0xffffffffu, my_w, k);
       }
-    } else if (lane < K && e >= 0) {
-      if (p.recv_w[dk]) p.recv_w[dk][erow] = wt;
-      if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
-      if (p.recv_src[dk]) {
-        p.recv_src[dk][(size_t)erow * 2] = me;
-        p.recv_src[dk][(size_t)erow * 2 + 1] = t;
+      copy_piece<true>(x + (size_t)t * n16, dst, dmask & ~(1u << me), rx, lmask, lrow, lw, scaled,
+                       n16, first, lim, pc.per, lane);
+    }
+
+    // Metadata: top-k weights, local expert ids, source (with piece 0).
+    if (piece == 0) {
+      if (!expert_major) {
+        for (int d = 0; d < R; ++d) {
+          const int ud = __shfl_sync(0xffffffffu, u, d);
+          if (ud < 0) continue;
+          if (lane < K) {
+            if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? cur.wt : 0.f;
+            if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? e - d * El : -1;
+          }
+          if (lane == 0 && p.recv_src[d]) {
+            p.recv_src[d][(size_t)ud * 2] = me;
+            p.recv_src[d][(size_t)ud * 2 + 1] = t;
+          }
+        }
+      } else if (lane < K && e >= 0) {
+        if (p.recv_w[dk]) p.recv_w[dk][erow] = cur.wt;
+        if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
+        if (p.recv_src[dk]) {
+          p.recv_src[dk][(size_t)erow * 2] = me;
+          p.recv_src[dk][(size_t)erow * 2 + 1] = t;
+        }
       }
     }
+    cur = next;
   }
 
   if (!signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
@@ -456,16 +594,16 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     return;
   }
 
-  // ---- receiver (expert-major): extra copies of each token, then padding ----
-  int4* rx = reinterpret_cast<int4*>(p.recv_x[me]);
-  const int u_count = info[o.src_u_off + R];
-  for (int u = gw; u < u_count; u += nw) {
+  // ---- receiver (expert-major): extra copies of each token from other ranks ----
+  const int self_lo = info[o.src_u_off + me], self_hi = info[o.src_u_off + me + 1];
+  const int u_count = info[o.src_u_off + R] - (self_hi - self_lo);
+  for (int i = gw; i < u_count; i += nw) {
+    const int u = i < self_lo ? i : i + (self_hi - self_lo);
     const int row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
     int primary = row_k >= 0 ? row_k : 0x7fffffff;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) primary = min(primary, __shfl_xor_sync(0xffffffffu, primary, off));
     const unsigned rows_mask = __ballot_sync(0xffffffffu, row_k >= 0);
-    const bool scaled = p.scale_w != nullptr;
     const float wk = (scaled && row_k >= 0) ? p.scale_w[row_k] : 1.f;
     // NOTE: rows/weights gathered with full-warp shuffles before the chunk
     // loop, where lanes may leave early when n16 is not a multiple of 32.
@@ -494,39 +632,30 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       }
     }
   }
-  // Zero padding rows at the tail of each expert's block.
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (int j = 0; j < El; ++j) {
-    const int first = info[o.expert_start + j] + info[o.expert_count + j];
-    const int end = info[o.expert_start + j + 1];
-    for (int row = first + gw; row < end; row += nw) {
-      for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
-      if (lane == 0) {
-        if (p.recv_w[me]) p.recv_w[me][row] = 0.f;
-        if (p.recv_idx[me]) p.recv_idx[me][row] = -1;
-        if (p.recv_src[me]) {
-          p.recv_src[me][(size_t)row * 2] = -1;
-          p.recv_src[me][(size_t)row * 2 + 1] = -1;
-        }
-      }
-    }
-  }
 }
 
 // ============================================================================
-// Combine: each warp takes a token u received from another rank, reduces its
-// rows here in f32 (expert-major: ascending row order, optionally weighted),
-// rounds to bf16 and pushes the partial into the home rank's stage. After
-// everyone's flags, each home rank sums, per token, the partials in ascending
-// rank order; its own partial it reads (rank-major) or reduces (expert-major)
-// straight from the local expert outputs, never staging it.
+// Combine: each received token's rows here are reduced in f32 (expert-major:
+// ascending row order, optionally weighted), rounded to bf16 and pushed into
+// the home rank's stage; the home sums, per token, the partials in ascending
+// rank order, its own read (rank-major) or reduced (expert-major) straight
+// from the local expert outputs, never staged.
+//
+// Pipelined over chunks of the home ranks' tokens (CombineParams::num_chunks,
+// sub-chunk bounds from the layout): every warp pushes its share of chunk c,
+// marks it in its block (the block's last warp releases the block's flag for
+// c on every rank), then waits for everyone's chunk c - 1 and sums its share
+// of those tokens. NVLink carries chunk c while local memory serves c - 1.
+// Work items are (row, piece), so short chunks still spread over every warp.
 // ============================================================================
 
-// The f32 sum of one received token's rows here, chunk `c` of its row:
-// rank-major the row itself, expert-major its rows in ascending order.
+
+// The rows here that make up one received token's partial: rank-major the
+// row itself, expert-major its rows in ascending order. Spread over the warp
+// (lane i holds the i-th row and its weight) to keep registers free.
 struct RowSet {
-  int rows[MOE_EP_MAX_TOPK];
-  float w[MOE_EP_MAX_TOPK];
+  int row;
+  float w;
   int n;
 };
 __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool expert_major, int K,
@@ -534,30 +663,31 @@ __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool ex
   RowSet rs;
   if (!expert_major) {
     rs.n = 1;
-    rs.rows[0] = u;
-    rs.w[0] = 1.f;
+    rs.row = u;
+    rs.w = 1.f;
     return rs;
   }
   const int row_k = lane < K ? p.bufs.meta[(size_t)u * K + lane] : -1;
   rs.n = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
-#pragma unroll
-  for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
-    rs.rows[i] = i < rs.n ? nth_smallest(row_k, i, lane) : -1;
-    rs.w[i] = (rs.rows[i] >= 0 && p.w_rows != nullptr) ? p.w_rows[rs.rows[i]] : 1.f;
+  rs.row = -1;
+  for (int i = 0; i < rs.n; ++i) {
+    const int r = nth_smallest(row_k, i, lane);
+    if (lane == i) rs.row = r;
   }
+  rs.w = (rs.row >= 0 && p.w_rows != nullptr) ? p.w_rows[rs.row] : 1.f;
   return rs;
 }
 
-// Partial (as bf16) of chunks [base + j*32 + lane] of a row set.
+// Partial (as bf16) of vectors [base + j*32 + lane] (< lim) of a row set.
 template <int kU>
-__device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, int n16, int base,
-                                               int lane, bool weighted, bool expert_major,
-                                               int4 (&out)[kU]) {
+__device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, int n16, int lim,
+                                               int base, int lane, bool weighted,
+                                               bool expert_major, int4 (&out)[kU]) {
   if (!expert_major) {
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
       const int c = base + j * 32 + lane;
-      out[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.rows[0] * n16 + c) : make_int4(0, 0, 0, 0);
+      out[j] = c < lim ? ld_nc_v4(y + (size_t)rs.row * n16 + c) : make_int4(0, 0, 0, 0);
     }
     return;
   }
@@ -566,140 +696,253 @@ __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, 
   for (int j = 0; j < kU; ++j)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
-#pragma unroll
-  for (int i = 0; i < MOE_EP_MAX_TOPK; ++i) {
-    if (i >= rs.n) break;
+  // NOTE: whole-warp shuffles: every caller's loop bounds are warp-uniform.
+  for (int i = 0; i < rs.n; ++i) {
+    const int row = __shfl_sync(0xffffffffu, rs.row, i);
+    const float w = __shfl_sync(0xffffffffu, rs.w, i);
     int4 v[kU];
 #pragma unroll
     for (int j = 0; j < kU; ++j) {
       const int c = base + j * 32 + lane;
-      v[j] = c < n16 ? ld_nc_v4(y + (size_t)rs.rows[i] * n16 + c) : make_int4(0, 0, 0, 0);
+      v[j] = c < lim ? ld_nc_v4(y + (size_t)row * n16 + c) : make_int4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], rs.w[i], weighted);
+    for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], w, weighted);
   }
 #pragma unroll
   for (int j = 0; j < kU; ++j) out[j] = pack_v4(acc[j]);
 }
 
+// Which rank's stream a flattened index over the ranges [lo[s], hi[s]) of
+// every s != me falls in; returns s and turns *i into the row (lo[s] + rest).
+__device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int me, int* i) {
+  for (int s = 0; s < R; ++s) {
+    if (s == me) continue;
+    const int len = hi[s] - lo[s];
+    if (*i < len) {
+      *i += lo[s];
+      return s;
+    }
+    *i -= len;
+  }
+  return -1;
+}
+
 // kMaxR: compile-time bound on the world, so the home's loads of every
-// rank's partial stay in registers (kHome chunks each).
-template <int kMaxR>
+// rank's partial stay in registers (kHome vectors each).
+template <int kMaxR, bool kExpertMajor>
 __device__ void combine_body(const CombineParams& p) {
-  constexpr int kHome = kMaxR <= 2 ? 4 : (kMaxR <= 4 ? 2 : 1);
-  constexpr int kPush = 2;
+  // Expert-major home sums hold f32 accumulators too: half the vectors.
+  constexpr int kHomeRm = kMaxR <= 2 ? MOE_EP_HOME_VECS : (kMaxR <= 4 ? 2 : 1);
+  constexpr int kHome = kExpertMajor ? (kMaxR <= 2 ? 2 : 1) : kHomeRm;
+  constexpr int kEm = 2;  // expert-major partials: vectors per lane per step (f32 sums)
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
-  const int n16 = p.hidden / 8;
+  const int n16 = p.hidden / 8, T = p.num_tokens, nb = p.num_blocks;
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.bufs.info;
-  const bool expert_major = p.layout == 1;
+  const int n = count_row(R, E);
+  constexpr bool expert_major = kExpertMajor;
   const bool weighted = p.w_rows != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  const uint64_t seq = next_seq(ws.seq(2, me));
+  const int C = p.num_chunks, sub_per_chunk = MOE_EP_SUBCHUNKS / C;
+  const Pieces pc = pieces_of(n16);
+
+  // s_lo[c][s] .. s_lo[c + 1][s]: rows (u) from rank s whose home tokens are in chunk c.
+  __shared__ int s_lo[MOE_EP_SUBCHUNKS + 1][MOE_EP_MAX_RANKS];
+  __shared__ int s_home_slot[MOE_EP_MAX_RANKS], s_my_slot_on[MOE_EP_MAX_RANKS];
+  __shared__ int s_src_u_off[MOE_EP_MAX_RANKS + 1];
+  __shared__ unsigned s_arrived[MOE_EP_SUBCHUNKS];
+  for (int i = threadIdx.x; i < (C + 1) * R; i += blockDim.x) {
+    const int c = i / R, s = i % R;
+    const int j = c * sub_per_chunk;
+    const int total = info[o.counts + s * n + E + me];  // s's tokens for me
+    const int before = j == 0 ? 0
+                       : j == MOE_EP_SUBCHUNKS
+                           ? total
+                           : info[o.counts + s * n + E + R + me * (MOE_EP_SUBCHUNKS - 1) + j - 1];
+    s_lo[c][s] = info[o.src_u_off + s] + before;
+  }
+  if (threadIdx.x < R) {
+    s_home_slot[threadIdx.x] = info[o.home_slot + threadIdx.x];
+    s_my_slot_on[threadIdx.x] = info[o.my_slot_on + threadIdx.x];
+  }
+  if (threadIdx.x <= R) s_src_u_off[threadIdx.x] = info[o.src_u_off + threadIdx.x];
+  if (threadIdx.x < MOE_EP_SUBCHUNKS) s_arrived[threadIdx.x] = 0;
+  const uint64_t seq = next_seq(ws.seq(2, me));  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.error, me);
   const int parity = (int)(seq & 1);
   const int4* y = reinterpret_cast<const int4*>(p.y);
+  int4* stage_here = ws.stage(me, parity, p.hidden);
+  const float* stage_w_here = ws.stage_w(me, parity);
+  int4* out = reinterpret_cast<int4*>(p.out);
+  // Flag value meaning "chunk c of combine `seq` is pushed": grows over chunks and calls.
+  auto chunk_flag = [&](int c) { return seq * (MOE_EP_SUBCHUNKS + 1) + (uint64_t)c + 1; };
 
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.
-  bool overflow = false;
-  for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.recv_capacity;
-
-  // ---- push: one partial row per token received from another rank ----
-  const int self_lo = info[o.src_u_off + me], self_n = info[o.src_u_off + me + 1] - self_lo;
-  const int n_remote = overflow ? 0 : info[o.src_u_off + R] - self_n;
-  for (int i = gw; i < n_remote; i += nw) {
-    const int u = i < self_lo ? i : i + self_n;
-    int s = 0;
-    while (s + 1 < R && u >= info[o.src_u_off + s + 1]) ++s;
-    const int slot = info[o.my_slot_on + s] + (u - info[o.src_u_off + s]);
-    int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
-    const RowSet rs = row_set(p, u, expert_major, K, lane);
-    for (int base = 0; base < n16; base += 32 * kPush) {
-      int4 v[kPush];
-      partial_chunks<kPush>(y, rs, n16, base, lane, weighted, expert_major, v);
-#pragma unroll
-      for (int j = 0; j < kPush; ++j) {
-        const int c = base + j * 32 + lane;
-        if (c < n16) st_na_v4(dst + c, v[j]);
-      }
-    }
-    // Gradient of the dispatched top-k weights travels home beside the row.
-    if (p.grad_w_in != nullptr && lane < K) {
-      float g = 0.f;
-      if (!expert_major) {
-        g = p.grad_w_in[(size_t)u * K + lane];
-      } else {
-        const int row_k = p.bufs.meta[(size_t)u * K + lane];
-        g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
-      }
-      ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
-    }
+  for (int d = 0; d < R; ++d) {
+    if (info[o.rows_needed + d] > p.recv_capacity) return;
   }
 
-  if (!signal_and_wait(combine_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
-                       MOE_EP_CTR_COMBINE_DONE) ||
-      overflow) {
-    return;
-  }
-
-  // ---- home: sum each token's partials in ascending rank order ----
-  const int4* stage = ws.stage(me, parity, p.hidden);
-  const float* stage_w = ws.stage_w(me, parity);
-  int4* out = reinterpret_cast<int4*>(p.out);
-  for (int t = gw; t < p.num_tokens; t += nw) {
-    const int pos = lane < R ? p.bufs.rank_pos[(size_t)t * R + lane] : -1;
-    const int slot = pos >= 0 ? (lane == me ? self_lo + pos : info[o.home_slot + lane] + pos) : -1;
-    int slots[kMaxR];
+  for (int c = 0; c <= C; ++c) {
+    // ---- push chunk c: partials of the rows whose home tokens are in it ----
+    if (c < C) {
+      int n_rows = 0;
+      for (int s = 0; s < R; ++s) n_rows += s == me ? 0 : s_lo[c + 1][s] - s_lo[c][s];
+      for (int it = gw; it < n_rows * pc.n; it += nw) {
+        int u = it / pc.n;
+        const int piece = it % pc.n;
+        const int s = locate(s_lo[c], s_lo[c + 1], R, me, &u);
+        const int slot = s_my_slot_on[s] + (u - s_src_u_off[s]);
+        int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
+        const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
+        if (!expert_major && lane == 0 && it + nw < n_rows * pc.n) {
+          // This warp's next piece, into L2 while this one moves.
+          int un = (it + nw) / pc.n;
+          const int pn = (it + nw) % pc.n;
+          locate(s_lo[c], s_lo[c + 1], R, me, &un);
+          const int fn = pn * pc.per * 32;
+          prefetch_l2(y + (size_t)un * n16 + fn, (uint32_t)(min(n16, fn + pc.per * 32) - fn) * 16);
+        }
+        if constexpr (!expert_major) {
+          int4 v[kPiece];
 #pragma unroll
-    for (int d = 0; d < kMaxR; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
-    const int u_self = slots[me < kMaxR ? me : 0];
-    RowSet rs;
-    rs.n = 0;
-    if (u_self >= 0) rs = row_set(p, u_self, expert_major, K, lane);
-    for (int base = 0; base < n16; base += 32 * kHome) {
-      int4 v[kMaxR][kHome];
+          for (int i = 0; i < kPiece; ++i) {
+            const int x = first + i * 32 + lane;
+            if (i < pc.per && x < lim) v[i] = ld_nc_v4(y + (size_t)u * n16 + x);
+          }
 #pragma unroll
-      for (int d = 0; d < kMaxR; ++d) {
-        if (d >= R || slots[d] < 0) continue;
-        if (d == me) {
-          partial_chunks<kHome>(y, rs, n16, base, lane, weighted, expert_major, v[d]);
+          for (int i = 0; i < kPiece; ++i) {
+            const int x = first + i * 32 + lane;
+            if (i < pc.per && x < lim) st_na_v4(dst + x, v[i]);
+          }
         } else {
+          const RowSet rs = row_set(p, u, true, K, lane);
+          for (int base = first; base < lim; base += 32 * kEm) {
+            int4 v[kEm];
+            partial_chunks<kEm>(y, rs, n16, lim, base, lane, weighted, true, v);
 #pragma unroll
-          for (int j = 0; j < kHome; ++j) {
-            const int c = base + j * 32 + lane;
-            v[d][j] = c < n16 ? ld_v4(stage + (size_t)slots[d] * n16 + c) : make_int4(0, 0, 0, 0);
+            for (int j = 0; j < kEm; ++j) {
+              const int x = base + j * 32 + lane;
+              if (x < lim) st_na_v4(dst + x, v[j]);
+            }
+          }
+        }
+        // Gradient of the dispatched top-k weights travels home beside the row.
+        if (piece == 0 && p.grad_w_in != nullptr && lane < K) {
+          float g = 0.f;
+          if (!expert_major) {
+            g = p.grad_w_in[(size_t)u * K + lane];
+          } else {
+            const int row_k = p.bufs.meta[(size_t)u * K + lane];
+            g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
+          }
+          ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
+        }
+      }
+      // The block's last warp to finish chunk c releases it to every rank.
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_block();
+        if (atomicAdd(&s_arrived[c], 1u) == kWarps - 1) {
+          fence_acq_rel_sys();
+          for (int d = 0; d < R; ++d) {
+            st_release_sys_u64(ws.combine_done(d) + me * MOE_EP_MAX_BLOCKS + blockIdx.x,
+                               chunk_flag(c));
           }
         }
       }
+    }
+    if (c == 0) continue;
+
+    // ---- sum chunk c - 1: wait for every other rank's blocks, then reduce ----
+    const int cs = c - 1;
+    bool ok = true;
+    const uint64_t* flags = ws.combine_done(me);
+    for (int i = lane; i < R * nb; i += 32) {
+      const int s = i / nb, b = i % nb;
+      if (s == me) continue;
+      ok &= wait_at_least(flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(cs), p.timeout_ns, err,
+                          me, s, MOE_EP_CTR_COMBINE_DONE);
+    }
+    if (!__all_sync(0xffffffffu, ok)) return;
+
+    const int t_lo = (int)((long)(cs * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
+    const int t_hi = (int)((long)((cs + 1) * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
+    const int n_items = (t_hi - t_lo) * pc.n;
+    int pos = (gw < n_items && lane < R) ? p.bufs.rank_pos[(size_t)(t_lo + gw / pc.n) * R + lane] : -1;
+    for (int it = gw; it < n_items; it += nw) {
+      const int t = t_lo + it / pc.n, piece = it % pc.n;
+      const int slot =
+          pos >= 0 ? (lane == me ? s_src_u_off[me] + pos : s_home_slot[lane] + pos) : -1;
+      // This warp's next item: its positions now, its rows into L2 below.
+      const int itn = it + nw;
+      const int pos_next =
+          (itn < n_items && lane < R) ? p.bufs.rank_pos[(size_t)(t_lo + itn / pc.n) * R + lane] : -1;
+      int slots[kMaxR];
 #pragma unroll
-      for (int j = 0; j < kHome; ++j) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int d = 0; d < kMaxR; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
+      const int u_self = slots[me < kMaxR ? me : 0];
+      RowSet rs;
+      rs.n = 0;
+      if (u_self >= 0) rs = row_set(p, u_self, expert_major, K, lane);
+      const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
+      for (int base = first; base < lim; base += 32 * kHome) {
+        int4 v[kMaxR][kHome];
+        if (!expert_major && base == first && pos_next >= 0) {
+          // Lane d < R: the next item's partial from rank d.
+          const int fn = (itn % pc.n) * pc.per * 32;
+          const uint32_t bytes = (uint32_t)(min(n16, fn + pc.per * 32) - fn) * 16;
+          if (lane == me) {
+            prefetch_l2(y + (size_t)(s_src_u_off[me] + pos_next) * n16 + fn, bytes);
+          } else {
+            prefetch_l2(stage_here + (size_t)(s_home_slot[lane] + pos_next) * n16 + fn, bytes);
+          }
+        }
 #pragma unroll
         for (int d = 0; d < kMaxR; ++d) {
-          if (d < R && slots[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
-        }
-        const int c = base + j * 32 + lane;
-        if (c < n16) st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
-      }
-    }
-    if (p.grad_w_out != nullptr && lane < K) {
-      const int e = p.bufs.topk[(size_t)t * K + lane];
-      float g = 0.f;
+          if (d >= R || slots[d] < 0) continue;
+          if (d == me) {
+            partial_chunks<kHome>(y, rs, n16, lim, base, lane, weighted, expert_major, v[d]);
+          } else {
 #pragma unroll
-      for (int d = 0; d < kMaxR; ++d) {
-        if (e < 0 || e / El != d || slots[d] < 0) continue;
-        if (d != me) {
-          g = stage_w[(size_t)slots[d] * MOE_EP_MAX_TOPK + lane];
-        } else if (!expert_major) {
-          g = p.grad_w_in[(size_t)slots[d] * K + lane];
-        } else {
-          const int row_k = p.bufs.meta[(size_t)slots[d] * K + lane];
-          g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
+            for (int j = 0; j < kHome; ++j) {
+              const int x = base + j * 32 + lane;
+              v[d][j] = x < lim ? ld_v4(stage_here + (size_t)slots[d] * n16 + x)
+                                : make_int4(0, 0, 0, 0);
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kHome; ++j) {
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+          for (int d = 0; d < kMaxR; ++d) {
+            if (d < R && slots[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
+          }
+          const int x = base + j * 32 + lane;
+          if (x < lim) st_na_v4(out + (size_t)t * n16 + x, pack_v4(acc));
         }
       }
-      p.grad_w_out[(size_t)t * K + lane] = g;
+      if (piece == 0 && p.grad_w_out != nullptr && lane < K) {
+        const int e = p.bufs.topk[(size_t)t * K + lane];
+        float g = 0.f;
+#pragma unroll
+        for (int d = 0; d < kMaxR; ++d) {
+          if (e < 0 || e / El != d || slots[d] < 0) continue;
+          if (d != me) {
+            g = stage_w_here[(size_t)slots[d] * MOE_EP_MAX_TOPK + lane];
+          } else if (!expert_major) {
+            g = p.grad_w_in[(size_t)slots[d] * K + lane];
+          } else {
+            const int row_k = p.bufs.meta[(size_t)slots[d] * K + lane];
+            g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
+          }
+        }
+        p.grad_w_out[(size_t)t * K + lane] = g;
+      }
+      pos = pos_next;
     }
   }
 }
@@ -707,13 +950,25 @@ __device__ void combine_body(const CombineParams& p) {
 // One entry point per bound on the world (the launcher picks the smallest).
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_combine_r2(const __grid_constant__ CombineParams p) {
-  combine_body<2>(p);
+  if (p.layout == 1) {
+    combine_body<2, true>(p);
+  } else {
+    combine_body<2, false>(p);
+  }
 }
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_combine_r4(const __grid_constant__ CombineParams p) {
-  combine_body<4>(p);
+  if (p.layout == 1) {
+    combine_body<4, true>(p);
+  } else {
+    combine_body<4, false>(p);
+  }
 }
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_combine_r8(const __grid_constant__ CombineParams p) {
-  combine_body<8>(p);
+  if (p.layout == 1) {
+    combine_body<8, true>(p);
+  } else {
+    combine_body<8, false>(p);
+  }
 }

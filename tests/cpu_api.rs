@@ -33,6 +33,14 @@ fn group_config_rejects_each_bad_field_by_name() {
     );
     assert_eq!(bad(&|c| c.num_sms = 0, 2), "num_sms");
     assert_eq!(bad(&|c| c.num_sms = 133, 2), "num_sms");
+    assert_eq!(bad(&|c| c.combine_chunks = 0, 2), "combine_chunks");
+    assert_eq!(bad(&|c| c.combine_chunks = 3, 2), "combine_chunks");
+    assert_eq!(bad(&|c| c.combine_chunks = 32, 2), "combine_chunks");
+    for n in [1, 2, 4, 8, 16] {
+        let mut c = ok.clone();
+        c.combine_chunks = n;
+        c.validate(2).unwrap();
+    }
     assert_eq!(bad(&|c| c.mode = Mode::LowLatency, 2), "mode");
     assert_eq!(bad(&|c| c.timeout = Duration::ZERO, 2), "timeout");
     let msg = {

@@ -30,6 +30,8 @@ struct Case {
     /// This rank sends nothing (0 tokens).
     silent_rank: Option<usize>,
     idx_i32: bool,
+    /// `GroupConfig::combine_chunks` (the pipeline depth of combine).
+    chunks: usize,
 }
 
 const fn case(
@@ -49,6 +51,7 @@ const fn case(
         routing,
         silent_rank: None,
         idx_i32: false,
+        chunks: 8,
     }
 }
 
@@ -62,16 +65,22 @@ fn cases() -> Vec<Case> {
             64,
             Routing::Uniform,
         ),
-        case("uniform_t1_h2560_k2_e8", 1, 2560, 2, 8, Routing::Uniform),
+        Case {
+            chunks: 16, // more chunks than tokens: most are empty
+            ..case("uniform_t1_h2560_k2_e8", 1, 2560, 2, 8, Routing::Uniform)
+        },
         case("empty_t0_h4096_k8_e256", 0, 4096, 8, 256, Routing::Uniform),
-        case(
-            "hot_expert_half_t500_h5120_k8_e256",
-            500,
-            5120,
-            8,
-            256,
-            Routing::Skewed { hot_share: 0.5 },
-        ),
+        Case {
+            chunks: 1, // no pipelining: push everything, then sum
+            ..case(
+                "hot_expert_half_t500_h5120_k8_e256",
+                500,
+                5120,
+                8,
+                256,
+                Routing::Skewed { hot_share: 0.5 },
+            )
+        },
         case(
             "masked_t300_h6144_k2_e64",
             300,
@@ -82,6 +91,7 @@ fn cases() -> Vec<Case> {
         ),
         Case {
             silent_rank: Some(1),
+            chunks: 4,
             ..case(
                 "silent_rank1_t200_h7168_k1_e8",
                 200,
@@ -209,6 +219,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     let mut cfg = GroupConfig::new(c.experts, h, c.tokens.max(1));
     cfg.recv_capacity = cap;
     cfg.timeout = Duration::from_secs(20);
+    cfg.combine_chunks = c.chunks;
     let group = EpGroup::new(&r.comm, cfg)?;
     let s = &r.stream;
 

@@ -10,6 +10,16 @@ pub const MAX_BLOCKS: usize = 132;
 pub const MAX_TOPK: usize = 16;
 /// Threads per block of the data kernels (`MOE_EP_THREADS`).
 pub const THREADS: u32 = 512;
+/// Sub-chunks of each rank's tokens that combine pipelines over
+/// (`MOE_EP_SUBCHUNKS`).
+pub const SUBCHUNKS: usize = 16;
+
+/// Words in one rank's row of the count matrix (`count_row` in abi.cuh):
+/// `[E]` per expert, `[R]` per destination, `[R][SUBCHUNKS - 1]` sub-chunk
+/// starts per destination.
+pub fn count_row(r: usize, e: usize) -> usize {
+    e + r * SUBCHUNKS
+}
 
 /// Error codes of [`ErrorInfo::code`].
 pub mod code {
@@ -140,7 +150,8 @@ pub struct CombineParams {
     pub layout: i32,
     pub num_blocks: i32,
     pub recv_capacity: i32,
-    pub _pad: i32,
+    /// 1, 2, 4, 8 or 16: chunks combine pipelines its push and reduction over.
+    pub num_chunks: i32,
     pub timeout_ns: u64,
 }
 
@@ -162,7 +173,7 @@ pub struct InfoOffsets {
 /// Same arithmetic as `info_offsets` in abi.cuh.
 pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
     let counts = 0;
-    let dst_u_off = counts + r * (e + r);
+    let dst_u_off = counts + r * count_row(r, e);
     let erow_base = dst_u_off + r;
     let src_u_off = erow_base + e;
     let my_slot_on = src_u_off + r + 1;
@@ -218,7 +229,7 @@ mod tests {
     #[test]
     fn info_offsets_are_contiguous() {
         let o = info_offsets(2, 256, 128);
-        assert_eq!(o.dst_u_off, 2 * 258);
+        assert_eq!(o.dst_u_off, 2 * (256 + 2 * 16));
         assert_eq!(o.total, o.rows_needed + 2);
         assert_eq!(o.expert_count - o.expert_start, 129);
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use cudarc::driver::CudaStream;
 
-use super::abi::{self, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
+use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, MappedHost, Module};
 use crate::symm::{SymmBuffer, SymmPool};
@@ -38,6 +38,10 @@ pub struct GroupConfig {
     pub recv_capacity: usize,
     /// SMs (thread blocks) the data kernels use; at most 132.
     pub num_sms: usize,
+    /// Chunks combine splits each rank's tokens into, so that pushing one
+    /// chunk's partials over NVLink overlaps summing the previous chunk's:
+    /// 1, 2, 4, 8 or 16 (1 = push everything, then sum).
+    pub combine_chunks: usize,
     /// Kernel family.
     pub mode: Mode,
     /// Bound on every wait for another GPU.
@@ -53,6 +57,7 @@ impl GroupConfig {
             max_tokens_per_rank,
             recv_capacity: 0,
             num_sms: 24,
+            combine_chunks: 8,
             mode: Mode::HighThroughput,
             timeout: Duration::from_secs(10),
         }
@@ -93,6 +98,13 @@ impl GroupConfig {
                 "num_sms",
                 format!("1..={MAX_BLOCKS}"),
                 self.num_sms,
+            ));
+        }
+        if !(self.combine_chunks.is_power_of_two() && self.combine_chunks <= abi::SUBCHUNKS) {
+            return Err(Error::arg(
+                "combine_chunks",
+                format!("1, 2, 4, 8 or {}", abi::SUBCHUNKS),
+                self.combine_chunks,
             ));
         }
         if self.mode == Mode::LowLatency {
@@ -160,14 +172,14 @@ impl EpGroup {
         };
 
         // Workspace layout (bytes; R = world, E = experts, H = hidden):
-        //   counts         int32 [2][R][E + R]          parity double-buffered
+        //   counts         int32 [2][R][count_row(R, E)] parity double-buffered
         //   count_flag     u64   [R]
         //   dispatch_done  u64   [R][MAX_BLOCKS]
         //   combine_done   u64   [R][MAX_BLOCKS]
         //   seq            u64   [4][MAX_BLOCKS]        local counters
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
         //   stage          bf16  [2][R * max_tokens][H]
-        let (r, e, h) = (world as u64, cfg.num_experts as u64, cfg.hidden as u64);
+        let (r, h) = (world as u64, cfg.hidden as u64);
         let stage_rows = r * cfg.max_tokens_per_rank as u64;
         let align = |x: u64| x.div_ceil(256) * 256;
         let mut w = Workspace::default();
@@ -177,7 +189,7 @@ impl EpGroup {
             at = align(at + bytes);
             (off, at)
         };
-        w.counts_off = carve(2 * r * (e + r) * 4).0;
+        w.counts_off = carve(2 * r * count_row(world, cfg.num_experts) as u64 * 4).0;
         w.count_flag_off = carve(r * 8).0;
         w.dispatch_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.combine_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;

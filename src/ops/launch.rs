@@ -7,8 +7,8 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use half::bf16;
 
 use super::abi::{
-    info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, MAX_RANKS, MAX_TOPK,
-    THREADS,
+    count_row, info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, MAX_RANKS,
+    MAX_TOPK, THREADS,
 };
 use super::group::EpGroup;
 use super::DeviceRegion;
@@ -91,7 +91,7 @@ impl Handle {
         let (r, e) = (self.world, self.experts);
         let el = e / r;
         let o = info_offsets(r, e, el);
-        let n = e + r;
+        let n = count_row(r, e);
         let mut rank_counts = vec![0u32; r * r];
         let mut expert_counts = vec![0u32; r * e];
         for s in 0..r {
@@ -510,7 +510,7 @@ impl EpGroup {
             layout,
             num_blocks: self.cfg.num_sms as i32,
             recv_capacity: self.recv_capacity as i32,
-            _pad: 0,
+            num_chunks: self.cfg.combine_chunks as i32,
             timeout_ns: self.timeout_ns(),
         };
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.

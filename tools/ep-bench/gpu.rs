@@ -214,6 +214,12 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     let mut cfg = GroupConfig::new(case.experts, case.hidden, case.tokens.max(1));
     cfg.recv_capacity = cap;
     cfg.num_sms = case.num_sms;
+    // Tuning knob, not a CLI option: combine's pipeline depth.
+    if let Some(v) = std::env::var("MOE_EP_COMBINE_CHUNKS").ok() {
+        cfg.combine_chunks = v
+            .parse()
+            .map_err(|_| format!("MOE_EP_COMBINE_CHUNKS: {v:?} is not a number"))?;
+    }
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
