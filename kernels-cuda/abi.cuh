@@ -20,6 +20,17 @@
 // destination come before each sub-chunk; a combine runs in 1, 2, 4, 8 or 16
 // chunks of whole sub-chunks.
 #define MOE_EP_SUBCHUNKS 16
+// Rank-major combine: one warp per block pushes partials with bulk copies
+// through a ring of shared buffers (MOE_EP_COMBINE_SMEM bytes of dynamic
+// shared memory, given by the launcher), one row piece of up to
+// MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB) each; loads run half the
+// ring ahead of the stores.
+#define MOE_EP_COMBINE_SMEM (128 * 1024)
+#ifndef MOE_EP_BULK_VECS
+#define MOE_EP_BULK_VECS 32
+#endif
+#define MOE_EP_BULK_BUFS (MOE_EP_COMBINE_SMEM / (MOE_EP_BULK_VECS * 512))
+#define MOE_EP_BULK_AHEAD (MOE_EP_BULK_BUFS / 2)
 // sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).
 #define MOE_EP_NCCL_CONFIG_BYTES 80
 
@@ -34,6 +45,7 @@
 #define MOE_EP_CTR_LAYOUT_COUNTS 1
 #define MOE_EP_CTR_DISPATCH_DONE 2
 #define MOE_EP_CTR_COMBINE_DONE 3
+#define MOE_EP_CTR_BULK_COPY 4     // a local bulk (TMA) copy that never completed
 
 // Written by kernels into host-mapped pinned memory; read by the host at the
 // next call. 64 bytes.

@@ -68,6 +68,62 @@ MOE_EP_DEVICE void prefetch_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
+// ---- bulk asynchronous copies (TMA, sm_90) ----
+// A row piece goes global -> shared -> global without passing through
+// registers: one lane issues, the copy engine of the SM moves the bytes.
+MOE_EP_DEVICE uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+MOE_EP_DEVICE void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes initialised mbarriers visible to the async proxy (then a CTA barrier).
+MOE_EP_DEVICE void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+MOE_EP_DEVICE void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+MOE_EP_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// global -> shared, completion counted on `bar` (expect_tx first).
+MOE_EP_DEVICE void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(smem_dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+// shared -> global (local or a peer's memory), in the current bulk group.
+MOE_EP_DEVICE void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+MOE_EP_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// All but the newest N committed stores have read their shared sources.
+template <int N>
+MOE_EP_DEVICE void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// All but the newest N committed stores are complete (written), then
+// ordered before this thread's later generic accesses (e.g. a release flag).
+template <int N>
+MOE_EP_DEVICE void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 MOE_EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -121,6 +177,22 @@ MOE_EP_DEVICE bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t
     }
     __nanosleep(64);
   }
+}
+
+// Bounded wait for the phase `parity` of a local mbarrier (bulk copies in
+// flight): a copy that never lands is reported as a timeout on `counter`.
+MOE_EP_DEVICE bool mbar_wait(uint64_t* bar, uint32_t parity, uint64_t timeout_ns,
+                             const ErrSink& err, int rank, int counter) {
+  if (mbar_try_wait(bar, parity)) return true;
+  const uint64_t start = globaltimer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (has_error(err)) return false;
+    if (globaltimer_ns() - start > timeout_ns) {
+      report_error(err, MOE_EP_ERR_TIMEOUT, rank, rank, counter, parity, 0, 0, 0);
+      return false;
+    }
+  }
+  return true;
 }
 
 // ---- block-wide helpers ----

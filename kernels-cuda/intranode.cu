@@ -5,7 +5,16 @@
 // of its tokens on every receiver and stores it there directly (zero copy);
 // the receiver waits for one completion flag per (source rank, source block).
 // Combine mirrors it: partial rows (the local experts of a token reduced in
-// f32) are pushed to the token's home rank, which sums them in rank order.
+// f32) are pushed to the token's home rank, which sums them in rank order,
+// pipelined over chunks of the home ranks' tokens (rank-major: one warp per
+// block pushes with bulk (TMA) copies while the others sum).
+//
+// Tuning switches below and in abi.cuh / common.cuh (MOE_EP_PREFETCH,
+// MOE_EP_BULK_VECS) are compile-time: build with
+// MOE_EP_KERNEL_DEFINES="NAME=VALUE ..." to compare variants with ep-bench.
+// Measured on 2 x H200 (BENCHMARKS.md): whole-row dispatch items beat
+// pieces, registers in flight per warp (MOE_EP_PIECE 4..8, MOE_EP_HOME_VECS
+// 4..8) made no difference, bulk copies of 16 KiB beat 8 KiB and 4 KiB.
 //
 // Rust launchers: src/ops/launch.rs. Tests: tests/gpu_intranode.rs.
 #include <cuda_bf16.h>
@@ -18,7 +27,7 @@ namespace {
 constexpr int kWarps = MOE_EP_THREADS / 32;
 constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 
-// Tuning switches (build with MOE_EP_KERNEL_DEFINES="NAME=0" to compare):
+// Tuning switches (see the top of the file):
 #ifndef MOE_EP_DISPATCH_SPLIT_ROWS
 #define MOE_EP_DISPATCH_SPLIT_ROWS 0  // 1: dispatch items are row pieces (0: whole rows)
 #endif
@@ -730,9 +739,17 @@ __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int m
 
 // kMaxR: compile-time bound on the world, so the home's loads of every
 // rank's partial stay in registers (kHome vectors each).
+//
+// Rank-major: warp 0 of each block is the pusher (bulk copies, no registers
+// in flight, chunk by chunk; it releases the block's flag for chunk c once
+// its copies are written) and the other warps sum: they wait for every other
+// rank's chunk c and reduce it, while the pushers already move chunk c + 1.
+// Expert-major (partials are f32 sums of several rows): every warp pushes its
+// share of chunk c, marks it (the block's last warp releases the flag), then
+// sums chunk c - 1.
 template <int kMaxR, bool kExpertMajor>
 __device__ void combine_body(const CombineParams& p) {
-  // Expert-major home sums hold f32 accumulators too: half the vectors.
+  // Expert-major home sums hold f32 accumulators too: fewer vectors.
   constexpr int kHomeRm = kMaxR <= 2 ? MOE_EP_HOME_VECS : (kMaxR <= 4 ? 2 : 1);
   constexpr int kHome = kExpertMajor ? (kMaxR <= 2 ? 2 : 1) : kHomeRm;
   constexpr int kEm = 2;  // expert-major partials: vectors per lane per step (f32 sums)
@@ -744,8 +761,7 @@ __device__ void combine_body(const CombineParams& p) {
   const int n = count_row(R, E);
   constexpr bool expert_major = kExpertMajor;
   const bool weighted = p.w_rows != nullptr;
-  const int lane = threadIdx.x & 31;
-  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = p.num_chunks, sub_per_chunk = MOE_EP_SUBCHUNKS / C;
   const Pieces pc = pieces_of(n16);
 
@@ -754,6 +770,8 @@ __device__ void combine_body(const CombineParams& p) {
   __shared__ int s_home_slot[MOE_EP_MAX_RANKS], s_my_slot_on[MOE_EP_MAX_RANKS];
   __shared__ int s_src_u_off[MOE_EP_MAX_RANKS + 1];
   __shared__ unsigned s_arrived[MOE_EP_SUBCHUNKS];
+  __shared__ uint64_t s_bar[MOE_EP_BULK_BUFS];
+  extern __shared__ __align__(128) unsigned char s_bulk[];  // [BULK_BUFS][BULK_VECS * 512]
   for (int i = threadIdx.x; i < (C + 1) * R; i += blockDim.x) {
     const int c = i / R, s = i % R;
     const int j = c * sub_per_chunk;
@@ -770,6 +788,10 @@ __device__ void combine_body(const CombineParams& p) {
   }
   if (threadIdx.x <= R) s_src_u_off[threadIdx.x] = info[o.src_u_off + threadIdx.x];
   if (threadIdx.x < MOE_EP_SUBCHUNKS) s_arrived[threadIdx.x] = 0;
+  if (!expert_major && threadIdx.x < MOE_EP_BULK_BUFS) {
+    mbar_init(&s_bar[threadIdx.x], 1);
+    fence_mbar_init();
+  }
   const uint64_t seq = next_seq(ws.seq(2, me));  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.error, me);
   const int parity = (int)(seq & 1);
@@ -779,107 +801,72 @@ __device__ void combine_body(const CombineParams& p) {
   int4* out = reinterpret_cast<int4*>(p.out);
   // Flag value meaning "chunk c of combine `seq` is pushed": grows over chunks and calls.
   auto chunk_flag = [&](int c) { return seq * (MOE_EP_SUBCHUNKS + 1) + (uint64_t)c + 1; };
-
-  // NOTE: as in dispatch, every rank sees the same overflow and skips together.
-  for (int d = 0; d < R; ++d) {
-    if (info[o.rows_needed + d] > p.recv_capacity) return;
-  }
-
-  for (int c = 0; c <= C; ++c) {
-    // ---- push chunk c: partials of the rows whose home tokens are in it ----
-    if (c < C) {
-      int n_rows = 0;
-      for (int s = 0; s < R; ++s) n_rows += s == me ? 0 : s_lo[c + 1][s] - s_lo[c][s];
-      for (int it = gw; it < n_rows * pc.n; it += nw) {
-        int u = it / pc.n;
-        const int piece = it % pc.n;
-        const int s = locate(s_lo[c], s_lo[c + 1], R, me, &u);
-        const int slot = s_my_slot_on[s] + (u - s_src_u_off[s]);
-        int4* dst = ws.stage(s, parity, p.hidden) + (size_t)slot * n16;
-        const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
-        if (!expert_major && lane == 0 && it + nw < n_rows * pc.n) {
-          // This warp's next piece, into L2 while this one moves.
-          int un = (it + nw) / pc.n;
-          const int pn = (it + nw) % pc.n;
-          locate(s_lo[c], s_lo[c + 1], R, me, &un);
-          const int fn = pn * pc.per * 32;
-          prefetch_l2(y + (size_t)un * n16 + fn, (uint32_t)(min(n16, fn + pc.per * 32) - fn) * 16);
-        }
-        if constexpr (!expert_major) {
-          int4 v[kPiece];
-#pragma unroll
-          for (int i = 0; i < kPiece; ++i) {
-            const int x = first + i * 32 + lane;
-            if (i < pc.per && x < lim) v[i] = ld_nc_v4(y + (size_t)u * n16 + x);
-          }
-#pragma unroll
-          for (int i = 0; i < kPiece; ++i) {
-            const int x = first + i * 32 + lane;
-            if (i < pc.per && x < lim) st_na_v4(dst + x, v[i]);
-          }
-        } else {
-          const RowSet rs = row_set(p, u, true, K, lane);
-          for (int base = first; base < lim; base += 32 * kEm) {
-            int4 v[kEm];
-            partial_chunks<kEm>(y, rs, n16, lim, base, lane, weighted, true, v);
-#pragma unroll
-            for (int j = 0; j < kEm; ++j) {
-              const int x = base + j * 32 + lane;
-              if (x < lim) st_na_v4(dst + x, v[j]);
-            }
-          }
-        }
-        // Gradient of the dispatched top-k weights travels home beside the row.
-        if (piece == 0 && p.grad_w_in != nullptr && lane < K) {
-          float g = 0.f;
-          if (!expert_major) {
-            g = p.grad_w_in[(size_t)u * K + lane];
-          } else {
-            const int row_k = p.bufs.meta[(size_t)u * K + lane];
-            g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
-          }
-          ws.stage_w(s, parity)[(size_t)slot * MOE_EP_MAX_TOPK + lane] = g;
-        }
-      }
-      // The block's last warp to finish chunk c releases it to every rank.
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence_block();
-        if (atomicAdd(&s_arrived[c], 1u) == kWarps - 1) {
-          fence_acq_rel_sys();
-          for (int d = 0; d < R; ++d) {
-            st_release_sys_u64(ws.combine_done(d) + me * MOE_EP_MAX_BLOCKS + blockIdx.x,
-                               chunk_flag(c));
-          }
-        }
-      }
+  auto release_chunk = [&](int c) {
+    fence_acq_rel_sys();
+    for (int d = 0; d < R; ++d) {
+      st_release_sys_u64(ws.combine_done(d) + me * MOE_EP_MAX_BLOCKS + blockIdx.x, chunk_flag(c));
     }
-    if (c == 0) continue;
-
-    // ---- sum chunk c - 1: wait for every other rank's blocks, then reduce ----
-    const int cs = c - 1;
+  };
+  // Rows pushed for chunk c: from every other rank s, s_lo[c][s] .. s_lo[c + 1][s].
+  auto rows_of_chunk = [&](int c) {
+    int rows = 0;
+    for (int s = 0; s < R; ++s) rows += s == me ? 0 : s_lo[c + 1][s] - s_lo[c][s];
+    return rows;
+  };
+  // Push item `it` of chunk c: piece `piece` of row u (from home s) into slot `slot` there.
+  struct PushItem {
+    int u, s, slot, piece, first, lim;
+  };
+  auto push_item = [&](int c, int it, const Pieces& pc) {
+    PushItem q;
+    q.u = it / pc.n;
+    q.piece = it % pc.n;
+    q.s = locate(s_lo[c], s_lo[c + 1], R, me, &q.u);
+    q.slot = s_my_slot_on[q.s] + (q.u - s_src_u_off[q.s]);
+    q.first = q.piece * pc.per * 32;
+    q.lim = min(n16, q.first + pc.per * 32);
+    return q;
+  };
+  // Gradient of the dispatched top-k weights travels home beside the row.
+  auto push_grad_w = [&](const PushItem& q) {
+    if (q.piece != 0 || p.grad_w_in == nullptr || lane >= K) return;
+    float g = 0.f;
+    if (!expert_major) {
+      g = p.grad_w_in[(size_t)q.u * K + lane];
+    } else {
+      const int row_k = p.bufs.meta[(size_t)q.u * K + lane];
+      g = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
+    }
+    ws.stage_w(q.s, parity)[(size_t)q.slot * MOE_EP_MAX_TOPK + lane] = g;
+  };
+  // Every other rank's blocks have pushed chunk c (one warp; false on timeout/error).
+  auto wait_chunk = [&](int c) {
     bool ok = true;
     const uint64_t* flags = ws.combine_done(me);
     for (int i = lane; i < R * nb; i += 32) {
       const int s = i / nb, b = i % nb;
       if (s == me) continue;
-      ok &= wait_at_least(flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(cs), p.timeout_ns, err,
-                          me, s, MOE_EP_CTR_COMBINE_DONE);
+      ok &= wait_at_least(flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(c), p.timeout_ns, err, me,
+                          s, MOE_EP_CTR_COMBINE_DONE);
     }
-    if (!__all_sync(0xffffffffu, ok)) return;
-
+    return __all_sync(0xffffffffu, ok) != 0;
+  };
+  // Sums home tokens of chunk cs, items w0, w0 + nws, ... (one warp).
+  auto reduce_chunk = [&](int cs, int w0, int nws) {
     const int t_lo = (int)((long)(cs * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
     const int t_hi = (int)((long)((cs + 1) * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
     const int n_items = (t_hi - t_lo) * pc.n;
-    int pos = (gw < n_items && lane < R) ? p.bufs.rank_pos[(size_t)(t_lo + gw / pc.n) * R + lane] : -1;
-    for (int it = gw; it < n_items; it += nw) {
+    int pos =
+        (w0 < n_items && lane < R) ? p.bufs.rank_pos[(size_t)(t_lo + w0 / pc.n) * R + lane] : -1;
+    for (int it = w0; it < n_items; it += nws) {
       const int t = t_lo + it / pc.n, piece = it % pc.n;
       const int slot =
           pos >= 0 ? (lane == me ? s_src_u_off[me] + pos : s_home_slot[lane] + pos) : -1;
       // This warp's next item: its positions now, its rows into L2 below.
-      const int itn = it + nw;
-      const int pos_next =
-          (itn < n_items && lane < R) ? p.bufs.rank_pos[(size_t)(t_lo + itn / pc.n) * R + lane] : -1;
+      const int itn = it + nws;
+      const int pos_next = (itn < n_items && lane < R)
+                               ? p.bufs.rank_pos[(size_t)(t_lo + itn / pc.n) * R + lane]
+                               : -1;
       int slots[kMaxR];
 #pragma unroll
       for (int d = 0; d < kMaxR; ++d) slots[d] = __shfl_sync(0xffffffffu, slot, d < R ? d : 0);
@@ -943,6 +930,140 @@ __device__ void combine_body(const CombineParams& p) {
         p.grad_w_out[(size_t)t * K + lane] = g;
       }
       pos = pos_next;
+    }
+  };
+
+  // NOTE: as in dispatch, every rank sees the same overflow and skips together.
+  for (int d = 0; d < R; ++d) {
+    if (info[o.rows_needed + d] > p.recv_capacity) return;
+  }
+
+  if constexpr (!expert_major) {
+    if (warp != 0) {
+      // ---- summers: chunk by chunk, as the other ranks' pushers finish them ----
+      const int w0 = blockIdx.x * (kWarps - 1) + warp - 1, nws = nb * (kWarps - 1);
+      for (int c = 0; c < C; ++c) {
+        if (!wait_chunk(c)) return;
+        reduce_chunk(c, w0, nws);
+      }
+      return;
+    }
+    // ---- pusher (warp 0): this block's pieces, chunk after chunk, global -> shared -> home ----
+    // One sequence over every chunk: piece g of this block loads into ring
+    // buffer g % BULK_BUFS, BULK_AHEAD pieces ahead of its store, reusing the
+    // buffer of the store BULK_BUFS back. Chunk c is released once its last
+    // store is kDelay stores old and those older stores are complete, so the
+    // ring never drains between chunks.
+    constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD, kDelay = 2;
+    constexpr int kSlot = MOE_EP_BULK_VECS * 512;
+    static_assert(kAhead < kBufs && kDelay < kBufs, "ring sizes");
+    Pieces pb;  // pieces as large as a slot: few, long copies
+    pb.n = (n16 + 32 * MOE_EP_BULK_VECS - 1) / (32 * MOE_EP_BULK_VECS);
+    pb.per = (n16 + 32 * pb.n - 1) / (32 * pb.n);
+    // This block's pieces of chunk c; a cursor walks the sequence chunk by
+    // chunk (c, and [lo, hi): the sequence indices of chunk c's pieces).
+    auto mine = [&](int c) -> int {
+      const int n_items = rows_of_chunk(c) * pb.n, bid = blockIdx.x;
+      return n_items > bid ? (n_items - bid + nb - 1) / nb : 0;
+    };
+    struct Cursor {
+      int c, lo, hi;
+    };
+    auto seek = [&](Cursor& k, int g) {
+      while (g >= k.hi && k.c < C - 1) {
+        ++k.c;
+        k.lo = k.hi;
+        k.hi += mine(k.c);
+      }
+    };
+    int total = 0;
+    for (int c = 0; c < C; ++c) total += mine(c);
+    auto item_at = [&](Cursor& k, int g) {
+      seek(k, g);
+      return push_item(k.c, blockIdx.x + (g - k.lo) * nb, pb);
+    };
+    Cursor lk{0, 0, mine(0)}, sk = lk, rk = lk;  // loads, stores, releases (rk.c = next to release)
+    uint32_t phase = 0;  // lane 0: bit b = parity of buffer b's next completion
+    int rel = 0;         // next chunk to release
+    bool ok = true;
+    for (int g = 0; g < total + kAhead && ok; ++g) {
+      if (g < total && lane == 0) {
+        // Stores issued so far: g - kAhead; the one of piece g - kBufs is
+        // followed by kBufs - kAhead - 1 newer ones.
+        if (g >= kBufs) bulk_wait_read<kBufs - kAhead - 1>();
+        const PushItem q = item_at(lk, g);
+        const int b = g % kBufs;
+        const uint32_t bytes = (uint32_t)(q.lim - q.first) * 16;
+        mbar_expect_tx(&s_bar[b], bytes);
+        bulk_load(s_bulk + b * kSlot, y + (size_t)q.u * n16 + q.first, bytes, &s_bar[b]);
+      }
+      const int gs = g - kAhead;
+      if (gs < 0 || gs >= total) continue;
+      const PushItem q = item_at(sk, gs);
+      if (lane == 0) {
+        const int b = gs % kBufs;
+        ok = mbar_wait(&s_bar[b], (phase >> b) & 1u, p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY);
+        phase ^= 1u << b;
+        int4* dst = ws.stage(q.s, parity, p.hidden) + (size_t)q.slot * n16 + q.first;
+        if (ok) bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
+        bulk_commit();
+      }
+      push_grad_w(q);
+      __syncwarp();
+      if (lane == 0) {
+        // Chunks whose last store is at least kDelay stores old.
+        bool waited = false;
+        while (ok && rel < C && rk.hi <= gs + 1 - kDelay) {
+          if (!waited) bulk_wait<kDelay>();
+          waited = true;
+          release_chunk(rel++);
+          if (rel < C) {
+            rk.lo = rk.hi;
+            rk.hi += mine(rel);
+          }
+        }
+      }
+      ok = __shfl_sync(0xffffffffu, ok, 0) != 0;
+    }
+    __syncwarp();
+    if (!ok) return;
+    if (lane == 0) {
+      bulk_wait<0>();
+      while (rel < C) release_chunk(rel++);
+    }
+    return;
+  } else {
+    const int gw = blockIdx.x * kWarps + warp, nw = gridDim.x * kWarps;
+    for (int c = 0; c <= C; ++c) {
+      // ---- push chunk c: partials of the rows whose home tokens are in it ----
+      if (c < C) {
+        const int n_items = rows_of_chunk(c) * pc.n;
+        for (int it = gw; it < n_items; it += nw) {
+          const PushItem q = push_item(c, it, pc);
+          int4* dst = ws.stage(q.s, parity, p.hidden) + (size_t)q.slot * n16;
+          const RowSet rs = row_set(p, q.u, true, K, lane);
+          for (int base = q.first; base < q.lim; base += 32 * kEm) {
+            int4 v[kEm];
+            partial_chunks<kEm>(y, rs, n16, q.lim, base, lane, weighted, true, v);
+#pragma unroll
+            for (int j = 0; j < kEm; ++j) {
+              const int x = base + j * 32 + lane;
+              if (x < q.lim) st_na_v4(dst + x, v[j]);
+            }
+          }
+          push_grad_w(q);
+        }
+        // The block's last warp to finish chunk c releases it to every rank.
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_block();
+          if (atomicAdd(&s_arrived[c], 1u) == kWarps - 1) release_chunk(c);
+        }
+      }
+      // ---- sum chunk c - 1 ----
+      if (c == 0) continue;
+      if (!wait_chunk(c - 1)) return;
+      reduce_chunk(c - 1, gw, nw);
     }
   }
 }

@@ -51,7 +51,7 @@ const fn case(
         routing,
         silent_rank: None,
         idx_i32: false,
-        chunks: 8,
+        chunks: 8, // (the default is 4; the table covers 1, 4, 8 and 16)
     }
 }
 
@@ -120,6 +120,30 @@ fn cases() -> Vec<Case> {
             256,
             Routing::Uniform,
         ),
+        // The largest sizes the NVLink issue names (16384 tokens per rank,
+        // hidden 16384, 512 experts), in two cases to keep the CPU side short.
+        Case {
+            chunks: 4,
+            ..case(
+                "largest_t16384_h2048_k4_e512",
+                16384,
+                2048,
+                4,
+                512,
+                Routing::Uniform,
+            )
+        },
+        Case {
+            chunks: 4,
+            ..case(
+                "largest_t1024_h16384_k8_e512",
+                1024,
+                16384,
+                8,
+                512,
+                Routing::Uniform,
+            )
+        },
     ]
 }
 

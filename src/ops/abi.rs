@@ -10,6 +10,9 @@ pub const MAX_BLOCKS: usize = 132;
 pub const MAX_TOPK: usize = 16;
 /// Threads per block of the data kernels (`MOE_EP_THREADS`).
 pub const THREADS: u32 = 512;
+/// Dynamic shared memory of the combine kernel (`MOE_EP_COMBINE_SMEM`): its
+/// bulk-copy buffers.
+pub const COMBINE_SMEM: u32 = 128 * 1024;
 /// Sub-chunks of each rank's tokens that combine pipelines over
 /// (`MOE_EP_SUBCHUNKS`).
 pub const SUBCHUNKS: usize = 16;
@@ -35,6 +38,7 @@ pub fn counter_name(c: i32) -> &'static str {
         1 => "layout counts",
         2 => "dispatch done",
         3 => "combine done",
+        4 => "bulk copy",
         _ => "unknown",
     }
 }

@@ -57,7 +57,7 @@ impl GroupConfig {
             max_tokens_per_rank,
             recv_capacity: 0,
             num_sms: 24,
-            combine_chunks: 8,
+            combine_chunks: 4,
             mode: Mode::HighThroughput,
             timeout: Duration::from_secs(10),
         }
@@ -229,6 +229,14 @@ impl EpGroup {
         comm.barrier(&stream)?;
 
         let m = Module::get(&ctx, "intranode")?;
+        // The smallest compile-time world bound that fits (registers); its
+        // bulk-copy buffers live in dynamic shared memory.
+        let k_combine = m.function(match world {
+            0..=2 => "moe_ep_combine_r2",
+            3..=4 => "moe_ep_combine_r4",
+            _ => "moe_ep_combine_r8",
+        })?;
+        k_combine.allow_dynamic_smem(abi::COMBINE_SMEM)?;
         Ok(EpGroup {
             comm: comm.clone(),
             pool,
@@ -243,11 +251,7 @@ impl EpGroup {
             k_layout_meta: m.function("moe_ep_layout_meta")?,
             k_dispatch: m.function("moe_ep_dispatch")?,
             // The smallest compile-time world bound that fits (registers).
-            k_combine: m.function(match world {
-                0..=2 => "moe_ep_combine_r2",
-                3..=4 => "moe_ep_combine_r4",
-                _ => "moe_ep_combine_r8",
-            })?,
+            k_combine,
             cfg,
         })
     }

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use half::bf16;
 
 use super::abi::{
-    count_row, info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, MAX_RANKS,
-    MAX_TOPK, THREADS,
+    count_row, info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, COMBINE_SMEM,
+    MAX_RANKS, MAX_TOPK, THREADS,
 };
 use super::group::EpGroup;
 use super::DeviceRegion;
@@ -516,7 +516,7 @@ impl EpGroup {
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
         unsafe {
             self.k_combine
-                .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)
+                .launch(stream, self.cfg.num_sms as u32, THREADS, COMBINE_SMEM, &p)
         }
     }
 

@@ -130,6 +130,23 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 impl Function {
+    /// Lets launches ask for up to `bytes` of dynamic shared memory (above
+    /// the default 48 KiB needs this opt-in).
+    pub fn allow_dynamic_smem(&self, bytes: u32) -> Result<()> {
+        // SAFETY: raw is a live function of a loaded module.
+        unsafe {
+            result::function::set_function_attribute(
+                self.raw,
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(|source| Error::Cuda {
+            context: self.name,
+            source,
+        })
+    }
+
     /// Launches with one by-value parameter struct (`__grid_constant__ const P`).
     ///
     /// # Safety
