@@ -938,7 +938,10 @@ __device__ void combine_body(const CombineParams& p) {
     if (info[o.rows_needed + d] > p.recv_capacity) return;
   }
 
-  if constexpr (!expert_major) {
+  // Rank-major without weight gradients: pusher + summers. With them (the
+  // dispatch backward) every warp moves rows and gradients, as in expert-major:
+  // per-row gradient loads in the pusher's issue loop slowed it down.
+  if (!expert_major && p.grad_w_in == nullptr) {
     if (warp != 0) {
       // ---- summers: chunk by chunk, as the other ranks' pushers finish them ----
       const int w0 = blockIdx.x * (kWarps - 1) + warp - 1, nws = nb * (kWarps - 1);
@@ -1008,7 +1011,6 @@ __device__ void combine_body(const CombineParams& p) {
         if (ok) bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
         bulk_commit();
       }
-      push_grad_w(q);
       __syncwarp();
       if (lane == 0) {
         // Chunks whose last store is at least kDelay stores old.
@@ -1032,7 +1034,10 @@ __device__ void combine_body(const CombineParams& p) {
       while (rel < C) release_chunk(rel++);
     }
     return;
-  } else {
+  }
+  {
+    // Every warp pushes its share of chunk c, marks it, then sums chunk c - 1.
+    constexpr int kU = expert_major ? kEm : kPiece;
     const int gw = blockIdx.x * kWarps + warp, nw = gridDim.x * kWarps;
     for (int c = 0; c <= C; ++c) {
       // ---- push chunk c: partials of the rows whose home tokens are in it ----
@@ -1041,12 +1046,12 @@ __device__ void combine_body(const CombineParams& p) {
         for (int it = gw; it < n_items; it += nw) {
           const PushItem q = push_item(c, it, pc);
           int4* dst = ws.stage(q.s, parity, p.hidden) + (size_t)q.slot * n16;
-          const RowSet rs = row_set(p, q.u, true, K, lane);
-          for (int base = q.first; base < q.lim; base += 32 * kEm) {
-            int4 v[kEm];
-            partial_chunks<kEm>(y, rs, n16, q.lim, base, lane, weighted, true, v);
+          const RowSet rs = row_set(p, q.u, expert_major, K, lane);
+          for (int base = q.first; base < q.lim; base += 32 * kU) {
+            int4 v[kU];
+            partial_chunks<kU>(y, rs, n16, q.lim, base, lane, weighted, expert_major, v);
 #pragma unroll
-            for (int j = 0; j < kEm; ++j) {
+            for (int j = 0; j < kU; ++j) {
               const int x = base + j * 32 + lane;
               if (x < q.lim) st_na_v4(dst + x, v[j]);
             }
