@@ -25,7 +25,7 @@ $bench --quiet --check --tokens 16384 2>&1 | tee -a "$out/large.txt"
 if command -v ncu >/dev/null; then
   export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611
   RANK=0 LOCAL_RANK=0 timeout 120 $bench --profile --iters 3 --no-baselines --ops dispatch,combine --quiet >/dev/null 2>&1 &
-  RANK=1 LOCAL_RANK=1 timeout 120 ncu --clock-control none --kernel-name regex:'moe_ep_(dispatch|combine)' --launch-count 2 \
+  RANK=1 LOCAL_RANK=1 timeout 120 ncu --clock-control none --kernel-name regex:moe_ep_combine --launch-count 1 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
     $bench --profile --iters 3 --no-baselines --ops dispatch,combine --quiet 2>&1 | tail -32 | tee "$out/ncu.txt"
   wait
