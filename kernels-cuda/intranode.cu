@@ -763,7 +763,9 @@ __device__ void combine_body(const CombineParams& p) {
   const bool weighted = p.w_rows != nullptr;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = p.num_chunks, sub_per_chunk = MOE_EP_SUBCHUNKS / C;
-  const Pieces pc = pieces_of(n16);
+  // Expert-major items are whole rows: a token's row set (its local expert
+  // rows, sorted) is worked out once per token, not once per piece.
+  const Pieces pc = expert_major ? Pieces{1, (n16 + 31) / 32} : pieces_of(n16);
 
   // s_lo[c][s] .. s_lo[c + 1][s]: rows (u) from rank s whose home tokens are in chunk c.
   __shared__ int s_lo[MOE_EP_SUBCHUNKS + 1][MOE_EP_MAX_RANKS];
