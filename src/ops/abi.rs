@@ -230,6 +230,31 @@ mod tests {
         assert_eq!(offset_of!(CombineParams, timeout_ns), 272);
     }
 
+    /// The constants mirrored from abi.cuh's `#define`s have the same values.
+    #[test]
+    fn constants_match_abi_cuh() {
+        let text = include_str!("../../kernels-cuda/abi.cuh");
+        let define = |name: &str| -> String {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("abi.cuh has no #define {name}"));
+            line[format!("#define {name} ").len()..]
+                .split("//")
+                .next()
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        assert_eq!(define("MOE_EP_MAX_RANKS"), MAX_RANKS.to_string());
+        assert_eq!(define("MOE_EP_MAX_BLOCKS"), MAX_BLOCKS.to_string());
+        assert_eq!(define("MOE_EP_MAX_TOPK"), MAX_TOPK.to_string());
+        assert_eq!(define("MOE_EP_THREADS"), THREADS.to_string());
+        assert_eq!(define("MOE_EP_SUBCHUNKS"), SUBCHUNKS.to_string());
+        assert_eq!(define("MOE_EP_COMBINE_SMEM"), "(128 * 1024)");
+        assert_eq!(COMBINE_SMEM, 128 * 1024);
+    }
+
     #[test]
     fn info_offsets_are_contiguous() {
         let o = info_offsets(2, 256, 128);

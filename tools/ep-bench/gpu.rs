@@ -215,7 +215,7 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     cfg.recv_capacity = cap;
     cfg.num_sms = case.num_sms;
     // Tuning knob, not a CLI option: combine's pipeline depth.
-    if let Some(v) = std::env::var("MOE_EP_COMBINE_CHUNKS").ok() {
+    if let Ok(v) = std::env::var("MOE_EP_COMBINE_CHUNKS") {
         cfg.combine_chunks = v
             .parse()
             .map_err(|_| format!("MOE_EP_COMBINE_CHUNKS: {v:?} is not a number"))?;
