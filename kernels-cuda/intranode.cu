@@ -34,6 +34,12 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 #ifndef MOE_EP_PIECE
 #define MOE_EP_PIECE 8  // 16-byte vectors per lane per piece (registers in flight)
 #endif
+#ifndef MOE_EP_DISPATCH_BULK
+#define MOE_EP_DISPATCH_BULK 1  // rank-major dispatch rows: 1 bulk copies (one warp), 0 every warp's stores
+#endif
+#ifndef MOE_EP_COMBINE_DIAG
+#define MOE_EP_COMBINE_DIAG 0  // timing only, wrong results: 1 summers skip the sum, 2 pushers skip the copies
+#endif
 #ifndef MOE_EP_HOME_VECS
 #define MOE_EP_HOME_VECS 4  // vectors per lane per rank the 2-rank home sum loads at once
 #endif
@@ -464,6 +470,113 @@ __device__ __forceinline__ TokRoute load_route(const DispatchParams& p, int t, i
 }
 }  // namespace
 
+// Rank-major metadata of token t on every rank it goes to: its top-k
+// weights and local expert ids there (-1 / 0 for other ranks' experts) and
+// its source. u: lane d < R holds t's row on rank d, -1 if not sent.
+__device__ __forceinline__ void store_meta_rm(const DispatchParams& p, int t, int u, const TokRoute& r,
+                                              int R, int K, int El, int me, int lane) {
+  const int dk = r.e >= 0 ? r.e / El : -1;
+  for (int d = 0; d < R; ++d) {
+    const int ud = __shfl_sync(0xffffffffu, u, d);
+    if (ud < 0) continue;
+    if (lane < K) {
+      if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? r.wt : 0.f;
+      if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? r.e - d * El : -1;
+    }
+    if (lane == 0 && p.recv_src[d]) {
+      p.recv_src[d][(size_t)ud * 2] = me;
+      p.recv_src[d][(size_t)ud * 2 + 1] = t;
+    }
+  }
+}
+
+// Rank-major rows of this block's tokens (t = blockIdx.x + j * gridDim.x),
+// global -> shared -> every rank that gets the token, with bulk (TMA) copies:
+// one lane issues, loads run MOE_EP_BULK_AHEAD pieces ahead of the stores
+// through the ring of shared buffers, each loaded piece is stored to every
+// destination (the peer's row and our own) from the same buffer. The warp
+// holds the routing of 32 tokens at a time (the next 32 in flight). One warp;
+// false on a timeout. Every store is complete (written) on return.
+__device__ bool push_rows_bulk(const DispatchParams& p, const int32_t* info, const InfoOffsets& o,
+                               int n16, int R, const ErrSink& err, int lane) {
+  constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD;
+  constexpr int kSlot = MOE_EP_BULK_VECS * 512;
+  __shared__ uint64_t s_bar[kBufs];
+  extern __shared__ __align__(128) unsigned char s_bulk[];
+  if (lane == 0) {
+    for (int b = 0; b < kBufs; ++b) mbar_init(&s_bar[b], 1);
+    fence_mbar_init();
+  }
+  const int nb = gridDim.x, T = p.num_tokens;
+  const int mine = T > (int)blockIdx.x ? (T - (int)blockIdx.x + nb - 1) / nb : 0;
+  const int pn = (n16 + 32 * MOE_EP_BULK_VECS - 1) / (32 * MOE_EP_BULK_VECS);  // pieces per row
+  const int per = (n16 + pn - 1) / pn;  // vectors per piece
+  const int total = mine * pn;
+  const int4* x = reinterpret_cast<const int4*>(p.x);
+  int4* dst[MOE_EP_MAX_RANKS];  // my first row on rank d
+#pragma unroll
+  for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+    dst[d] = d < R ? reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)info[o.dst_u_off + d] * n16
+                   : nullptr;
+  }
+  // Lane i: positions of token 32 * batch + i of this block in my stream to each rank.
+  auto load_batch = [&](int batch, int (&pos)[MOE_EP_MAX_RANKS]) {
+    const int j = batch * 32 + lane;
+    const size_t t = (size_t)blockIdx.x + (size_t)j * nb;
+#pragma unroll
+    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+      pos[d] = (d < R && j < mine) ? p.bufs.rank_pos[t * R + d] : -1;
+    }
+  };
+  int cur[MOE_EP_MAX_RANKS], nxt[MOE_EP_MAX_RANKS];
+  load_batch(0, cur);
+  load_batch(1, nxt);
+  int batch = 0;
+  uint32_t phase = 0;  // lane 0: bit b = parity of buffer b's next completion
+  bool ok = true;
+  for (int g = 0; g < total + kAhead && ok; ++g) {
+    if (g < total && lane == 0) {
+      // The store of piece g - kBufs (this buffer's last user) has read it.
+      if (g >= kBufs) bulk_wait_read<kBufs - kAhead - 1>();
+      const int j = g / pn, first = (g % pn) * per;
+      const uint32_t bytes = (uint32_t)(min(n16, first + per) - first) * 16;
+      const int b = g % kBufs;
+      mbar_expect_tx(&s_bar[b], bytes);
+      bulk_load(s_bulk + b * kSlot, x + ((size_t)blockIdx.x + (size_t)j * nb) * n16 + first, bytes,
+                &s_bar[b]);
+    }
+    const int gs = g - kAhead;
+    if (gs < 0 || gs >= total) continue;
+    const int j = gs / pn, first = (gs % pn) * per;
+    if (j / 32 != batch) {  // j grows by at most one per step
+      ++batch;
+#pragma unroll
+      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) cur[d] = nxt[d];
+      load_batch(batch + 1, nxt);
+    }
+    int pos[MOE_EP_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) pos[d] = __shfl_sync(0xffffffffu, cur[d], j % 32);
+    if (lane == 0) {
+      const int b = gs % kBufs;
+      ok = mbar_wait(&s_bar[b], (phase >> b) & 1u, p.timeout_ns, err, p.rank, MOE_EP_CTR_BULK_COPY);
+      phase ^= 1u << b;
+      const uint32_t bytes = (uint32_t)(min(n16, first + per) - first) * 16;
+#pragma unroll
+      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+        if (ok && d < R && pos[d] >= 0) {
+          bulk_store(dst[d] + (size_t)pos[d] * n16 + first, s_bulk + b * kSlot, bytes);
+        }
+      }
+      bulk_commit();
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0) != 0;
+  }
+  if (lane == 0) bulk_wait<0>();
+  __syncwarp();
+  return ok;
+}
+
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_dispatch(const __grid_constant__ DispatchParams p) {
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
@@ -508,6 +621,23 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   // ---- sender ----
   const int4* x = reinterpret_cast<const int4*>(p.x);
   const int u_off = lane < R ? info[o.dst_u_off + lane] : 0;  // my first row on rank `lane`
+  if (MOE_EP_DISPATCH_BULK && !expert_major) {
+    // Rank-major: warp 0 moves the rows with bulk copies, the others store
+    // the metadata of every token.
+    const int warp = threadIdx.x >> 5;
+    if (!overflow && warp == 0) {
+      push_rows_bulk(p, info, o, n16, R, err, lane);
+    } else if (!overflow) {
+      const int mw = blockIdx.x * (kWarps - 1) + warp - 1, nmw = gridDim.x * (kWarps - 1);
+      for (int t = mw; t < p.num_tokens; t += nmw) {
+        const TokRoute r = load_route(p, t, R, K, false, lane);
+        store_meta_rm(p, t, r.pos >= 0 ? u_off + r.pos : -1, r, R, K, El, me, lane);
+      }
+    }
+    signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
+                    MOE_EP_CTR_DISPATCH_DONE);
+    return;
+  }
   Pieces pc = pieces_of(n16);
 #if !MOE_EP_DISPATCH_SPLIT_ROWS
   pc.n = 1;  // whole rows: pc.per vectors per lane per pass
@@ -573,18 +703,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     // Metadata: top-k weights, local expert ids, source (with piece 0).
     if (piece == 0) {
       if (!expert_major) {
-        for (int d = 0; d < R; ++d) {
-          const int ud = __shfl_sync(0xffffffffu, u, d);
-          if (ud < 0) continue;
-          if (lane < K) {
-            if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? cur.wt : 0.f;
-            if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? e - d * El : -1;
-          }
-          if (lane == 0 && p.recv_src[d]) {
-            p.recv_src[d][(size_t)ud * 2] = me;
-            p.recv_src[d][(size_t)ud * 2 + 1] = t;
-          }
-        }
+        store_meta_rm(p, t, u, cur, R, K, El, me, lane);
       } else if (lane < K && e >= 0) {
         if (p.recv_w[dk]) p.recv_w[dk][erow] = cur.wt;
         if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
@@ -949,7 +1068,7 @@ __device__ void combine_body(const CombineParams& p) {
       const int w0 = blockIdx.x * (kWarps - 1) + warp - 1, nws = nb * (kWarps - 1);
       for (int c = 0; c < C; ++c) {
         if (!wait_chunk(c)) return;
-        reduce_chunk(c, w0, nws);
+        if (MOE_EP_COMBINE_DIAG != 1) reduce_chunk(c, w0, nws);
       }
       return;
     }
@@ -1010,7 +1129,9 @@ __device__ void combine_body(const CombineParams& p) {
         ok = mbar_wait(&s_bar[b], (phase >> b) & 1u, p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY);
         phase ^= 1u << b;
         int4* dst = ws.stage(q.s, parity, p.hidden) + (size_t)q.slot * n16 + q.first;
-        if (ok) bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
+        if (ok && MOE_EP_COMBINE_DIAG != 2) {
+          bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
+        }
         bulk_commit();
       }
       __syncwarp();

@@ -48,3 +48,49 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   }
   for (; i < n16; i += stride) st_na_v4(dst + i, ld_nc_v4(src + i));
 }
+
+// The bulk-copy ceiling: the same bytes moved by the SMs' bulk-copy (TMA)
+// units instead of their threads. One lane per block walks pieces of
+// MOE_EP_BULK_VECS * 512 bytes (grid-stride): global -> shared (a ring of
+// MOE_EP_BULK_SMEM bytes of dynamic shared memory, loads half the ring
+// ahead) -> `dst`. The pattern the dispatch and combine pushers use.
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_bulk_copy(const char* src, char* dst, uint64_t bytes) {
+  constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD;
+  constexpr uint32_t kSlot = MOE_EP_BULK_VECS * 512;
+  __shared__ uint64_t bar[kBufs];
+  extern __shared__ __align__(128) unsigned char ring[];
+  if (threadIdx.x != 0) return;
+  for (int b = 0; b < kBufs; ++b) mbar_init(&bar[b], 1);
+  fence_mbar_init();
+  const uint64_t pieces = (bytes + kSlot - 1) / kSlot;
+  const uint64_t mine = pieces > blockIdx.x ? (pieces - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  auto piece = [&](uint64_t g, uint32_t* len) {
+    const uint64_t off = (blockIdx.x + g * gridDim.x) * (uint64_t)kSlot;
+    *len = (uint32_t)min((uint64_t)kSlot, bytes - off);
+    return off;
+  };
+  uint32_t phase = 0;
+  for (uint64_t g = 0; g < mine + kAhead; ++g) {
+    if (g < mine) {
+      if (g >= kBufs) bulk_wait_read<kBufs - kAhead - 1>();
+      uint32_t len;
+      const uint64_t off = piece(g, &len);
+      const int b = g % kBufs;
+      mbar_expect_tx(&bar[b], len);
+      bulk_load(ring + b * kSlot, src + off, len, &bar[b]);
+    }
+    if (g < kAhead) continue;
+    const uint64_t gs = g - kAhead;
+    if (gs >= mine) continue;
+    uint32_t len;
+    const uint64_t off = piece(gs, &len);
+    const int b = gs % kBufs;
+    while (!mbar_try_wait(&bar[b], (phase >> b) & 1u)) {
+    }
+    phase ^= 1u << b;
+    bulk_store(dst + off, ring + b * kSlot, len);
+    bulk_commit();
+  }
+  bulk_wait<0>();
+}

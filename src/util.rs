@@ -1,6 +1,7 @@
 //! Launchers of `kernels-cuda/util.cu`: a pattern writer and checker (the
-//! symmetric-memory tests) and the SM copy loop that measures the peer-store
-//! ceiling (ep-bench). Raw device addresses: these exist to poke at peers'
+//! symmetric-memory tests), the SM copy loop that measures the peer-store
+//! ceiling and the bulk-copy (TMA) loop that measures the bulk-copy ceiling
+//! (ep-bench). Raw device addresses: these exist to poke at peers'
 //! memory on purpose.
 
 use std::ffi::c_void;
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use crate::error::{Error, Result};
-use crate::ops::abi::THREADS;
+use crate::ops::abi::{BULK_SMEM, THREADS};
 use crate::ops::DeviceRegion;
 use crate::runtime::Module;
 
@@ -90,4 +91,32 @@ pub unsafe fn sm_copy(
         &mut n as *mut _ as *mut c_void,
     ];
     f.launch_raw(stream, blocks.max(1), THREADS, 0, &mut args)
+}
+
+/// Copies `bytes` (a multiple of 16) from local `src` to `dst` with the
+/// bulk-copy (TMA) units of `blocks` SMs, one issuing thread each, through a
+/// ring of shared buffers: the bulk-copy ceiling when `dst` is a peer's buffer
+/// (the dispatch and combine pushers move rows the same way).
+///
+/// # Safety
+/// Both ranges must be valid device memory until the kernel ran.
+pub unsafe fn bulk_copy(
+    stream: &Arc<CudaStream>,
+    src: u64,
+    dst: u64,
+    bytes: u64,
+    blocks: u32,
+) -> Result<()> {
+    if !bytes.is_multiple_of(16) {
+        return Err(Error::arg("bytes", "a multiple of 16", bytes));
+    }
+    let f = Module::get(stream.context(), "util")?.function("moe_ep_bulk_copy")?;
+    f.allow_dynamic_smem(BULK_SMEM)?;
+    let (mut s, mut d, mut n) = (src, dst, bytes);
+    let mut args = [
+        &mut s as *mut _ as *mut c_void,
+        &mut d as *mut _ as *mut c_void,
+        &mut n as *mut _ as *mut c_void,
+    ];
+    f.launch_raw(stream, blocks.max(1), THREADS, BULK_SMEM, &mut args)
 }

@@ -7,7 +7,8 @@
 //! runs, each after an L2 flush and a host barrier that lines the ranks up.
 //! The baselines move the same bytes in the same run: NCCL grouped
 //! send/recv, an SM copy loop storing into the peer's symmetric buffer (the
-//! peer-store ceiling) and the copy engine's peer copy. Rank 0 gathers every
+//! peer-store ceiling), the same with the SMs' bulk-copy units (the
+//! bulk-copy ceiling) and the copy engine's peer copy. Rank 0 gathers every
 //! rank's statistics and returns them.
 
 use std::ffi::c_void;
@@ -339,7 +340,8 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 }
 
 /// NCCL grouped send/recv of this rank's dispatch rows to every peer; SM
-/// stores into the next rank's symmetric buffer; copy-engine peer copy.
+/// stores and bulk (TMA) copies into the next rank's symmetric buffer;
+/// copy-engine peer copy.
 fn baselines(
     c: &Ctx<'_>,
     group: &EpGroup,
@@ -397,12 +399,17 @@ fn baselines(
     let store = c.time(|| unsafe {
         moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
+    // SAFETY: as above.
+    let bulk = c.time(|| unsafe {
+        moe_ep::util::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
+    })?;
     let ce = c.time(|| unsafe {
         cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)
     })?;
     Ok(vec![
         (report::NCCL_ALLTOALL.to_string(), a2a, nv, nv),
         (report::PEER_STORE_CEILING.to_string(), store, len, len),
+        (report::BULK_COPY_CEILING.to_string(), bulk, len, len),
         (report::COPY_ENGINE.to_string(), ce, len, len),
     ])
 }

@@ -17,8 +17,9 @@ use crate::cli::{Case, Op};
 pub const NCCL_ALLTOALL: &str = "nccl-alltoall";
 /// Op name of the peer-store (SM writes to peer memory) bandwidth ceiling.
 pub const PEER_STORE_CEILING: &str = "peer-store-ceiling";
+/// Op name of the bulk-copy (TMA units of the SMs) bandwidth ceiling.
+pub const BULK_COPY_CEILING: &str = "bulk-copy-ceiling";
 /// Op name of the copy-engine (`cudaMemcpyPeerAsync`-style) baseline.
-#[allow(dead_code)] // offered to gpu.rs, which may not use it
 pub const COPY_ENGINE: &str = "copy-engine";
 
 /// Summary of one rank's timing samples, in microseconds (µs).
