@@ -37,6 +37,9 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 #ifndef MOE_EP_DISPATCH_BULK
 #define MOE_EP_DISPATCH_BULK 1  // rank-major dispatch rows: 1 bulk copies (one warp), 0 every warp's stores
 #endif
+#ifndef MOE_EP_DISPATCH_BULK_SELF
+#define MOE_EP_DISPATCH_BULK_SELF 1  // 1: the bulk pusher also writes this rank's rows, 0: the other warps do
+#endif
 #ifndef MOE_EP_COMBINE_DIAG
 #define MOE_EP_COMBINE_DIAG 0  // timing only, wrong results: 1 summers skip the sum, 2 pushers skip the copies
 #endif
@@ -492,15 +495,16 @@ __device__ __forceinline__ void store_meta_rm(const DispatchParams& p, int t, in
 
 // Rank-major rows of this block's tokens (t = blockIdx.x + j * gridDim.x),
 // global -> shared -> every rank that gets the token, with bulk (TMA) copies:
-// one lane issues, loads run MOE_EP_BULK_AHEAD pieces ahead of the stores
-// through the ring of shared buffers, each loaded piece is stored to every
-// destination (the peer's row and our own) from the same buffer. The warp
-// holds the routing of 32 tokens at a time (the next 32 in flight). One warp;
-// false on a timeout. Every store is complete (written) on return.
+// one lane issues, loads run half the ring (MOE_EP_DISPATCH_RING) ahead of
+// the stores, each loaded piece is stored to every destination in `dmask`
+// (the peers' rows and, unless the other warps copy it, our own) from the
+// same buffer. The warp holds the routing of 32 tokens at a time (the next
+// 32 in flight). One warp; false on a timeout. Every store is complete
+// (written) on return.
 __device__ bool push_rows_bulk(const DispatchParams& p, const int32_t* info, const InfoOffsets& o,
-                               int n16, int R, const ErrSink& err, int lane) {
-  constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD;
-  constexpr int kSlot = MOE_EP_BULK_VECS * 512;
+                               int n16, int R, unsigned dmask, const ErrSink& err, int lane) {
+  constexpr int kSlot = MOE_EP_BULK_SLOT;
+  constexpr int kBufs = MOE_EP_DISPATCH_RING / kSlot, kAhead = kBufs / 2;
   __shared__ uint64_t s_bar[kBufs];
   extern __shared__ __align__(128) unsigned char s_bulk[];
   if (lane == 0) {
@@ -564,7 +568,7 @@ __device__ bool push_rows_bulk(const DispatchParams& p, const int32_t* info, con
       const uint32_t bytes = (uint32_t)(min(n16, first + per) - first) * 16;
 #pragma unroll
       for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-        if (ok && d < R && pos[d] >= 0) {
+        if (ok && ((dmask >> d) & 1u) && pos[d] >= 0) {
           bulk_store(dst[d] + (size_t)pos[d] * n16 + first, s_bulk + b * kSlot, bytes);
         }
       }
@@ -624,14 +628,28 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   if (MOE_EP_DISPATCH_BULK && !expert_major) {
     // Rank-major: warp 0 moves the rows with bulk copies, the others store
     // the metadata of every token.
+    // With MOE_EP_DISPATCH_BULK_SELF=0 the other warps also copy the rows
+    // for this rank (registers, local memory), the pusher only the peers'.
     const int warp = threadIdx.x >> 5;
+    const unsigned all = (1u << R) - 1u, peers = all & ~(1u << me);
     if (!overflow && warp == 0) {
-      push_rows_bulk(p, info, o, n16, R, err, lane);
+      push_rows_bulk(p, info, o, n16, R, MOE_EP_DISPATCH_BULK_SELF ? all : peers, err, lane);
     } else if (!overflow) {
       const int mw = blockIdx.x * (kWarps - 1) + warp - 1, nmw = gridDim.x * (kWarps - 1);
+      const Pieces pc = pieces_of(n16);
+      int lrow[MOE_EP_MAX_TOPK];
+      float lw[MOE_EP_MAX_TOPK];
       for (int t = mw; t < p.num_tokens; t += nmw) {
         const TokRoute r = load_route(p, t, R, K, false, lane);
-        store_meta_rm(p, t, r.pos >= 0 ? u_off + r.pos : -1, r, R, K, El, me, lane);
+        const int u = r.pos >= 0 ? u_off + r.pos : -1;
+        if (!MOE_EP_DISPATCH_BULK_SELF) {
+          const int u_me = __shfl_sync(0xffffffffu, u, me);
+          int4* dst[MOE_EP_MAX_RANKS] = {};
+          dst[me] = u_me >= 0 ? rx + (size_t)u_me * n16 : nullptr;
+          copy_piece<false>(x + (size_t)t * n16, dst, u_me >= 0 ? 1u << me : 0u, nullptr, 0u, lrow,
+                            lw, false, n16, 0, n16, pc.per, lane);
+        }
+        store_meta_rm(p, t, u, r, R, K, El, me, lane);
       }
     }
     signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
@@ -806,6 +824,13 @@ __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool ex
   return rs;
 }
 
+// One slot of the rank-major home sum: vectors [first, first + len) of home
+// token t's partial from every rank in `mask`.
+struct SumItem {
+  int t, first, len;
+  unsigned mask;
+};
+
 // Partial (as bf16) of vectors [base + j*32 + lane] (< lim) of a row set.
 template <int kU>
 __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, int n16, int lim,
@@ -891,8 +916,18 @@ __device__ void combine_body(const CombineParams& p) {
   __shared__ int s_home_slot[MOE_EP_MAX_RANKS], s_my_slot_on[MOE_EP_MAX_RANKS];
   __shared__ int s_src_u_off[MOE_EP_MAX_RANKS + 1];
   __shared__ unsigned s_arrived[MOE_EP_SUBCHUNKS];
-  __shared__ uint64_t s_bar[MOE_EP_BULK_BUFS];
-  extern __shared__ __align__(128) unsigned char s_bulk[];  // [BULK_BUFS][BULK_VECS * 512]
+  // Rank-major: the push ring (kPushBufs slots of MOE_EP_BULK_SLOT bytes),
+  // then the sum ring (kSumBufs slots: one piece of every rank's partial of
+  // a home token, kSumVec vectors each), both in dynamic shared memory.
+  constexpr int kPushBufs = MOE_EP_PUSH_RING / MOE_EP_BULK_SLOT;
+  constexpr int kSumBufs = (MOE_EP_BULK_SMEM - MOE_EP_PUSH_RING) / MOE_EP_SUM_SLOT;
+  constexpr int kSumVec = MOE_EP_SUM_SLOT / kMaxR / 16;
+  constexpr int kSumWarps = kWarps - 2;
+  static_assert(kSumBufs >= 2, "sum ring");
+  __shared__ uint64_t s_bar[kPushBufs], s_full[kSumBufs], s_empty[kSumBufs];
+  __shared__ SumItem s_item[kSumBufs];
+  __shared__ int s_tok_first[MOE_EP_SUBCHUNKS + 1];  // this block's home tokens before chunk c
+  extern __shared__ __align__(128) unsigned char s_bulk[];
   for (int i = threadIdx.x; i < (C + 1) * R; i += blockDim.x) {
     const int c = i / R, s = i % R;
     const int j = c * sub_per_chunk;
@@ -909,9 +944,22 @@ __device__ void combine_body(const CombineParams& p) {
   }
   if (threadIdx.x <= R) s_src_u_off[threadIdx.x] = info[o.src_u_off + threadIdx.x];
   if (threadIdx.x < MOE_EP_SUBCHUNKS) s_arrived[threadIdx.x] = 0;
-  if (!expert_major && threadIdx.x < MOE_EP_BULK_BUFS) {
-    mbar_init(&s_bar[threadIdx.x], 1);
+  // Home tokens of chunk c: [t_lo(c), t_hi(c)); this block sums t_lo(c) + blockIdx.x + i * nb.
+  auto t_lo = [&](int c) { return (int)((long)(c * sub_per_chunk) * T / MOE_EP_SUBCHUNKS); };
+  if (!expert_major && threadIdx.x == 0) {
+    for (int b = 0; b < kPushBufs; ++b) mbar_init(&s_bar[b], 1);
+    for (int b = 0; b < kSumBufs; ++b) {
+      mbar_init(&s_full[b], 1);
+      mbar_init(&s_empty[b], kSumWarps);
+    }
     fence_mbar_init();
+    int acc = 0;
+    for (int c = 0; c < C; ++c) {
+      s_tok_first[c] = acc;
+      const int span = t_lo(c + 1) - t_lo(c) - (int)blockIdx.x;
+      acc += span > 0 ? (span + nb - 1) / nb : 0;
+    }
+    s_tok_first[C] = acc;
   }
   const uint64_t seq = next_seq(ws.seq(2, me));  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.error, me);
@@ -1063,23 +1111,112 @@ __device__ void combine_body(const CombineParams& p) {
   // dispatch backward) every warp moves rows and gradients, as in expert-major:
   // per-row gradient loads in the pusher's issue loop slowed it down.
   if (!expert_major && p.grad_w_in == nullptr) {
-    if (warp != 0) {
-      // ---- summers: chunk by chunk, as the other ranks' pushers finish them ----
-      const int w0 = blockIdx.x * (kWarps - 1) + warp - 1, nws = nb * (kWarps - 1);
-      for (int c = 0; c < C; ++c) {
-        if (!wait_chunk(c)) return;
-        if (MOE_EP_COMBINE_DIAG != 1) reduce_chunk(c, w0, nws);
+    // Home sum: warp 1 loads, for each of this block's home tokens chunk by
+    // chunk (after every other rank's chunk c arrived), one piece of every
+    // rank's partial into a slot of the sum ring with bulk copies; warps
+    // 2.. add the slot's pieces in f32 in rank order and store the bf16 row.
+    unsigned char* sum_ring = s_bulk + MOE_EP_PUSH_RING;
+    const int spn = (n16 + kSumVec - 1) / kSumVec;  // pieces per row
+    const int sper = (n16 + spn - 1) / spn;         // vectors per piece
+    const int n_tok = s_tok_first[C];
+    if (warp == 1) {
+      // ---- sum loader ----
+      auto chunk_of = [&](int j) {
+        int c = 0;
+        while (j >= s_tok_first[c + 1]) ++c;
+        return c;
+      };
+      auto tok_at = [&](int j, int c) { return t_lo(c) + (int)blockIdx.x + (j - s_tok_first[c]) * nb; };
+      // Lane i: positions of this block's token 32 * batch + i in each rank's stream to me.
+      auto load_batch = [&](int batch, int (&pos)[kMaxR]) {
+        const int j = batch * 32 + lane;
+        const int t = j < n_tok ? tok_at(j, chunk_of(j)) : 0;
+#pragma unroll
+        for (int d = 0; d < kMaxR; ++d) pos[d] = (d < R && j < n_tok) ? p.bufs.rank_pos[(size_t)t * R + d] : -1;
+      };
+      int cur[kMaxR], nxt[kMaxR];
+      load_batch(0, cur);
+      load_batch(1, nxt);
+      int waited = -1, q = 0;
+      for (int j = 0; j < n_tok; ++j) {
+        const int c = chunk_of(j), t = tok_at(j, c);
+        while (waited < c) {
+          if (!wait_chunk(++waited)) return;
+          __syncwarp();  // the lanes' acquires, then the bulk loads (async proxy) of lane 0
+          if (lane == 0) asm volatile("fence.proxy.async.global;" ::: "memory");
+        }
+        if (j % 32 == 0 && j > 0) {
+#pragma unroll
+          for (int d = 0; d < kMaxR; ++d) cur[d] = nxt[d];
+          load_batch(j / 32 + 1, nxt);
+        }
+        const int4* src[kMaxR];
+        unsigned mask = 0;
+#pragma unroll
+        for (int d = 0; d < kMaxR; ++d) {
+          const int pos = __shfl_sync(0xffffffffu, cur[d], j % 32);
+          src[d] = nullptr;
+          if (d < R && pos >= 0) {
+            src[d] = d == me ? y + (size_t)(s_src_u_off[me] + pos) * n16
+                             : stage_here + (size_t)(s_home_slot[d] + pos) * n16;
+            mask |= 1u << d;
+          }
+        }
+        for (int k = 0; k < spn; ++k, ++q) {
+          if (lane != 0) continue;
+          const int b = q % kSumBufs;
+          if (q >= kSumBufs &&
+              !mbar_wait(&s_empty[b], ((q / kSumBufs) - 1) & 1, p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY)) {
+            break;
+          }
+          const int first = k * sper, len = min(n16, first + sper) - first;
+          s_item[b] = SumItem{t, first, len, mask};
+          mbar_expect_tx(&s_full[b], (uint32_t)(len * 16 * __popc(mask)));
+#pragma unroll
+          for (int d = 0; d < kMaxR; ++d) {
+            if ((mask >> d) & 1u) {
+              bulk_load(sum_ring + b * MOE_EP_SUM_SLOT + d * kSumVec * 16, src[d] + first,
+                        (uint32_t)len * 16, &s_full[b]);
+            }
+          }
+        }
+        if (__shfl_sync(0xffffffffu, has_error(err) ? 1 : 0, 0)) return;
+      }
+      return;
+    }
+    if (warp >= 2) {
+      // ---- summers ----
+      const int tid = threadIdx.x - 64, nthr = kSumWarps * 32;
+      const int total = n_tok * spn;
+      for (int q = 0; q < total; ++q) {
+        const int b = q % kSumBufs;
+        // NOTE: twice the timeout: a stalled peer is the loader's to report.
+        if (!mbar_wait(&s_full[b], (q / kSumBufs) & 1, 2 * p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY)) {
+          return;
+        }
+        const SumItem it = s_item[b];
+        const int4* piece = reinterpret_cast<const int4*>(sum_ring + b * MOE_EP_SUM_SLOT);
+        for (int v = tid; v < it.len && MOE_EP_COMBINE_DIAG != 1; v += nthr) {
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+          for (int d = 0; d < kMaxR; ++d) {
+            if ((it.mask >> d) & 1u) acc_v4(acc, piece[d * kSumVec + v], 1.f, false);
+          }
+          st_na_v4(out + (size_t)it.t * n16 + it.first + v, pack_v4(acc));
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&s_empty[b]);
       }
       return;
     }
     // ---- pusher (warp 0): this block's pieces, chunk after chunk, global -> shared -> home ----
     // One sequence over every chunk: piece g of this block loads into ring
-    // buffer g % BULK_BUFS, BULK_AHEAD pieces ahead of its store, reusing the
-    // buffer of the store BULK_BUFS back. Chunk c is released once its last
+    // buffer g % kBufs, kAhead pieces ahead of its store, reusing the buffer
+    // of the store kBufs back. Chunk c is released once its last
     // store is kDelay stores old and those older stores are complete, so the
     // ring never drains between chunks.
-    constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD, kDelay = 2;
-    constexpr int kSlot = MOE_EP_BULK_VECS * 512;
+    constexpr int kSlot = MOE_EP_BULK_SLOT;
+    constexpr int kBufs = kPushBufs, kAhead = kBufs / 2, kDelay = 2;
     static_assert(kAhead < kBufs && kDelay < kBufs, "ring sizes");
     Pieces pb;  // pieces as large as a slot: few, long copies
     pb.n = (n16 + 32 * MOE_EP_BULK_VECS - 1) / (32 * MOE_EP_BULK_VECS);
