@@ -23,10 +23,11 @@
 // Rank-major dispatch and combine move rows with bulk (TMA) copies through
 // rings of shared buffers in MOE_EP_BULK_SMEM bytes of dynamic shared memory
 // (given by the launcher). A push slot holds one row piece of up to
-// MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB). Dispatch's ring takes
-// MOE_EP_DISPATCH_RING bytes; combine's pusher MOE_EP_PUSH_RING, and its home
-// sum the rest, in slots of MOE_EP_SUM_SLOT bytes (one piece of every rank's
-// partial of a token). Loads run half a push ring ahead of the stores.
+// MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB); dispatch's ring takes
+// MOE_EP_DISPATCH_RING bytes, combine's pushing blocks all of it. Combine's
+// summing blocks use it in slots of MOE_EP_SUM_SLOT bytes (one piece of
+// every rank's partial of a token). Loads run half a push ring ahead of the
+// stores.
 #define MOE_EP_BULK_SMEM (224 * 1024)
 #ifndef MOE_EP_BULK_VECS
 #define MOE_EP_BULK_VECS 32
@@ -34,9 +35,6 @@
 #define MOE_EP_BULK_SLOT (MOE_EP_BULK_VECS * 512)
 #ifndef MOE_EP_DISPATCH_RING
 #define MOE_EP_DISPATCH_RING MOE_EP_BULK_SMEM
-#endif
-#ifndef MOE_EP_PUSH_RING
-#define MOE_EP_PUSH_RING (64 * 1024)
 #endif
 #define MOE_EP_SUM_SLOT (32 * 1024)
 // sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).

@@ -40,6 +40,9 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 #ifndef MOE_EP_DISPATCH_BULK_SELF
 #define MOE_EP_DISPATCH_BULK_SELF 1  // 1: the bulk pusher also writes this rank's rows, 0: the other warps do
 #endif
+#ifndef MOE_EP_COMBINE_PUSH_DIV
+#define MOE_EP_COMBINE_PUSH_DIV 3  // rank-major combine: 1 in this many blocks pushes, the others sum
+#endif
 #ifndef MOE_EP_COMBINE_DIAG
 #define MOE_EP_COMBINE_DIAG 0  // timing only, wrong results: 1 summers skip the sum, 2 pushers skip the copies
 #endif
@@ -884,10 +887,13 @@ __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int m
 // kMaxR: compile-time bound on the world, so the home's loads of every
 // rank's partial stay in registers (kHome vectors each).
 //
-// Rank-major: warp 0 of each block is the pusher (bulk copies, no registers
-// in flight, chunk by chunk; it releases the block's flag for chunk c once
-// its copies are written) and the other warps sum: they wait for every other
-// rank's chunk c and reduce it, while the pushers already move chunk c + 1.
+// Rank-major: a third of the blocks push (one warp each, bulk copies, chunk
+// by chunk; it releases the block's flag for chunk c once its copies are
+// written), the others sum: their loader warp waits for every other rank's
+// chunk c and brings each home token's partials into shared memory with bulk
+// copies, their other warps add them, while the pushers already move chunk
+// c + 1. Pushing and summing on separate SMs: each of them is bound by what
+// one SM's memory pipeline moves, and they slowed each other down sharing one.
 // Expert-major (partials are f32 sums of several rows): every warp pushes its
 // share of chunk c, marks it (the block's last warp releases the flag), then
 // sums chunk c - 1.
@@ -916,14 +922,19 @@ __device__ void combine_body(const CombineParams& p) {
   __shared__ int s_home_slot[MOE_EP_MAX_RANKS], s_my_slot_on[MOE_EP_MAX_RANKS];
   __shared__ int s_src_u_off[MOE_EP_MAX_RANKS + 1];
   __shared__ unsigned s_arrived[MOE_EP_SUBCHUNKS];
-  // Rank-major: the push ring (kPushBufs slots of MOE_EP_BULK_SLOT bytes),
-  // then the sum ring (kSumBufs slots: one piece of every rank's partial of
-  // a home token, kSumVec vectors each), both in dynamic shared memory.
-  constexpr int kPushBufs = MOE_EP_PUSH_RING / MOE_EP_BULK_SLOT;
-  constexpr int kSumBufs = (MOE_EP_BULK_SMEM - MOE_EP_PUSH_RING) / MOE_EP_SUM_SLOT;
+  // Rank-major (without weight gradients, two blocks or more): blocks
+  // [0, np) push, through a ring of kPushBufs slots of MOE_EP_BULK_SLOT
+  // bytes; blocks [np, nb) sum, through a ring of kSumBufs slots that each
+  // hold one piece (kSumVec vectors) of every rank's partial of a home token.
+  // Both rings fill the dynamic shared memory.
+  constexpr int kPushBufs = MOE_EP_BULK_SMEM / MOE_EP_BULK_SLOT;
+  constexpr int kSumBufs = MOE_EP_BULK_SMEM / MOE_EP_SUM_SLOT;
   constexpr int kSumVec = MOE_EP_SUM_SLOT / kMaxR / 16;
-  constexpr int kSumWarps = kWarps - 2;
-  static_assert(kSumBufs >= 2, "sum ring");
+  constexpr int kSumWarps = kWarps - 1;
+  static_assert(kSumBufs >= 2 && kPushBufs >= 4, "rings");
+  const bool split = !expert_major && p.grad_w_in == nullptr && nb >= 2;
+  const int np = split ? max(1, min(nb - 1, nb / MOE_EP_COMBINE_PUSH_DIV)) : nb;
+  const int sb = (int)blockIdx.x - np, ns = nb - np;  // summing block sb of ns
   __shared__ uint64_t s_bar[kPushBufs], s_full[kSumBufs], s_empty[kSumBufs];
   __shared__ SumItem s_item[kSumBufs];
   __shared__ int s_tok_first[MOE_EP_SUBCHUNKS + 1];  // this block's home tokens before chunk c
@@ -944,9 +955,9 @@ __device__ void combine_body(const CombineParams& p) {
   }
   if (threadIdx.x <= R) s_src_u_off[threadIdx.x] = info[o.src_u_off + threadIdx.x];
   if (threadIdx.x < MOE_EP_SUBCHUNKS) s_arrived[threadIdx.x] = 0;
-  // Home tokens of chunk c: [t_lo(c), t_hi(c)); this block sums t_lo(c) + blockIdx.x + i * nb.
+  // Home tokens of chunk c: [t_lo(c), t_lo(c + 1)); summing block sb takes t_lo(c) + sb + i * ns.
   auto t_lo = [&](int c) { return (int)((long)(c * sub_per_chunk) * T / MOE_EP_SUBCHUNKS); };
-  if (!expert_major && threadIdx.x == 0) {
+  if (split && threadIdx.x == 0) {
     for (int b = 0; b < kPushBufs; ++b) mbar_init(&s_bar[b], 1);
     for (int b = 0; b < kSumBufs; ++b) {
       mbar_init(&s_full[b], 1);
@@ -956,8 +967,8 @@ __device__ void combine_body(const CombineParams& p) {
     int acc = 0;
     for (int c = 0; c < C; ++c) {
       s_tok_first[c] = acc;
-      const int span = t_lo(c + 1) - t_lo(c) - (int)blockIdx.x;
-      acc += span > 0 ? (span + nb - 1) / nb : 0;
+      const int span = t_lo(c + 1) - t_lo(c) - sb;
+      acc += sb >= 0 && span > 0 ? (span + ns - 1) / ns : 0;
     }
     s_tok_first[C] = acc;
   }
@@ -1012,8 +1023,8 @@ __device__ void combine_body(const CombineParams& p) {
   auto wait_chunk = [&](int c) {
     bool ok = true;
     const uint64_t* flags = ws.combine_done(me);
-    for (int i = lane; i < R * nb; i += 32) {
-      const int s = i / nb, b = i % nb;
+    for (int i = lane; i < R * np; i += 32) {
+      const int s = i / np, b = i % np;
       if (s == me) continue;
       ok &= wait_at_least(flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(c), p.timeout_ns, err, me,
                           s, MOE_EP_CTR_COMBINE_DONE);
@@ -1107,26 +1118,28 @@ __device__ void combine_body(const CombineParams& p) {
     if (info[o.rows_needed + d] > p.recv_capacity) return;
   }
 
-  // Rank-major without weight gradients: pusher + summers. With them (the
-  // dispatch backward) every warp moves rows and gradients, as in expert-major:
-  // per-row gradient loads in the pusher's issue loop slowed it down.
-  if (!expert_major && p.grad_w_in == nullptr) {
-    // Home sum: warp 1 loads, for each of this block's home tokens chunk by
-    // chunk (after every other rank's chunk c arrived), one piece of every
-    // rank's partial into a slot of the sum ring with bulk copies; warps
-    // 2.. add the slot's pieces in f32 in rank order and store the bf16 row.
-    unsigned char* sum_ring = s_bulk + MOE_EP_PUSH_RING;
+  // Rank-major without weight gradients: pushing blocks + summing blocks.
+  // With them (the dispatch backward) every warp moves rows and gradients, as
+  // in expert-major: per-row gradient loads in the pusher's issue loop slowed
+  // it down. So does a single block (nothing to split).
+  if (split) {
+    // Home sum (blocks [np, nb)): warp 0 loads, for each of this block's
+    // home tokens chunk by chunk (after every other rank's chunk c arrived),
+    // one piece of every rank's partial into a slot of the sum ring with bulk
+    // copies; warps 1.. add the slot's pieces in f32 in rank order and store
+    // the bf16 row.
+    unsigned char* sum_ring = s_bulk;
     const int spn = (n16 + kSumVec - 1) / kSumVec;  // pieces per row
     const int sper = (n16 + spn - 1) / spn;         // vectors per piece
     const int n_tok = s_tok_first[C];
-    if (warp == 1) {
+    if (sb >= 0 && warp == 0) {
       // ---- sum loader ----
       auto chunk_of = [&](int j) {
         int c = 0;
         while (j >= s_tok_first[c + 1]) ++c;
         return c;
       };
-      auto tok_at = [&](int j, int c) { return t_lo(c) + (int)blockIdx.x + (j - s_tok_first[c]) * nb; };
+      auto tok_at = [&](int j, int c) { return t_lo(c) + sb + (j - s_tok_first[c]) * ns; };
       // Lane i: positions of this block's token 32 * batch + i in each rank's stream to me.
       auto load_batch = [&](int batch, int (&pos)[kMaxR]) {
         const int j = batch * 32 + lane;
@@ -1184,9 +1197,9 @@ __device__ void combine_body(const CombineParams& p) {
       }
       return;
     }
-    if (warp >= 2) {
+    if (sb >= 0) {
       // ---- summers ----
-      const int tid = threadIdx.x - 64, nthr = kSumWarps * 32;
+      const int tid = threadIdx.x - 32, nthr = kSumWarps * 32;
       const int total = n_tok * spn;
       for (int q = 0; q < total; ++q) {
         const int b = q % kSumBufs;
@@ -1209,7 +1222,8 @@ __device__ void combine_body(const CombineParams& p) {
       }
       return;
     }
-    // ---- pusher (warp 0): this block's pieces, chunk after chunk, global -> shared -> home ----
+    if (warp != 0) return;
+    // ---- pusher (warp 0 of blocks [0, np)): this block's pieces, chunk after chunk, global -> shared -> home ----
     // One sequence over every chunk: piece g of this block loads into ring
     // buffer g % kBufs, kAhead pieces ahead of its store, reusing the buffer
     // of the store kBufs back. Chunk c is released once its last
@@ -1225,7 +1239,7 @@ __device__ void combine_body(const CombineParams& p) {
     // chunk (c, and [lo, hi): the sequence indices of chunk c's pieces).
     auto mine = [&](int c) -> int {
       const int n_items = rows_of_chunk(c) * pb.n, bid = blockIdx.x;
-      return n_items > bid ? (n_items - bid + nb - 1) / nb : 0;
+      return n_items > bid ? (n_items - bid + np - 1) / np : 0;
     };
     struct Cursor {
       int c, lo, hi;
@@ -1241,7 +1255,7 @@ __device__ void combine_body(const CombineParams& p) {
     for (int c = 0; c < C; ++c) total += mine(c);
     auto item_at = [&](Cursor& k, int g) {
       seek(k, g);
-      return push_item(k.c, blockIdx.x + (g - k.lo) * nb, pb);
+      return push_item(k.c, blockIdx.x + (g - k.lo) * np, pb);
     };
     Cursor lk{0, 0, mine(0)}, sk = lk, rk = lk;  // loads, stores, releases (rk.c = next to release)
     uint32_t phase = 0;  // lane 0: bit b = parity of buffer b's next completion

@@ -32,6 +32,9 @@ struct Case {
     idx_i32: bool,
     /// `GroupConfig::combine_chunks` (the pipeline depth of combine).
     chunks: usize,
+    /// `GroupConfig::num_sms`: 1 (no pushing/summing split in combine), 2
+    /// (one block of each), 3, and the default 24.
+    sms: usize,
 }
 
 const fn case(
@@ -52,6 +55,7 @@ const fn case(
         silent_rank: None,
         idx_i32: false,
         chunks: 8, // (the default is 4; the table covers 1, 4, 8 and 16)
+        sms: 24,
     }
 }
 
@@ -72,6 +76,7 @@ fn cases() -> Vec<Case> {
         case("empty_t0_h4096_k8_e256", 0, 4096, 8, 256, Routing::Uniform),
         Case {
             chunks: 1, // no pipelining: push everything, then sum
+            sms: 1,
             ..case(
                 "hot_expert_half_t500_h5120_k8_e256",
                 500,
@@ -81,17 +86,21 @@ fn cases() -> Vec<Case> {
                 Routing::Skewed { hot_share: 0.5 },
             )
         },
-        case(
-            "masked_t300_h6144_k2_e64",
-            300,
-            6144,
-            2,
-            64,
-            Routing::Masked { masked_share: 0.3 },
-        ),
+        Case {
+            sms: 3,
+            ..case(
+                "masked_t300_h6144_k2_e64",
+                300,
+                6144,
+                2,
+                64,
+                Routing::Masked { masked_share: 0.3 },
+            )
+        },
         Case {
             silent_rank: Some(1),
             chunks: 4,
+            sms: 2,
             ..case(
                 "silent_rank1_t200_h7168_k1_e8",
                 200,
@@ -244,6 +253,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     cfg.recv_capacity = cap;
     cfg.timeout = Duration::from_secs(20);
     cfg.combine_chunks = c.chunks;
+    cfg.num_sms = c.sms;
     let group = EpGroup::new(&r.comm, cfg)?;
     let s = &r.stream;
 
