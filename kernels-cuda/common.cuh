@@ -164,6 +164,13 @@ MOE_EP_DEVICE bool has_error(const ErrSink& e) {
   return e.claim != nullptr && *reinterpret_cast<volatile unsigned long long*>(e.claim) != 0ull;
 }
 
+// The waits below look at the error word and the clock only every
+// kCheckEvery polls: that look is a load from global memory (about a
+// microsecond), and a wait that does it every poll sees its flag or barrier
+// flip that much later: a bulk-copy pusher waiting on every row lost most of
+// its speed to it.
+constexpr uint32_t kCheckEvery = 64;
+
 // Bounded wait: spins until *flag >= target, or reports a timeout naming the
 // peer and counter and returns false. Call from one thread per flag.
 MOE_EP_DEVICE bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t timeout_ns,
@@ -171,15 +178,17 @@ MOE_EP_DEVICE bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t
   uint64_t v = ld_acquire_sys_u64(flag);
   if (v >= target) return true;
   const uint64_t start = globaltimer_ns();
-  while (true) {
+  for (uint32_t i = 1;; ++i) {
     v = ld_acquire_sys_u64(flag);
     if (v >= target) return true;
-    if (has_error(err)) return false;  // another thread already gave up
-    if (globaltimer_ns() - start > timeout_ns) {
-      report_error(err, MOE_EP_ERR_TIMEOUT, rank, peer, counter, target, v, 0, 0);
-      return false;
+    if (i % kCheckEvery == 0) {
+      if (has_error(err)) return false;  // another thread already gave up
+      if (globaltimer_ns() - start > timeout_ns) {
+        report_error(err, MOE_EP_ERR_TIMEOUT, rank, peer, counter, target, v, 0, 0);
+        return false;
+      }
     }
-    __nanosleep(64);
+    __nanosleep(32);
   }
 }
 
@@ -189,14 +198,16 @@ MOE_EP_DEVICE bool mbar_wait(uint64_t* bar, uint32_t parity, uint64_t timeout_ns
                              const ErrSink& err, int rank, int counter) {
   if (mbar_try_wait(bar, parity)) return true;
   const uint64_t start = globaltimer_ns();
-  while (!mbar_try_wait(bar, parity)) {
-    if (has_error(err)) return false;
-    if (globaltimer_ns() - start > timeout_ns) {
-      report_error(err, MOE_EP_ERR_TIMEOUT, rank, rank, counter, parity, 0, 0, 0);
-      return false;
+  for (uint32_t i = 1;; ++i) {
+    if (mbar_try_wait(bar, parity)) return true;
+    if (i % kCheckEvery == 0) {
+      if (has_error(err)) return false;
+      if (globaltimer_ns() - start > timeout_ns) {
+        report_error(err, MOE_EP_ERR_TIMEOUT, rank, rank, counter, parity, 0, 0, 0);
+        return false;
+      }
     }
   }
-  return true;
 }
 
 // ---- block-wide helpers ----

@@ -1151,6 +1151,7 @@ __device__ void combine_body(const CombineParams& p) {
       load_batch(0, cur);
       load_batch(1, nxt);
       int waited = -1, q = 0;
+      bool ok = true;  // lane 0
       for (int j = 0; j < n_tok; ++j) {
         const int c = chunk_of(j), t = tok_at(j, c);
         while (waited < c) {
@@ -1178,9 +1179,10 @@ __device__ void combine_body(const CombineParams& p) {
         for (int k = 0; k < spn; ++k, ++q) {
           if (lane != 0) continue;
           const int b = q % kSumBufs;
-          if (q >= kSumBufs &&
-              !mbar_wait(&s_empty[b], ((q / kSumBufs) - 1) & 1, p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY)) {
-            break;
+          if (q >= kSumBufs) {
+            ok = mbar_wait(&s_empty[b], ((q / kSumBufs) - 1) & 1, p.timeout_ns, err, me,
+                           MOE_EP_CTR_BULK_COPY);
+            if (!ok) break;
           }
           const int first = k * sper, len = min(n16, first + sper) - first;
           s_item[b] = SumItem{t, first, len, mask};
@@ -1193,7 +1195,7 @@ __device__ void combine_body(const CombineParams& p) {
             }
           }
         }
-        if (__shfl_sync(0xffffffffu, has_error(err) ? 1 : 0, 0)) return;
+        if (!__shfl_sync(0xffffffffu, ok, 0)) return;
       }
       return;
     }
