@@ -20,23 +20,17 @@
 // destination come before each sub-chunk; a combine runs in 1, 2, 4, 8 or 16
 // chunks of whole sub-chunks.
 #define MOE_EP_SUBCHUNKS 16
-// Rank-major dispatch and combine move rows with bulk (TMA) copies through
-// rings of shared buffers in MOE_EP_BULK_SMEM bytes of dynamic shared memory
-// (given by the launcher). A push slot holds one row piece of up to
-// MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB); dispatch's ring takes
-// MOE_EP_DISPATCH_RING bytes, combine's pushing blocks all of it. Combine's
-// summing blocks use it in slots of MOE_EP_SUM_SLOT bytes (one piece of
-// every rank's partial of a token). Loads run half a push ring ahead of the
-// stores.
-#define MOE_EP_BULK_SMEM (224 * 1024)
+// Rank-major combine: one warp per block pushes partials with bulk copies
+// through a ring of shared buffers (MOE_EP_COMBINE_SMEM bytes of dynamic
+// shared memory, given by the launcher), one row piece of up to
+// MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB) each; loads run half the
+// ring ahead of the stores.
+#define MOE_EP_COMBINE_SMEM (128 * 1024)
 #ifndef MOE_EP_BULK_VECS
 #define MOE_EP_BULK_VECS 32
 #endif
-#define MOE_EP_BULK_SLOT (MOE_EP_BULK_VECS * 512)
-#ifndef MOE_EP_DISPATCH_RING
-#define MOE_EP_DISPATCH_RING MOE_EP_BULK_SMEM
-#endif
-#define MOE_EP_SUM_SLOT (32 * 1024)
+#define MOE_EP_BULK_BUFS (MOE_EP_COMBINE_SMEM / (MOE_EP_BULK_VECS * 512))
+#define MOE_EP_BULK_AHEAD (MOE_EP_BULK_BUFS / 2)
 // sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).
 #define MOE_EP_NCCL_CONFIG_BYTES 80
 

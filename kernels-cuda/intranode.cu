@@ -34,18 +34,6 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 #ifndef MOE_EP_PIECE
 #define MOE_EP_PIECE 8  // 16-byte vectors per lane per piece (registers in flight)
 #endif
-#ifndef MOE_EP_DISPATCH_BULK
-#define MOE_EP_DISPATCH_BULK 1  // rank-major dispatch rows: 1 bulk copies (one warp), 0 every warp's stores
-#endif
-#ifndef MOE_EP_DISPATCH_BULK_SELF
-#define MOE_EP_DISPATCH_BULK_SELF 1  // 1: the bulk pusher also writes this rank's rows, 0: the other warps do
-#endif
-#ifndef MOE_EP_COMBINE_PUSH_DIV
-#define MOE_EP_COMBINE_PUSH_DIV 3  // rank-major combine: 1 in this many blocks pushes, the others sum
-#endif
-#ifndef MOE_EP_COMBINE_DIAG
-#define MOE_EP_COMBINE_DIAG 0  // timing only, wrong results: 1 summers skip the sum, 2 pushers skip the copies
-#endif
 #ifndef MOE_EP_HOME_VECS
 #define MOE_EP_HOME_VECS 4  // vectors per lane per rank the 2-rank home sum loads at once
 #endif
@@ -476,114 +464,6 @@ __device__ __forceinline__ TokRoute load_route(const DispatchParams& p, int t, i
 }
 }  // namespace
 
-// Rank-major metadata of token t on every rank it goes to: its top-k
-// weights and local expert ids there (-1 / 0 for other ranks' experts) and
-// its source. u: lane d < R holds t's row on rank d, -1 if not sent.
-__device__ __forceinline__ void store_meta_rm(const DispatchParams& p, int t, int u, const TokRoute& r,
-                                              int R, int K, int El, int me, int lane) {
-  const int dk = r.e >= 0 ? r.e / El : -1;
-  for (int d = 0; d < R; ++d) {
-    const int ud = __shfl_sync(0xffffffffu, u, d);
-    if (ud < 0) continue;
-    if (lane < K) {
-      if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? r.wt : 0.f;
-      if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? r.e - d * El : -1;
-    }
-    if (lane == 0 && p.recv_src[d]) {
-      p.recv_src[d][(size_t)ud * 2] = me;
-      p.recv_src[d][(size_t)ud * 2 + 1] = t;
-    }
-  }
-}
-
-// Rank-major rows of this block's tokens (t = blockIdx.x + j * gridDim.x),
-// global -> shared -> every rank that gets the token, with bulk (TMA) copies:
-// one lane issues, loads run half the ring (MOE_EP_DISPATCH_RING) ahead of
-// the stores, each loaded piece is stored to every destination in `dmask`
-// (the peers' rows and, unless the other warps copy it, our own) from the
-// same buffer. The warp holds the routing of 32 tokens at a time (the next
-// 32 in flight). One warp; false on a timeout. Every store is complete
-// (written) on return.
-__device__ bool push_rows_bulk(const DispatchParams& p, const int32_t* info, const InfoOffsets& o,
-                               int n16, int R, unsigned dmask, const ErrSink& err, int lane) {
-  constexpr int kSlot = MOE_EP_BULK_SLOT;
-  constexpr int kBufs = MOE_EP_DISPATCH_RING / kSlot, kAhead = kBufs / 2;
-  __shared__ uint64_t s_bar[kBufs];
-  extern __shared__ __align__(128) unsigned char s_bulk[];
-  if (lane == 0) {
-    for (int b = 0; b < kBufs; ++b) mbar_init(&s_bar[b], 1);
-    fence_mbar_init();
-  }
-  const int nb = gridDim.x, T = p.num_tokens;
-  const int mine = T > (int)blockIdx.x ? (T - (int)blockIdx.x + nb - 1) / nb : 0;
-  const int pn = (n16 + 32 * MOE_EP_BULK_VECS - 1) / (32 * MOE_EP_BULK_VECS);  // pieces per row
-  const int per = (n16 + pn - 1) / pn;  // vectors per piece
-  const int total = mine * pn;
-  const int4* x = reinterpret_cast<const int4*>(p.x);
-  int4* dst[MOE_EP_MAX_RANKS];  // my first row on rank d
-#pragma unroll
-  for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-    dst[d] = d < R ? reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)info[o.dst_u_off + d] * n16
-                   : nullptr;
-  }
-  // Lane i: positions of token 32 * batch + i of this block in my stream to each rank.
-  auto load_batch = [&](int batch, int (&pos)[MOE_EP_MAX_RANKS]) {
-    const int j = batch * 32 + lane;
-    const size_t t = (size_t)blockIdx.x + (size_t)j * nb;
-#pragma unroll
-    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-      pos[d] = (d < R && j < mine) ? p.bufs.rank_pos[t * R + d] : -1;
-    }
-  };
-  int cur[MOE_EP_MAX_RANKS], nxt[MOE_EP_MAX_RANKS];
-  load_batch(0, cur);
-  load_batch(1, nxt);
-  int batch = 0;
-  uint32_t phase = 0;  // lane 0: bit b = parity of buffer b's next completion
-  bool ok = true;
-  for (int g = 0; g < total + kAhead && ok; ++g) {
-    if (g < total && lane == 0) {
-      // The store of piece g - kBufs (this buffer's last user) has read it.
-      if (g >= kBufs) bulk_wait_read<kBufs - kAhead - 1>();
-      const int j = g / pn, first = (g % pn) * per;
-      const uint32_t bytes = (uint32_t)(min(n16, first + per) - first) * 16;
-      const int b = g % kBufs;
-      mbar_expect_tx(&s_bar[b], bytes);
-      bulk_load(s_bulk + b * kSlot, x + ((size_t)blockIdx.x + (size_t)j * nb) * n16 + first, bytes,
-                &s_bar[b]);
-    }
-    const int gs = g - kAhead;
-    if (gs < 0 || gs >= total) continue;
-    const int j = gs / pn, first = (gs % pn) * per;
-    if (j / 32 != batch) {  // j grows by at most one per step
-      ++batch;
-#pragma unroll
-      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) cur[d] = nxt[d];
-      load_batch(batch + 1, nxt);
-    }
-    int pos[MOE_EP_MAX_RANKS];
-#pragma unroll
-    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) pos[d] = __shfl_sync(0xffffffffu, cur[d], j % 32);
-    if (lane == 0) {
-      const int b = gs % kBufs;
-      ok = mbar_wait(&s_bar[b], (phase >> b) & 1u, p.timeout_ns, err, p.rank, MOE_EP_CTR_BULK_COPY);
-      phase ^= 1u << b;
-      const uint32_t bytes = (uint32_t)(min(n16, first + per) - first) * 16;
-#pragma unroll
-      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
-        if (ok && ((dmask >> d) & 1u) && pos[d] >= 0) {
-          bulk_store(dst[d] + (size_t)pos[d] * n16 + first, s_bulk + b * kSlot, bytes);
-        }
-      }
-      bulk_commit();
-    }
-    ok = __shfl_sync(0xffffffffu, ok, 0) != 0;
-  }
-  if (lane == 0) bulk_wait<0>();
-  __syncwarp();
-  return ok;
-}
-
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_dispatch(const __grid_constant__ DispatchParams p) {
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
@@ -628,37 +508,6 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   // ---- sender ----
   const int4* x = reinterpret_cast<const int4*>(p.x);
   const int u_off = lane < R ? info[o.dst_u_off + lane] : 0;  // my first row on rank `lane`
-  if (MOE_EP_DISPATCH_BULK && !expert_major) {
-    // Rank-major: warp 0 moves the rows with bulk copies, the others store
-    // the metadata of every token.
-    // With MOE_EP_DISPATCH_BULK_SELF=0 the other warps also copy the rows
-    // for this rank (registers, local memory), the pusher only the peers'.
-    const int warp = threadIdx.x >> 5;
-    const unsigned all = (1u << R) - 1u, peers = all & ~(1u << me);
-    if (!overflow && warp == 0) {
-      push_rows_bulk(p, info, o, n16, R, MOE_EP_DISPATCH_BULK_SELF ? all : peers, err, lane);
-    } else if (!overflow) {
-      const int mw = blockIdx.x * (kWarps - 1) + warp - 1, nmw = gridDim.x * (kWarps - 1);
-      const Pieces pc = pieces_of(n16);
-      int lrow[MOE_EP_MAX_TOPK];
-      float lw[MOE_EP_MAX_TOPK];
-      for (int t = mw; t < p.num_tokens; t += nmw) {
-        const TokRoute r = load_route(p, t, R, K, false, lane);
-        const int u = r.pos >= 0 ? u_off + r.pos : -1;
-        if (!MOE_EP_DISPATCH_BULK_SELF) {
-          const int u_me = __shfl_sync(0xffffffffu, u, me);
-          int4* dst[MOE_EP_MAX_RANKS] = {};
-          dst[me] = u_me >= 0 ? rx + (size_t)u_me * n16 : nullptr;
-          copy_piece<false>(x + (size_t)t * n16, dst, u_me >= 0 ? 1u << me : 0u, nullptr, 0u, lrow,
-                            lw, false, n16, 0, n16, pc.per, lane);
-        }
-        store_meta_rm(p, t, u, r, R, K, El, me, lane);
-      }
-    }
-    signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
-                    MOE_EP_CTR_DISPATCH_DONE);
-    return;
-  }
   Pieces pc = pieces_of(n16);
 #if !MOE_EP_DISPATCH_SPLIT_ROWS
   pc.n = 1;  // whole rows: pc.per vectors per lane per pass
@@ -724,7 +573,18 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     // Metadata: top-k weights, local expert ids, source (with piece 0).
     if (piece == 0) {
       if (!expert_major) {
-        store_meta_rm(p, t, u, cur, R, K, El, me, lane);
+        for (int d = 0; d < R; ++d) {
+          const int ud = __shfl_sync(0xffffffffu, u, d);
+          if (ud < 0) continue;
+          if (lane < K) {
+            if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? cur.wt : 0.f;
+            if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? e - d * El : -1;
+          }
+          if (lane == 0 && p.recv_src[d]) {
+            p.recv_src[d][(size_t)ud * 2] = me;
+            p.recv_src[d][(size_t)ud * 2 + 1] = t;
+          }
+        }
       } else if (lane < K && e >= 0) {
         if (p.recv_w[dk]) p.recv_w[dk][erow] = cur.wt;
         if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
@@ -827,13 +687,6 @@ __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool ex
   return rs;
 }
 
-// One slot of the rank-major home sum: vectors [first, first + len) of home
-// token t's partial from every rank in `mask`.
-struct SumItem {
-  int t, first, len;
-  unsigned mask;
-};
-
 // Partial (as bf16) of vectors [base + j*32 + lane] (< lim) of a row set.
 template <int kU>
 __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, int n16, int lim,
@@ -887,13 +740,10 @@ __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int m
 // kMaxR: compile-time bound on the world, so the home's loads of every
 // rank's partial stay in registers (kHome vectors each).
 //
-// Rank-major: a third of the blocks push (one warp each, bulk copies, chunk
-// by chunk; it releases the block's flag for chunk c once its copies are
-// written), the others sum: their loader warp waits for every other rank's
-// chunk c and brings each home token's partials into shared memory with bulk
-// copies, their other warps add them, while the pushers already move chunk
-// c + 1. Pushing and summing on separate SMs: each of them is bound by what
-// one SM's memory pipeline moves, and they slowed each other down sharing one.
+// Rank-major: warp 0 of each block is the pusher (bulk copies, no registers
+// in flight, chunk by chunk; it releases the block's flag for chunk c once
+// its copies are written) and the other warps sum: they wait for every other
+// rank's chunk c and reduce it, while the pushers already move chunk c + 1.
 // Expert-major (partials are f32 sums of several rows): every warp pushes its
 // share of chunk c, marks it (the block's last warp releases the flag), then
 // sums chunk c - 1.
@@ -922,23 +772,8 @@ __device__ void combine_body(const CombineParams& p) {
   __shared__ int s_home_slot[MOE_EP_MAX_RANKS], s_my_slot_on[MOE_EP_MAX_RANKS];
   __shared__ int s_src_u_off[MOE_EP_MAX_RANKS + 1];
   __shared__ unsigned s_arrived[MOE_EP_SUBCHUNKS];
-  // Rank-major (without weight gradients, two blocks or more): blocks
-  // [0, np) push, through a ring of kPushBufs slots of MOE_EP_BULK_SLOT
-  // bytes; blocks [np, nb) sum, through a ring of kSumBufs slots that each
-  // hold one piece (kSumVec vectors) of every rank's partial of a home token.
-  // Both rings fill the dynamic shared memory.
-  constexpr int kPushBufs = MOE_EP_BULK_SMEM / MOE_EP_BULK_SLOT;
-  constexpr int kSumBufs = MOE_EP_BULK_SMEM / MOE_EP_SUM_SLOT;
-  constexpr int kSumVec = MOE_EP_SUM_SLOT / kMaxR / 16;
-  constexpr int kSumWarps = kWarps - 1;
-  static_assert(kSumBufs >= 2 && kPushBufs >= 4, "rings");
-  const bool split = !expert_major && p.grad_w_in == nullptr && nb >= 2;
-  const int np = split ? max(1, min(nb - 1, nb / MOE_EP_COMBINE_PUSH_DIV)) : nb;
-  const int sb = (int)blockIdx.x - np, ns = nb - np;  // summing block sb of ns
-  __shared__ uint64_t s_bar[kPushBufs], s_full[kSumBufs], s_empty[kSumBufs];
-  __shared__ SumItem s_item[kSumBufs];
-  __shared__ int s_tok_first[MOE_EP_SUBCHUNKS + 1];  // this block's home tokens before chunk c
-  extern __shared__ __align__(128) unsigned char s_bulk[];
+  __shared__ uint64_t s_bar[MOE_EP_BULK_BUFS];
+  extern __shared__ __align__(128) unsigned char s_bulk[];  // [BULK_BUFS][BULK_VECS * 512]
   for (int i = threadIdx.x; i < (C + 1) * R; i += blockDim.x) {
     const int c = i / R, s = i % R;
     const int j = c * sub_per_chunk;
@@ -955,22 +790,9 @@ __device__ void combine_body(const CombineParams& p) {
   }
   if (threadIdx.x <= R) s_src_u_off[threadIdx.x] = info[o.src_u_off + threadIdx.x];
   if (threadIdx.x < MOE_EP_SUBCHUNKS) s_arrived[threadIdx.x] = 0;
-  // Home tokens of chunk c: [t_lo(c), t_lo(c + 1)); summing block sb takes t_lo(c) + sb + i * ns.
-  auto t_lo = [&](int c) { return (int)((long)(c * sub_per_chunk) * T / MOE_EP_SUBCHUNKS); };
-  if (split && threadIdx.x == 0) {
-    for (int b = 0; b < kPushBufs; ++b) mbar_init(&s_bar[b], 1);
-    for (int b = 0; b < kSumBufs; ++b) {
-      mbar_init(&s_full[b], 1);
-      mbar_init(&s_empty[b], kSumWarps);
-    }
+  if (!expert_major && threadIdx.x < MOE_EP_BULK_BUFS) {
+    mbar_init(&s_bar[threadIdx.x], 1);
     fence_mbar_init();
-    int acc = 0;
-    for (int c = 0; c < C; ++c) {
-      s_tok_first[c] = acc;
-      const int span = t_lo(c + 1) - t_lo(c) - sb;
-      acc += sb >= 0 && span > 0 ? (span + ns - 1) / ns : 0;
-    }
-    s_tok_first[C] = acc;
   }
   const uint64_t seq = next_seq(ws.seq(2, me));  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.error, me);
@@ -1023,8 +845,8 @@ __device__ void combine_body(const CombineParams& p) {
   auto wait_chunk = [&](int c) {
     bool ok = true;
     const uint64_t* flags = ws.combine_done(me);
-    for (int i = lane; i < R * np; i += 32) {
-      const int s = i / np, b = i % np;
+    for (int i = lane; i < R * nb; i += 32) {
+      const int s = i / nb, b = i % nb;
       if (s == me) continue;
       ok &= wait_at_least(flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(c), p.timeout_ns, err, me,
                           s, MOE_EP_CTR_COMBINE_DONE);
@@ -1118,121 +940,27 @@ __device__ void combine_body(const CombineParams& p) {
     if (info[o.rows_needed + d] > p.recv_capacity) return;
   }
 
-  // Rank-major without weight gradients: pushing blocks + summing blocks.
-  // With them (the dispatch backward) every warp moves rows and gradients, as
-  // in expert-major: per-row gradient loads in the pusher's issue loop slowed
-  // it down. So does a single block (nothing to split).
-  if (split) {
-    // Home sum (blocks [np, nb)): warp 0 loads, for each of this block's
-    // home tokens chunk by chunk (after every other rank's chunk c arrived),
-    // one piece of every rank's partial into a slot of the sum ring with bulk
-    // copies; warps 1.. add the slot's pieces in f32 in rank order and store
-    // the bf16 row.
-    unsigned char* sum_ring = s_bulk;
-    const int spn = (n16 + kSumVec - 1) / kSumVec;  // pieces per row
-    const int sper = (n16 + spn - 1) / spn;         // vectors per piece
-    const int n_tok = s_tok_first[C];
-    if (sb >= 0 && warp == 0) {
-      // ---- sum loader ----
-      auto chunk_of = [&](int j) {
-        int c = 0;
-        while (j >= s_tok_first[c + 1]) ++c;
-        return c;
-      };
-      auto tok_at = [&](int j, int c) { return t_lo(c) + sb + (j - s_tok_first[c]) * ns; };
-      // Lane i: positions of this block's token 32 * batch + i in each rank's stream to me.
-      auto load_batch = [&](int batch, int (&pos)[kMaxR]) {
-        const int j = batch * 32 + lane;
-        const int t = j < n_tok ? tok_at(j, chunk_of(j)) : 0;
-#pragma unroll
-        for (int d = 0; d < kMaxR; ++d) pos[d] = (d < R && j < n_tok) ? p.bufs.rank_pos[(size_t)t * R + d] : -1;
-      };
-      int cur[kMaxR], nxt[kMaxR];
-      load_batch(0, cur);
-      load_batch(1, nxt);
-      int waited = -1, q = 0;
-      bool ok = true;  // lane 0
-      for (int j = 0; j < n_tok; ++j) {
-        const int c = chunk_of(j), t = tok_at(j, c);
-        while (waited < c) {
-          if (!wait_chunk(++waited)) return;
-          __syncwarp();  // the lanes' acquires, then the bulk loads (async proxy) of lane 0
-          if (lane == 0) asm volatile("fence.proxy.async.global;" ::: "memory");
-        }
-        if (j % 32 == 0 && j > 0) {
-#pragma unroll
-          for (int d = 0; d < kMaxR; ++d) cur[d] = nxt[d];
-          load_batch(j / 32 + 1, nxt);
-        }
-        const int4* src[kMaxR];
-        unsigned mask = 0;
-#pragma unroll
-        for (int d = 0; d < kMaxR; ++d) {
-          const int pos = __shfl_sync(0xffffffffu, cur[d], j % 32);
-          src[d] = nullptr;
-          if (d < R && pos >= 0) {
-            src[d] = d == me ? y + (size_t)(s_src_u_off[me] + pos) * n16
-                             : stage_here + (size_t)(s_home_slot[d] + pos) * n16;
-            mask |= 1u << d;
-          }
-        }
-        for (int k = 0; k < spn; ++k, ++q) {
-          if (lane != 0) continue;
-          const int b = q % kSumBufs;
-          if (q >= kSumBufs) {
-            ok = mbar_wait(&s_empty[b], ((q / kSumBufs) - 1) & 1, p.timeout_ns, err, me,
-                           MOE_EP_CTR_BULK_COPY);
-            if (!ok) break;
-          }
-          const int first = k * sper, len = min(n16, first + sper) - first;
-          s_item[b] = SumItem{t, first, len, mask};
-          mbar_expect_tx(&s_full[b], (uint32_t)(len * 16 * __popc(mask)));
-#pragma unroll
-          for (int d = 0; d < kMaxR; ++d) {
-            if ((mask >> d) & 1u) {
-              bulk_load(sum_ring + b * MOE_EP_SUM_SLOT + d * kSumVec * 16, src[d] + first,
-                        (uint32_t)len * 16, &s_full[b]);
-            }
-          }
-        }
-        if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+  // Rank-major without weight gradients: pusher + summers. With them (the
+  // dispatch backward) every warp moves rows and gradients, as in expert-major:
+  // per-row gradient loads in the pusher's issue loop slowed it down.
+  if (!expert_major && p.grad_w_in == nullptr) {
+    if (warp != 0) {
+      // ---- summers: chunk by chunk, as the other ranks' pushers finish them ----
+      const int w0 = blockIdx.x * (kWarps - 1) + warp - 1, nws = nb * (kWarps - 1);
+      for (int c = 0; c < C; ++c) {
+        if (!wait_chunk(c)) return;
+        reduce_chunk(c, w0, nws);
       }
       return;
     }
-    if (sb >= 0) {
-      // ---- summers ----
-      const int tid = threadIdx.x - 32, nthr = kSumWarps * 32;
-      const int total = n_tok * spn;
-      for (int q = 0; q < total; ++q) {
-        const int b = q % kSumBufs;
-        // NOTE: twice the timeout: a stalled peer is the loader's to report.
-        if (!mbar_wait(&s_full[b], (q / kSumBufs) & 1, 2 * p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY)) {
-          return;
-        }
-        const SumItem it = s_item[b];
-        const int4* piece = reinterpret_cast<const int4*>(sum_ring + b * MOE_EP_SUM_SLOT);
-        for (int v = tid; v < it.len && MOE_EP_COMBINE_DIAG != 1; v += nthr) {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-          for (int d = 0; d < kMaxR; ++d) {
-            if ((it.mask >> d) & 1u) acc_v4(acc, piece[d * kSumVec + v], 1.f, false);
-          }
-          st_na_v4(out + (size_t)it.t * n16 + it.first + v, pack_v4(acc));
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&s_empty[b]);
-      }
-      return;
-    }
-    if (warp != 0) return;
-    // ---- pusher (warp 0 of blocks [0, np)): this block's pieces, chunk after chunk, global -> shared -> home ----
+    // ---- pusher (warp 0): this block's pieces, chunk after chunk, global -> shared -> home ----
     // One sequence over every chunk: piece g of this block loads into ring
-    // buffer g % kBufs, kAhead pieces ahead of its store, reusing the buffer
-    // of the store kBufs back. Chunk c is released once its last
+    // buffer g % BULK_BUFS, BULK_AHEAD pieces ahead of its store, reusing the
+    // buffer of the store BULK_BUFS back. Chunk c is released once its last
     // store is kDelay stores old and those older stores are complete, so the
     // ring never drains between chunks.
-    constexpr int kSlot = MOE_EP_BULK_SLOT;
-    constexpr int kBufs = kPushBufs, kAhead = kBufs / 2, kDelay = 2;
+    constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD, kDelay = 2;
+    constexpr int kSlot = MOE_EP_BULK_VECS * 512;
     static_assert(kAhead < kBufs && kDelay < kBufs, "ring sizes");
     Pieces pb;  // pieces as large as a slot: few, long copies
     pb.n = (n16 + 32 * MOE_EP_BULK_VECS - 1) / (32 * MOE_EP_BULK_VECS);
@@ -1241,7 +969,7 @@ __device__ void combine_body(const CombineParams& p) {
     // chunk (c, and [lo, hi): the sequence indices of chunk c's pieces).
     auto mine = [&](int c) -> int {
       const int n_items = rows_of_chunk(c) * pb.n, bid = blockIdx.x;
-      return n_items > bid ? (n_items - bid + np - 1) / np : 0;
+      return n_items > bid ? (n_items - bid + nb - 1) / nb : 0;
     };
     struct Cursor {
       int c, lo, hi;
@@ -1257,7 +985,7 @@ __device__ void combine_body(const CombineParams& p) {
     for (int c = 0; c < C; ++c) total += mine(c);
     auto item_at = [&](Cursor& k, int g) {
       seek(k, g);
-      return push_item(k.c, blockIdx.x + (g - k.lo) * np, pb);
+      return push_item(k.c, blockIdx.x + (g - k.lo) * nb, pb);
     };
     Cursor lk{0, 0, mine(0)}, sk = lk, rk = lk;  // loads, stores, releases (rk.c = next to release)
     uint32_t phase = 0;  // lane 0: bit b = parity of buffer b's next completion
@@ -1282,9 +1010,7 @@ __device__ void combine_body(const CombineParams& p) {
         ok = mbar_wait(&s_bar[b], (phase >> b) & 1u, p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY);
         phase ^= 1u << b;
         int4* dst = ws.stage(q.s, parity, p.hidden) + (size_t)q.slot * n16 + q.first;
-        if (ok && MOE_EP_COMBINE_DIAG != 2) {
-          bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
-        }
+        if (ok) bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
         bulk_commit();
       }
       __syncwarp();

@@ -50,14 +50,15 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
 }
 
 // The bulk-copy ceiling: the same bytes moved by the SMs' bulk-copy (TMA)
-// units instead of their threads. One lane per block walks pieces of
-// MOE_EP_BULK_SLOT bytes (grid-stride): global -> shared (a ring of
-// MOE_EP_BULK_SMEM bytes of dynamic shared memory, loads half the ring
-// ahead) -> `dst`. The pattern the dispatch and combine pushers use.
+// units instead of their threads. One thread per block walks pieces of
+// MOE_EP_BULK_VECS * 512 bytes (grid-stride): global -> shared (a ring of
+// MOE_EP_COMBINE_SMEM bytes of dynamic shared memory, loads half the ring
+// ahead) -> `dst`. The pattern of the combine pusher, without its per-row
+// bookkeeping.
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_bulk_copy(const char* src, char* dst, uint64_t bytes) {
-  constexpr uint32_t kSlot = MOE_EP_BULK_SLOT;
-  constexpr int kBufs = MOE_EP_BULK_SMEM / kSlot, kAhead = kBufs / 2;
+  constexpr int kBufs = MOE_EP_BULK_BUFS, kAhead = MOE_EP_BULK_AHEAD;
+  constexpr uint32_t kSlot = MOE_EP_BULK_VECS * 512;
   __shared__ uint64_t bar[kBufs];
   extern __shared__ __align__(128) unsigned char ring[];
   if (threadIdx.x != 0) return;

@@ -14,7 +14,7 @@ bash .gpu/run-tests.sh 2>&1 | grep -E "^(==|test |test result|SKIP|FAILED)" | te
 # The issue's size, both layouts, every op, with --check.
 $bench --check --quiet --layout rank,expert:128 --ops layout,dispatch,combine,dispatch-bwd,combine-bwd 2>&1 | tee "$out/ht.txt"
 # SM count sweep at the issue's size.
-$bench --quiet --num-sms 16,24,32,48 2>&1 | tee "$out/sms.txt"
+$bench --quiet --num-sms 12,16,20,24,32,48 2>&1 | tee "$out/sms.txt"
 # Tokens sweep for the plot.
 $bench --quiet --tokens 128,256,512,1024,2048,4096,8192 --plot "$out/sweep.svg" 2>&1 | tee "$out/sweep.txt"
 # The largest sizes of the NVLink issue.

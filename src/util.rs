@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use crate::error::{Error, Result};
-use crate::ops::abi::{BULK_SMEM, THREADS};
+use crate::ops::abi::{COMBINE_SMEM, THREADS};
 use crate::ops::DeviceRegion;
 use crate::runtime::Module;
 
@@ -96,7 +96,7 @@ pub unsafe fn sm_copy(
 /// Copies `bytes` (a multiple of 16) from local `src` to `dst` with the
 /// bulk-copy (TMA) units of `blocks` SMs, one issuing thread each, through a
 /// ring of shared buffers: the bulk-copy ceiling when `dst` is a peer's buffer
-/// (the dispatch and combine pushers move rows the same way).
+/// (the combine pusher moves rows the same way).
 ///
 /// # Safety
 /// Both ranges must be valid device memory until the kernel ran.
@@ -111,12 +111,12 @@ pub unsafe fn bulk_copy(
         return Err(Error::arg("bytes", "a multiple of 16", bytes));
     }
     let f = Module::get(stream.context(), "util")?.function("moe_ep_bulk_copy")?;
-    f.allow_dynamic_smem(BULK_SMEM)?;
+    f.allow_dynamic_smem(COMBINE_SMEM)?;
     let (mut s, mut d, mut n) = (src, dst, bytes);
     let mut args = [
         &mut s as *mut _ as *mut c_void,
         &mut d as *mut _ as *mut c_void,
         &mut n as *mut _ as *mut c_void,
     ];
-    f.launch_raw(stream, blocks.max(1), THREADS, BULK_SMEM, &mut args)
+    f.launch_raw(stream, blocks.max(1), THREADS, COMBINE_SMEM, &mut args)
 }

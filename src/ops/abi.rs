@@ -10,9 +10,9 @@ pub const MAX_BLOCKS: usize = 132;
 pub const MAX_TOPK: usize = 16;
 /// Threads per block of the data kernels (`MOE_EP_THREADS`).
 pub const THREADS: u32 = 512;
-/// Dynamic shared memory of the dispatch and combine kernels
-/// (`MOE_EP_BULK_SMEM`): their bulk-copy buffers.
-pub const BULK_SMEM: u32 = 224 * 1024;
+/// Dynamic shared memory of the combine kernel (`MOE_EP_COMBINE_SMEM`): its
+/// bulk-copy buffers.
+pub const COMBINE_SMEM: u32 = 128 * 1024;
 /// Sub-chunks of each rank's tokens that combine pipelines over
 /// (`MOE_EP_SUBCHUNKS`).
 pub const SUBCHUNKS: usize = 16;
@@ -251,8 +251,8 @@ mod tests {
         assert_eq!(define("MOE_EP_MAX_TOPK"), MAX_TOPK.to_string());
         assert_eq!(define("MOE_EP_THREADS"), THREADS.to_string());
         assert_eq!(define("MOE_EP_SUBCHUNKS"), SUBCHUNKS.to_string());
-        assert_eq!(define("MOE_EP_BULK_SMEM"), "(224 * 1024)");
-        assert_eq!(BULK_SMEM, 224 * 1024);
+        assert_eq!(define("MOE_EP_COMBINE_SMEM"), "(128 * 1024)");
+        assert_eq!(COMBINE_SMEM, 128 * 1024);
     }
 
     #[test]

@@ -236,9 +236,7 @@ impl EpGroup {
             3..=4 => "moe_ep_combine_r4",
             _ => "moe_ep_combine_r8",
         })?;
-        k_combine.allow_dynamic_smem(abi::BULK_SMEM)?;
-        let k_dispatch = m.function("moe_ep_dispatch")?;
-        k_dispatch.allow_dynamic_smem(abi::BULK_SMEM)?;
+        k_combine.allow_dynamic_smem(abi::COMBINE_SMEM)?;
         Ok(EpGroup {
             comm: comm.clone(),
             pool,
@@ -251,7 +249,7 @@ impl EpGroup {
             k_layout_scan: m.function("moe_ep_layout_scan")?,
             k_layout_exchange: m.function("moe_ep_layout_exchange")?,
             k_layout_meta: m.function("moe_ep_layout_meta")?,
-            k_dispatch,
+            k_dispatch: m.function("moe_ep_dispatch")?,
             // The smallest compile-time world bound that fits (registers).
             k_combine,
             cfg,

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use half::bf16;
 
 use super::abi::{
-    count_row, info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, BULK_SMEM,
+    count_row, info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, COMBINE_SMEM,
     MAX_RANKS, MAX_TOPK, THREADS,
 };
 use super::group::EpGroup;
@@ -402,7 +402,7 @@ impl EpGroup {
         // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
         unsafe {
             self.k_dispatch
-                .launch(stream, self.cfg.num_sms as u32, THREADS, BULK_SMEM, &p)
+                .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)
         }
     }
 
@@ -516,7 +516,7 @@ impl EpGroup {
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
         unsafe {
             self.k_combine
-                .launch(stream, self.cfg.num_sms as u32, THREADS, BULK_SMEM, &p)
+                .launch(stream, self.cfg.num_sms as u32, THREADS, COMBINE_SMEM, &p)
         }
     }
 
