@@ -38,6 +38,32 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 #define MOE_EP_HOME_VECS 4  // vectors per lane per rank the 2-rank home sum loads at once
 #endif
 
+// MOE_EP_PUSH_PROBE=1 (timing only): cycles the combine pusher of block 0
+// spends between its probe points, printed once per call.
+#ifndef MOE_EP_PUSH_PROBE
+#define MOE_EP_PUSH_PROBE 0
+#endif
+#if MOE_EP_PUSH_PROBE
+#define PROBE_INIT()                    \
+  long long pr_t[10] = {}, pr_last = clock64(), pr_start = pr_last
+#define PROBE(i)                        \
+  do {                                  \
+    const long long pr_now = clock64(); \
+    pr_t[i] += pr_now - pr_last;        \
+    pr_last = pr_now;                   \
+  } while (0)
+#define PROBE_REPORT(n)                                                                     \
+  if (blockIdx.x == 0)                                                                      \
+  printf("pusher n %d total %lld | 0 %lld 1 %lld 2 %lld 3 %lld 4 %lld 5 %lld 6 %lld 7 %lld " \
+         "8 %lld 9 %lld\n",                                                                 \
+         (n), clock64() - pr_start, pr_t[0], pr_t[1], pr_t[2], pr_t[3], pr_t[4], pr_t[5],   \
+         pr_t[6], pr_t[7], pr_t[8], pr_t[9])
+#else
+#define PROBE_INIT()
+#define PROBE(i)
+#define PROBE_REPORT(n)
+#endif
+
 // Work items of dispatch and combine are (row, piece): a piece is up to
 // kPiece 16-byte vectors per lane, every piece of a row the same size.
 constexpr int kPiece = MOE_EP_PIECE;
@@ -987,33 +1013,65 @@ __device__ void combine_body(const CombineParams& p) {
       seek(k, g);
       return push_item(k.c, blockIdx.x + (g - k.lo) * nb, pb);
     };
+    // NOTE: working out an item (item_at) is a chain of dependent shared
+    // loads and divisions, about 600 cycles: done for every load and every
+    // store by one lane it took half the pusher's time (probes, 2 x H200).
+    // So the lanes work out 32 items at once: lane i the load and the store
+    // items g and gs with g % 32 == i, each lane with its own cursors.
     Cursor lk{0, 0, mine(0)}, sk = lk, rk = lk;  // loads, stores, releases (rk.c = next to release)
+    PushItem ql{}, qs{};                         // this lane's load and store items of the batch
     uint32_t phase = 0;  // lane 0: bit b = parity of buffer b's next completion
     int rel = 0;         // next chunk to release
     bool ok = true;
+    PROBE_INIT();
+    // Item g's fields, from the lane that worked it out (whole warp).
+    auto from_lane = [&](const PushItem& mine_q, int g) {
+      PushItem q;
+      const int l = g % 32;
+      q.u = __shfl_sync(0xffffffffu, mine_q.u, l);
+      q.s = __shfl_sync(0xffffffffu, mine_q.s, l);
+      q.slot = __shfl_sync(0xffffffffu, mine_q.slot, l);
+      q.first = __shfl_sync(0xffffffffu, mine_q.first, l);
+      q.lim = __shfl_sync(0xffffffffu, mine_q.lim, l);
+      return q;
+    };
     for (int g = 0; g < total + kAhead && ok; ++g) {
-      if (g < total && lane == 0) {
-        // Stores issued so far: g - kAhead; the one of piece g - kBufs is
-        // followed by kBufs - kAhead - 1 newer ones.
-        if (g >= kBufs) bulk_wait_read<kBufs - kAhead - 1>();
-        const PushItem q = item_at(lk, g);
-        const int b = g % kBufs;
-        const uint32_t bytes = (uint32_t)(q.lim - q.first) * 16;
-        mbar_expect_tx(&s_bar[b], bytes);
-        bulk_load(s_bulk + b * kSlot, y + (size_t)q.u * n16 + q.first, bytes, &s_bar[b]);
+      if (g < total) {
+        if (g % 32 == 0 && g + lane < total) ql = item_at(lk, g + lane);
+        PROBE(0);
+        const PushItem q = from_lane(ql, g);
+        PROBE(1);
+        if (lane == 0) {
+          // Stores issued so far: g - kAhead; the one of piece g - kBufs is
+          // followed by kBufs - kAhead - 1 newer ones.
+          if (g >= kBufs) bulk_wait_read<kBufs - kAhead - 1>();
+          const int b = g % kBufs;
+          const uint32_t bytes = (uint32_t)(q.lim - q.first) * 16;
+          PROBE(2);
+          mbar_expect_tx(&s_bar[b], bytes);
+          bulk_load(s_bulk + b * kSlot, y + (size_t)q.u * n16 + q.first, bytes, &s_bar[b]);
+          PROBE(3);
+        }
       }
       const int gs = g - kAhead;
       if (gs < 0 || gs >= total) continue;
-      const PushItem q = item_at(sk, gs);
+      PROBE(4);
+      if (gs % 32 == 0 && gs + lane < total) qs = item_at(sk, gs + lane);
+      const PushItem q = from_lane(qs, gs);
+      PROBE(5);
       if (lane == 0) {
         const int b = gs % kBufs;
         ok = mbar_wait(&s_bar[b], (phase >> b) & 1u, p.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY);
+        PROBE(6);
         phase ^= 1u << b;
         int4* dst = ws.stage(q.s, parity, p.hidden) + (size_t)q.slot * n16 + q.first;
+        PROBE(7);
         if (ok) bulk_store(dst, s_bulk + b * kSlot, (uint32_t)(q.lim - q.first) * 16);
         bulk_commit();
+        PROBE(8);
       }
       __syncwarp();
+      PROBE(9);
       if (lane == 0) {
         // Chunks whose last store is at least kDelay stores old.
         bool waited = false;
@@ -1034,6 +1092,7 @@ __device__ void combine_body(const CombineParams& p) {
     if (lane == 0) {
       bulk_wait<0>();
       while (rel < C) release_chunk(rel++);
+      PROBE_REPORT(total);
     }
     return;
   }
