@@ -12,6 +12,7 @@
 // Tuning switches below and in abi.cuh / common.cuh (MOE_EP_PREFETCH,
 // MOE_EP_BULK_VECS) are compile-time: build with
 // MOE_EP_KERNEL_DEFINES="NAME=VALUE ..." to compare variants with ep-bench.
+// MOE_EP_PUSH_PROBE=1 adds timing probes to combine's pusher (below).
 // Measured on 2 x H200 (BENCHMARKS.md): whole-row dispatch items beat
 // pieces, registers in flight per warp (MOE_EP_PIECE 4..8, MOE_EP_HOME_VECS
 // 4..8) made no difference, bulk copies of 16 KiB beat 8 KiB and 4 KiB.
