@@ -80,17 +80,7 @@ pub unsafe fn sm_copy(
     bytes: u64,
     blocks: u32,
 ) -> Result<()> {
-    if !bytes.is_multiple_of(16) {
-        return Err(Error::arg("bytes", "a multiple of 16", bytes));
-    }
-    let f = Module::get(stream.context(), "util")?.function("moe_ep_copy_v4")?;
-    let (mut s, mut d, mut n) = (src, dst, bytes / 16);
-    let mut args = [
-        &mut s as *mut _ as *mut c_void,
-        &mut d as *mut _ as *mut c_void,
-        &mut n as *mut _ as *mut c_void,
-    ];
-    f.launch_raw(stream, blocks.max(1), THREADS, 0, &mut args)
+    launch_copy(stream, "moe_ep_copy_v4", (src, dst, bytes), bytes / 16, blocks, 0)
 }
 
 /// Copies `bytes` (a multiple of 16) from local `src` to `dst` with the
@@ -107,16 +97,31 @@ pub unsafe fn bulk_copy(
     bytes: u64,
     blocks: u32,
 ) -> Result<()> {
+    launch_copy(stream, "moe_ep_bulk_copy", (src, dst, bytes), bytes, blocks, COMBINE_SMEM)
+}
+
+/// Launches the copy kernel `name(src, dst, count)` on `blocks` blocks with
+/// `smem` bytes of dynamic shared memory, once `bytes` is a multiple of 16.
+unsafe fn launch_copy(
+    stream: &Arc<CudaStream>,
+    name: &'static str,
+    (src, dst, bytes): (u64, u64, u64),
+    count: u64,
+    blocks: u32,
+    smem: u32,
+) -> Result<()> {
     if !bytes.is_multiple_of(16) {
         return Err(Error::arg("bytes", "a multiple of 16", bytes));
     }
-    let f = Module::get(stream.context(), "util")?.function("moe_ep_bulk_copy")?;
-    f.allow_dynamic_smem(COMBINE_SMEM)?;
-    let (mut s, mut d, mut n) = (src, dst, bytes);
+    let f = Module::get(stream.context(), "util")?.function(name)?;
+    if smem > 0 {
+        f.allow_dynamic_smem(smem)?;
+    }
+    let (mut s, mut d, mut n) = (src, dst, count);
     let mut args = [
         &mut s as *mut _ as *mut c_void,
         &mut d as *mut _ as *mut c_void,
         &mut n as *mut _ as *mut c_void,
     ];
-    f.launch_raw(stream, blocks.max(1), THREADS, COMBINE_SMEM, &mut args)
+    f.launch_raw(stream, blocks.max(1), THREADS, smem, &mut args)
 }
