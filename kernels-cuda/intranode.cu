@@ -1136,27 +1136,23 @@ __device__ void combine_body(const CombineParams& p) {
 }
 
 // One entry point per bound on the world (the launcher picks the smallest).
+template <int kMaxR>
+__device__ __forceinline__ void combine_entry(const CombineParams& p) {
+  if (p.layout == 1) {
+    combine_body<kMaxR, true>(p);
+  } else {
+    combine_body<kMaxR, false>(p);
+  }
+}
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_combine_r2(const __grid_constant__ CombineParams p) {
-  if (p.layout == 1) {
-    combine_body<2, true>(p);
-  } else {
-    combine_body<2, false>(p);
-  }
+  combine_entry<2>(p);
 }
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_combine_r4(const __grid_constant__ CombineParams p) {
-  if (p.layout == 1) {
-    combine_body<4, true>(p);
-  } else {
-    combine_body<4, false>(p);
-  }
+  combine_entry<4>(p);
 }
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_combine_r8(const __grid_constant__ CombineParams p) {
-  if (p.layout == 1) {
-    combine_body<8, true>(p);
-  } else {
-    combine_body<8, false>(p);
-  }
+  combine_entry<8>(p);
 }
