@@ -80,7 +80,14 @@ pub unsafe fn sm_copy(
     bytes: u64,
     blocks: u32,
 ) -> Result<()> {
-    launch_copy(stream, "moe_ep_copy_v4", (src, dst, bytes), bytes / 16, blocks, 0)
+    launch_copy(
+        stream,
+        "moe_ep_copy_v4",
+        (src, dst, bytes),
+        bytes / 16,
+        blocks,
+        0,
+    )
 }
 
 /// Copies `bytes` (a multiple of 16) from local `src` to `dst` with the
@@ -97,7 +104,14 @@ pub unsafe fn bulk_copy(
     bytes: u64,
     blocks: u32,
 ) -> Result<()> {
-    launch_copy(stream, "moe_ep_bulk_copy", (src, dst, bytes), bytes, blocks, COMBINE_SMEM)
+    launch_copy(
+        stream,
+        "moe_ep_bulk_copy",
+        (src, dst, bytes),
+        bytes,
+        blocks,
+        COMBINE_SMEM,
+    )
 }
 
 /// Launches the copy kernel `name(src, dst, count)` on `blocks` blocks with

@@ -362,8 +362,13 @@ fn baselines(
     // varied as the tokens (all-zero lines could be cheaper to move).
     // SAFETY: send holds total_rows * row bytes, a multiple of 4.
     unsafe {
-        moe_ep::util::fill_pattern(&c.stream, send.device_ptr(), (total_rows * row / 4) as u64, 7)
-            .map_err(s)?;
+        moe_ep::util::fill_pattern(
+            &c.stream,
+            send.device_ptr(),
+            (total_rows * row / 4) as u64,
+            7,
+        )
+        .map_err(s)?;
     }
     let cs = c.stream.cu_stream() as *mut c_void;
     let a2a = c.time(|| {
