@@ -46,6 +46,7 @@
 #define MOE_EP_CTR_DISPATCH_DONE 2
 #define MOE_EP_CTR_COMBINE_DONE 3
 #define MOE_EP_CTR_BULK_COPY 4     // a local bulk (TMA) copy that never completed
+#define MOE_EP_CTR_COMBINE_PULL 5  // combine (pull): a peer's "outputs ready" / "read yours" handshake
 
 // Written by kernels into host-mapped pinned memory; read by the host at the
 // next call. 64 bytes.
@@ -119,7 +120,8 @@ struct Workspace {
   uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
   uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine)
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
-  uint64_t _pad[2];
+  uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
+  uint64_t _pad;
 };
 
 struct LayoutParams {
@@ -170,6 +172,10 @@ struct CombineParams {
   int32_t layout, num_blocks, recv_capacity;
   int32_t num_chunks;      // 1, 2, 4, 8 or 16 (MOE_EP_SUBCHUNKS / num_chunks sub-chunks each)
   uint64_t timeout_ns;
+  // y as mapped here, per rank, when y is symmetric and the combine is
+  // rank-major without weight gradients: the home reads partials in place
+  // (pull). Otherwise all null and partials are pushed through the stage.
+  const void* y_peers[MOE_EP_MAX_RANKS];
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
@@ -177,7 +183,7 @@ static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 520, "DispatchParams");
-static_assert(sizeof(CombineParams) == 280, "CombineParams");
+static_assert(sizeof(CombineParams) == 344, "CombineParams");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(LayoutParams, ws) == 48 && offsetof(LayoutParams, w) == 176 &&
                   offsetof(LayoutParams, error) == 256 && offsetof(LayoutParams, idx_is_i64) == 264 &&
@@ -187,5 +193,5 @@ static_assert(offsetof(DispatchParams, recv_x) == 200 && offsetof(DispatchParams
                   offsetof(DispatchParams, rank) == 472 && offsetof(DispatchParams, timeout_ns) == 512,
               "DispatchParams offsets");
 static_assert(offsetof(CombineParams, out) == 208 && offsetof(CombineParams, rank) == 232 &&
-                  offsetof(CombineParams, timeout_ns) == 272,
+                  offsetof(CombineParams, timeout_ns) == 272 && offsetof(CombineParams, y_peers) == 280,
               "CombineParams offsets");

@@ -38,6 +38,9 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 #ifndef MOE_EP_HOME_VECS
 #define MOE_EP_HOME_VECS 4  // vectors per lane per rank the 2-rank home sum loads at once
 #endif
+#ifndef MOE_EP_PULL_VECS
+#define MOE_EP_PULL_VECS 8  // combine (pull): vectors per lane per rank loaded at once
+#endif
 
 // MOE_EP_PUSH_PROBE=1 (timing only): cycles the combine pusher of block 0
 // spends between its probe points, printed once per call.
@@ -96,6 +99,9 @@ struct Ws {
   }
   __device__ uint64_t* combine_done(int r) const {
     return reinterpret_cast<uint64_t*>(base[r] + w.combine_done_off);
+  }
+  __device__ uint64_t* pull_flag(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.pull_flag_off);
   }
   __device__ int4* stage(int r, int parity, int hidden) const {
     return reinterpret_cast<int4*>(base[r] + w.stage_off) +
@@ -1135,11 +1141,105 @@ __device__ void combine_body(const CombineParams& p) {
   }
 }
 
+// ============================================================================
+// Combine, rank-major, expert outputs in symmetric memory (pull): the home
+// reads each of its tokens' partials where they lie, its own locally and
+// every other rank's over NVLink, and sums them in ascending rank order in
+// one pass (the same order and bits as the push path): no stage, no chunks.
+// Each block shakes hands with the same block of every other rank twice
+// through pull_flag: "my expert outputs are ready" before its loads
+// (2 seq + 1) and "I have read yours" before it may end (2 seq + 2), since a
+// rank may overwrite its expert outputs once its combine is done.
+// ============================================================================
+template <int kMaxR>
+__device__ void combine_pull(const CombineParams& p) {
+  // Every rank's vectors are in flight at once: fewer each for larger worlds.
+  constexpr int kV = kMaxR <= 2 ? MOE_EP_PULL_VECS : (kMaxR <= 4 ? 4 : 2);
+  const int R = p.world, E = p.num_experts, El = E / R, me = p.rank;
+  const int n16 = p.hidden / 8, T = p.num_tokens, nb = p.num_blocks;
+  const Ws ws{p.w, p.ws, R, E};
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int32_t* info = p.bufs.info;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint64_t seq = next_seq(ws.seq(2, me));
+  const ErrSink err = ws.err(p.error, me);
+  // NOTE: as in dispatch, every rank sees the same overflow and skips together.
+  for (int d = 0; d < R; ++d) {
+    if (info[o.rows_needed + d] > p.recv_capacity) return;
+  }
+  // Thread d < R (d != me) shakes hands with block blockIdx.x of rank d.
+  const int d_hs = threadIdx.x;
+  const bool shakes = d_hs < R && d_hs != me;
+  auto handshake = [&](uint64_t value) {
+    bool ok = true;
+    if (shakes) {
+      fence_acq_rel_sys();
+      st_release_sys_u64(ws.pull_flag(d_hs) + me * MOE_EP_MAX_BLOCKS + blockIdx.x, value);
+      ok = wait_at_least(ws.pull_flag(me) + d_hs * MOE_EP_MAX_BLOCKS + blockIdx.x, value,
+                         p.timeout_ns, err, me, d_hs, MOE_EP_CTR_COMBINE_PULL);
+    }
+    return __syncthreads_and(ok) != 0;
+  };
+  if (!handshake(2 * seq + 1)) return;
+
+  // Items (token, piece), pieces of up to kV vectors per lane.
+  Pieces pc;
+  pc.n = (n16 + 32 * kV - 1) / (32 * kV);
+  pc.per = (n16 + 32 * pc.n - 1) / (32 * pc.n);
+  const int4* src[kMaxR];
+#pragma unroll
+  for (int d = 0; d < kMaxR; ++d) {
+    src[d] = d < R ? reinterpret_cast<const int4*>(p.y_peers[d]) : nullptr;
+  }
+  const int u_off = lane < R ? info[o.dst_u_off + lane] : 0;  // my first row on rank `lane`
+  int4* out = reinterpret_cast<int4*>(p.out);
+  const int gw = blockIdx.x * kWarps + warp, nw = nb * kWarps, n_items = T * pc.n;
+  // Lane d < R: the row on rank d of the token of item `it` (-1: not sent there).
+  auto row_of = [&](int it) {
+    if (it >= n_items || lane >= R) return -1;
+    const int pos = p.bufs.rank_pos[(size_t)(it / pc.n) * R + lane];
+    return pos >= 0 ? u_off + pos : -1;
+  };
+  int row = row_of(gw);
+  for (int it = gw; it < n_items; it += nw) {
+    const int t = it / pc.n, piece = it % pc.n;
+    const int row_next = row_of(it + nw);  // loaded while this item's rows move
+    int rows[kMaxR];
+#pragma unroll
+    for (int d = 0; d < kMaxR; ++d) rows[d] = __shfl_sync(0xffffffffu, row, d < R ? d : 0);
+    const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
+    int4 v[kMaxR][kV];
+#pragma unroll
+    for (int d = 0; d < kMaxR; ++d) {
+      if (d >= R || rows[d] < 0) continue;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const int x = first + j * 32 + lane;
+        v[d][j] = x < lim ? ld_v4(src[d] + (size_t)rows[d] * n16 + x) : make_int4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int d = 0; d < kMaxR; ++d) {
+        if (d < R && rows[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
+      }
+      const int x = first + j * 32 + lane;
+      if (x < lim) st_na_v4(out + (size_t)t * n16 + x, pack_v4(acc));
+    }
+    row = row_next;
+  }
+  handshake(2 * seq + 2);
+}
+
 // One entry point per bound on the world (the launcher picks the smallest).
 template <int kMaxR>
 __device__ __forceinline__ void combine_entry(const CombineParams& p) {
   if (p.layout == 1) {
     combine_body<kMaxR, true>(p);
+  } else if (p.y_peers[p.rank] != nullptr && p.grad_w_in == nullptr) {
+    combine_pull<kMaxR>(p);
   } else {
     combine_body<kMaxR, false>(p);
   }

@@ -33,7 +33,8 @@ extern "C" __global__ void moe_ep_check_pattern(const uint32_t* src, uint64_t n,
 }
 
 // The peer-store ceiling: 16-byte loads from local memory, 16-byte stores to
-// `dst` (a peer's buffer), n16 vectors, grid-stride, kUnroll in flight.
+// `dst` (a peer's buffer), n16 vectors, grid-stride, kUnroll in flight. With
+// `src` a peer's buffer and `dst` local: the peer-load ceiling.
 extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     moe_ep_copy_v4(const int4* src, int4* dst, uint64_t n16) {
   constexpr int kUnroll = 4;

@@ -67,9 +67,9 @@ pub fn pattern_mismatches(
     Ok(v[0])
 }
 
-/// Copies `bytes` (a multiple of 16) from local `src` to `dst` with `blocks`
-/// SMs of 16-byte loads and stores: the peer-store ceiling when `dst` is a
-/// peer's buffer.
+/// Copies `bytes` (a multiple of 16) from `src` to `dst` with `blocks` SMs
+/// of 16-byte loads and stores: the peer-store ceiling when `dst` is a peer's
+/// buffer, the peer-load ceiling when `src` is.
 ///
 /// # Safety
 /// Both ranges must be valid device memory until the kernel ran.

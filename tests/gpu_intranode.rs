@@ -369,6 +369,30 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
                 format!("combine run {run} differs from run 0")
             })?;
         }
+        if matches!(layout, RecvLayout::RankMajor) {
+            // The same expert outputs in symmetric memory: each home reads
+            // them in place (pull path), with the push path's bits.
+            let ys = group.pool().alloc::<bf16>(cap * h)?;
+            let out2 = up(s, &vec![bf16::from_bits(0x7fc1); (t * h).max(1)])?;
+            // SAFETY: both hold cap * h elements.
+            unsafe {
+                moe_ep::cuda::result::memcpy_dtod_async(
+                    ys.device_ptr(),
+                    DeviceRegion::device_ptr(&y),
+                    cap * h * 2,
+                    s.cu_stream(),
+                )
+                .map_err(Error::cuda("dtod"))?;
+            }
+            for run in 0..3 {
+                group.combine(s, &handle, &ys, None, &out2)?;
+                first_diff(
+                    &format!("combine from symmetric memory (pull), run {run}, vs plain (push)"),
+                    &bits(&down(s, &out2, t * h)?),
+                    &first,
+                )?;
+            }
+        }
     }
     group.check()?;
 

@@ -39,6 +39,7 @@ pub fn counter_name(c: i32) -> &'static str {
         2 => "dispatch done",
         3 => "combine done",
         4 => "bulk copy",
+        5 => "combine pull handshake",
         _ => "unknown",
     }
 }
@@ -81,7 +82,8 @@ pub struct Workspace {
     pub stage_w_off: u64,
     pub seq_off: u64,
     pub stage_rows: u64,
-    pub _pad: [u64; 2],
+    pub pull_flag_off: u64,
+    pub _pad: u64,
 }
 
 #[repr(C)]
@@ -157,6 +159,9 @@ pub struct CombineParams {
     /// 1, 2, 4, 8 or 16: chunks combine pipelines its push and reduction over.
     pub num_chunks: i32,
     pub timeout_ns: u64,
+    /// `y` as mapped here, per rank, for the pull path (rank-major, symmetric
+    /// `y`, no weight gradients); all zero otherwise.
+    pub y_peers: [u64; MAX_RANKS],
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -206,7 +211,7 @@ const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 520);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 280);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 344);
 
 #[cfg(test)]
 mod tests {
@@ -228,6 +233,7 @@ mod tests {
         assert_eq!(offset_of!(CombineParams, out), 208);
         assert_eq!(offset_of!(CombineParams, rank), 232);
         assert_eq!(offset_of!(CombineParams, timeout_ns), 272);
+        assert_eq!(offset_of!(CombineParams, y_peers), 280);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.

@@ -176,6 +176,7 @@ impl EpGroup {
         //   count_flag     u64   [R]
         //   dispatch_done  u64   [R][MAX_BLOCKS]
         //   combine_done   u64   [R][MAX_BLOCKS]
+        //   pull_flag      u64   [R][MAX_BLOCKS]        combine (pull) handshakes
         //   seq            u64   [4][MAX_BLOCKS]        local counters
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
         //   stage          bf16  [2][R * max_tokens][H]
@@ -193,6 +194,7 @@ impl EpGroup {
         w.count_flag_off = carve(r * 8).0;
         w.dispatch_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.combine_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
+        w.pull_flag_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         let zeroed; // everything before the stage must start at zero
         (w.seq_off, zeroed) = carve(4 * MAX_BLOCKS as u64 * 8);
         w.stage_w_off = carve(2 * stage_rows * MAX_TOPK as u64 * 4).0;

@@ -489,6 +489,7 @@ impl EpGroup {
         grad_w_in: u64,
         out: u64,
         grad_w_out: u64,
+        y_peers: [u64; MAX_RANKS],
     ) -> Result<()> {
         let (layout, _) = Self::layout_code(handle.layout)?;
         let p = CombineParams {
@@ -512,6 +513,7 @@ impl EpGroup {
             recv_capacity: self.recv_capacity as i32,
             num_chunks: self.cfg.combine_chunks as i32,
             timeout_ns: self.timeout_ns(),
+            y_peers,
         };
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
         unsafe {
@@ -523,8 +525,16 @@ impl EpGroup {
     /// Brings expert outputs home and sums them per token in f32, in a fixed
     /// order (ascending rank; inside a rank ascending row), so the result is
     /// the same bits on every run. `expert_out` is `[recv_capacity, H]` in the
-    /// handle's layout (any device memory: it is read locally and pushed);
-    /// `weights` (expert-major only) scales each row; `out` is `[T, H]`.
+    /// handle's layout; `weights` (expert-major only) scales each row; `out`
+    /// is `[T, H]`.
+    ///
+    /// Rank-major with `expert_out` in symmetric memory (the dispatch's
+    /// receive buffer, a pool buffer, a registered window), each home rank
+    /// reads its tokens' rows in place over NVLink: no staging. Any other
+    /// device memory (and expert-major) is read locally and pushed home
+    /// through the group's stage. Every rank must pass the same kind of
+    /// buffer (symmetric buffers are collective anyway); a rank that does not
+    /// makes the others stop with [`Error::PeerTimeout`].
     pub fn combine(
         &self,
         stream: &Arc<CudaStream>,
@@ -555,6 +565,12 @@ impl EpGroup {
                 w.device_ptr()
             }
         };
+        let y_peers = match handle.layout {
+            RecvLayout::RankMajor => self
+                .recv_peers(expert_out, "expert_out")
+                .unwrap_or([0; MAX_RANKS]),
+            RecvLayout::ExpertMajor { .. } => [0; MAX_RANKS],
+        };
         self.launch_combine(
             stream,
             handle,
@@ -563,6 +579,7 @@ impl EpGroup {
             0,
             out.device_ptr(),
             0,
+            y_peers,
         )
     }
 
@@ -625,6 +642,7 @@ impl EpGroup {
             gin,
             grad_tokens.device_ptr(),
             gout,
+            [0; MAX_RANKS],
         )
     }
 

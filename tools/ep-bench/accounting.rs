@@ -147,7 +147,7 @@ pub fn op_bytes(
             nvlink: dispatch_nvlink_bytes(rank_counts, r, rank, hidden, elem_bytes),
             logical,
         },
-        Op::Combine | Op::DispatchBwd => OpBytes {
+        Op::Combine | Op::CombinePush | Op::DispatchBwd => OpBytes {
             nvlink: combine_nvlink_bytes(rank_counts, r, rank, hidden, elem_bytes),
             logical,
         },

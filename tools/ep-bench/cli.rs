@@ -50,7 +50,8 @@ cartesian product of all lists is benchmarked, tokens varying fastest.
     --num-sms LIST         SMs given to our kernels, 1..=132 (default 24)
     --warmup N             untimed iterations per op (default 5)
     --iters N              timed iterations per op, >= 1 (default 20)
-    --ops LIST             layout,dispatch,combine,dispatch-bwd,combine-bwd
+    --ops LIST             layout,dispatch,combine,dispatch-bwd,combine-bwd,
+                           combine-push
                            (default layout,dispatch,combine)
     --check                compare with the CPU reference once before timing
     --no-baselines         skip NCCL all-to-all and the hardware ceilings
@@ -184,8 +185,13 @@ pub enum Op {
     Layout,
     /// Sending token rows to the ranks that own their experts.
     Dispatch,
-    /// Sending (weighted) expert outputs back and reducing them per token.
+    /// Sending (weighted) expert outputs back and reducing them per token
+    /// (expert outputs in symmetric memory: rank-major homes read them in
+    /// place).
     Combine,
+    /// Combine with expert outputs in plain device memory: pushed to their
+    /// homes through the group's stage.
+    CombinePush,
     /// Backward of dispatch (moves data like combine).
     DispatchBwd,
     /// Backward of combine (moves data like dispatch).
@@ -194,12 +200,13 @@ pub enum Op {
 
 impl Op {
     /// All ops, in their canonical order.
-    pub const ALL: [Op; 5] = [
+    pub const ALL: [Op; 6] = [
         Op::Layout,
         Op::Dispatch,
         Op::Combine,
         Op::DispatchBwd,
         Op::CombineBwd,
+        Op::CombinePush,
     ];
 
     /// The command-line and report name (`dispatch-bwd`, ...).
@@ -210,6 +217,7 @@ impl Op {
             Op::Combine => "combine",
             Op::DispatchBwd => "dispatch-bwd",
             Op::CombineBwd => "combine-bwd",
+            Op::CombinePush => "combine-push",
         }
     }
 
@@ -745,7 +753,7 @@ fn parse_routing(s: &str) -> Result<Routing, String> {
 
 fn parse_op(s: &str) -> Result<Op, String> {
     Op::from_name(s).ok_or_else(|| {
-        format!("--ops: '{s}' is not one of layout, dispatch, combine, dispatch-bwd, combine-bwd")
+        format!("--ops: '{s}' is not one of layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push")
     })
 }
 

@@ -253,6 +253,18 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     let recv_w = group.pool().alloc::<f32>(cap * wpr).map_err(s)?;
     let out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
     let grad_w = s_.alloc_zeros::<f32>((t * k).max(1)).map_err(s)?;
+    // combine-push: the same expert outputs in plain (non-symmetric) memory.
+    let plain = if opts.ops.contains(&Op::CombinePush) {
+        let v = s_.alloc_zeros::<bf16>(cap * h).map_err(s)?;
+        // SAFETY: both hold cap * h elements.
+        unsafe {
+            let (dst, src) = (DeviceRegion::device_ptr(&v), recv.device_ptr());
+            cu::memcpy_dtod_async(dst, src, cap * h * 2, s_.cu_stream()).map_err(s)?;
+        }
+        Some(v)
+    } else {
+        None
+    };
 
     let handle = group
         .layout(s_, TopkIdx::I64(&idxv), k, layout)
@@ -307,6 +319,10 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
                     .map_err(s)
             })?,
             Op::Combine => c.time(|| group.combine(s_, &handle, &recv, None, &out).map_err(s))?,
+            Op::CombinePush => {
+                let y = plain.as_ref().expect("allocated when asked for");
+                c.time(|| group.combine(s_, &handle, y, None, &out).map_err(s))?
+            }
             Op::DispatchBwd => c.time(|| {
                 group
                     .dispatch_backward(s_, &handle, &recv, Some(&recv_w), &out, Some(&grad_w))
@@ -340,8 +356,8 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 }
 
 /// NCCL grouped send/recv of this rank's dispatch rows to every peer; SM
-/// stores and bulk (TMA) copies into the next rank's symmetric buffer;
-/// copy-engine peer copy.
+/// stores and bulk (TMA) copies into the next rank's symmetric buffer; SM
+/// loads from it; copy-engine peer copy.
 fn baselines(
     c: &Ctx<'_>,
     group: &EpGroup,
@@ -411,6 +427,13 @@ fn baselines(
     let store = c.time(|| unsafe {
         moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
+    // The same copy the other way: SM loads of the peer's buffer (what a
+    // combine that reads its partials in place does), local stores.
+    let src = send.peer_ptr(peer).ok_or("peer not reachable")?;
+    // SAFETY: as above.
+    let load = c.time(|| unsafe {
+        moe_ep::util::sm_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
+    })?;
     // SAFETY: as above.
     let bulk = c.time(|| unsafe {
         moe_ep::util::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
@@ -421,6 +444,7 @@ fn baselines(
     Ok(vec![
         (report::NCCL_ALLTOALL.to_string(), a2a, nv, nv),
         (report::PEER_STORE_CEILING.to_string(), store, len, len),
+        (report::PEER_LOAD_CEILING.to_string(), load, len, len),
         (report::BULK_COPY_CEILING.to_string(), bulk, len, len),
         (report::COPY_ENGINE.to_string(), ce, len, len),
     ])

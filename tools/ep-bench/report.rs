@@ -17,6 +17,8 @@ use crate::cli::{Case, Op};
 pub const NCCL_ALLTOALL: &str = "nccl-alltoall";
 /// Op name of the peer-store (SM writes to peer memory) bandwidth ceiling.
 pub const PEER_STORE_CEILING: &str = "peer-store-ceiling";
+/// Op name of the peer-load (SM reads of peer memory) bandwidth ceiling.
+pub const PEER_LOAD_CEILING: &str = "peer-load-ceiling";
 /// Op name of the bulk-copy (TMA units of the SMs) bandwidth ceiling.
 pub const BULK_COPY_CEILING: &str = "bulk-copy-ceiling";
 /// Op name of the copy-engine (`cudaMemcpyPeerAsync`-style) baseline.
