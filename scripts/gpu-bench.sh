@@ -12,7 +12,7 @@ bench=.gpu/bin/ep-bench
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 bash .gpu/run-tests.sh 2>&1 | grep -E "^(==|test |test result|SKIP|FAILED)" | tee "$out/tests.log"
 # The size, both layouts, every op, with --check.
-$bench --check --quiet --layout rank,expert:128 --ops layout,dispatch,combine,dispatch-bwd,combine-bwd 2>&1 | tee "$out/ht.txt"
+$bench --check --quiet --layout rank,expert:128 --ops layout,dispatch,combine,combine-push,dispatch-bwd,combine-bwd 2>&1 | tee "$out/ht.txt"
 # SM count sweep at the size.
 $bench --quiet --num-sms 12,16,20,24,32,48 2>&1 | tee "$out/sms.txt"
 # Tokens sweep for the plot.

@@ -90,10 +90,11 @@ pub unsafe fn sm_copy(
     )
 }
 
-/// Copies `bytes` (a multiple of 16) from local `src` to `dst` with the
+/// Copies `bytes` (a multiple of 16) from `src` to `dst` with the
 /// bulk-copy (TMA) units of `blocks` SMs, one issuing thread each, through a
 /// ring of shared buffers: the bulk-copy ceiling when `dst` is a peer's buffer
-/// (the combine pusher moves rows the same way).
+/// (the combine pusher moves rows the same way), the bulk-load ceiling when
+/// `src` is.
 ///
 /// # Safety
 /// Both ranges must be valid device memory until the kernel ran.

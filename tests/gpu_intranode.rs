@@ -1023,3 +1023,55 @@ fn stalled_peer_times_out_with_rank_and_counter() {
         }
     });
 }
+
+/// Combine reads symmetric expert outputs in place (pull) and pushes plain
+/// ones: a rank passing the other kind than its peers makes every rank stop
+/// with a bounded PeerTimeout that names the handshake it waited on.
+#[test]
+fn mixed_combine_buffer_kinds_time_out() {
+    let Some(world) = gpus_or_skip("mixed_combine_buffer_kinds_time_out", 2) else {
+        return;
+    };
+    let c = case("mixed", 64, 1024, 2, 16, Routing::Uniform);
+    run_ranks(world, |r| {
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(6, &shape, &vec![c.tokens; r.world], c.routing);
+        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        cfg.timeout = Duration::from_millis(300);
+        let group = EpGroup::new(&r.comm, cfg)?;
+        let s = &r.stream;
+        let idx = up(s, &inputs[r.rank].topk_idx)?;
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        let n = group.recv_capacity() * c.hidden;
+        let symm = group.pool().alloc::<bf16>(n)?;
+        let plain = s.alloc_zeros::<bf16>(n).map_err(Error::cuda("alloc"))?;
+        let out = s
+            .alloc_zeros::<bf16>(c.tokens * c.hidden)
+            .map_err(Error::cuda("alloc"))?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        if r.rank == 0 {
+            group.combine(s, &handle, &symm, None, &out)?;
+        } else {
+            group.combine(s, &handle, &plain, None, &out)?;
+        }
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        let want = if r.rank == 0 {
+            "combine pull handshake"
+        } else {
+            "combine done"
+        };
+        match group.check() {
+            Err(Error::PeerTimeout {
+                rank,
+                peer,
+                counter,
+                ..
+            }) if rank == r.rank && counter == want && (r.rank == 0) != (peer == 0) => Ok(()),
+            other => Err(Error::InvalidState(format!(
+                "rank {}: expected PeerTimeout on {want}, got {other:?}",
+                r.rank
+            ))),
+        }
+    });
+}

@@ -357,7 +357,7 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 
 /// NCCL grouped send/recv of this rank's dispatch rows to every peer; SM
 /// stores and bulk (TMA) copies into the next rank's symmetric buffer; SM
-/// loads from it; copy-engine peer copy.
+/// loads and bulk copies from it; copy-engine peer copy.
 fn baselines(
     c: &Ctx<'_>,
     group: &EpGroup,
@@ -438,6 +438,10 @@ fn baselines(
     let bulk = c.time(|| unsafe {
         moe_ep::util::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
+    // SAFETY: as above.
+    let bulk_load = c.time(|| unsafe {
+        moe_ep::util::bulk_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
+    })?;
     let ce = c.time(|| unsafe {
         cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)
     })?;
@@ -446,6 +450,7 @@ fn baselines(
         (report::PEER_STORE_CEILING.to_string(), store, len, len),
         (report::PEER_LOAD_CEILING.to_string(), load, len, len),
         (report::BULK_COPY_CEILING.to_string(), bulk, len, len),
+        (report::BULK_LOAD_CEILING.to_string(), bulk_load, len, len),
         (report::COPY_ENGINE.to_string(), ce, len, len),
     ])
 }

@@ -19,6 +19,9 @@ pub const NCCL_ALLTOALL: &str = "nccl-alltoall";
 pub const PEER_STORE_CEILING: &str = "peer-store-ceiling";
 /// Op name of the peer-load (SM reads of peer memory) bandwidth ceiling.
 pub const PEER_LOAD_CEILING: &str = "peer-load-ceiling";
+/// Op name of the bulk-load ceiling: the bulk-copy kernel reading the peer's
+/// buffer into local memory.
+pub const BULK_LOAD_CEILING: &str = "bulk-load-ceiling";
 /// Op name of the bulk-copy (TMA units of the SMs) bandwidth ceiling.
 pub const BULK_COPY_CEILING: &str = "bulk-copy-ceiling";
 /// Op name of the copy-engine (`cudaMemcpyPeerAsync`-style) baseline.
