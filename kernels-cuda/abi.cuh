@@ -172,10 +172,12 @@ struct CombineParams {
   int32_t layout, num_blocks, recv_capacity;
   int32_t num_chunks;      // 1, 2, 4, 8 or 16 (MOE_EP_SUBCHUNKS / num_chunks sub-chunks each)
   uint64_t timeout_ns;
-  // y as mapped here, per rank, when y is symmetric and the combine is
-  // rank-major without weight gradients: the home reads partials in place
-  // (pull). Otherwise all null and partials are pushed through the stage.
+  // y as mapped here, per rank, when y (and grad_w_in, if given) is
+  // symmetric and the layout rank-major: the home reads partials (and weight
+  // gradients, gw_peers) in place (pull). Otherwise all null and partials
+  // are pushed through the stage.
   const void* y_peers[MOE_EP_MAX_RANKS];
+  const float* gw_peers[MOE_EP_MAX_RANKS];
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
@@ -183,7 +185,7 @@ static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 520, "DispatchParams");
-static_assert(sizeof(CombineParams) == 344, "CombineParams");
+static_assert(sizeof(CombineParams) == 408, "CombineParams");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(LayoutParams, ws) == 48 && offsetof(LayoutParams, w) == 176 &&
                   offsetof(LayoutParams, error) == 256 && offsetof(LayoutParams, idx_is_i64) == 264 &&
@@ -193,5 +195,6 @@ static_assert(offsetof(DispatchParams, recv_x) == 200 && offsetof(DispatchParams
                   offsetof(DispatchParams, rank) == 472 && offsetof(DispatchParams, timeout_ns) == 512,
               "DispatchParams offsets");
 static_assert(offsetof(CombineParams, out) == 208 && offsetof(CombineParams, rank) == 232 &&
-                  offsetof(CombineParams, timeout_ns) == 272 && offsetof(CombineParams, y_peers) == 280,
+                  offsetof(CombineParams, timeout_ns) == 272 && offsetof(CombineParams, y_peers) == 280 &&
+                  offsetof(CombineParams, gw_peers) == 344,
               "CombineParams offsets");

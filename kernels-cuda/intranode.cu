@@ -1155,7 +1155,7 @@ template <int kMaxR>
 __device__ void combine_pull(const CombineParams& p) {
   // Every rank's vectors are in flight at once: fewer each for larger worlds.
   constexpr int kV = kMaxR <= 2 ? MOE_EP_PULL_VECS : (kMaxR <= 4 ? 4 : 2);
-  const int R = p.world, E = p.num_experts, El = E / R, me = p.rank;
+  const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
   const int n16 = p.hidden / 8, T = p.num_tokens, nb = p.num_blocks;
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
@@ -1204,6 +1204,17 @@ __device__ void combine_pull(const CombineParams& p) {
   for (int it = gw; it < n_items; it += nw) {
     const int t = it / pc.n, piece = it % pc.n;
     const int row_next = row_of(it + nw);  // loaded while this item's rows move
+    if (piece == 0 && p.grad_w_in != nullptr) {
+      // Dispatch backward: slot k's weight gradient lives on the rank that
+      // owns expert k, beside the token's row there.
+      const int e = lane < K ? p.bufs.topk[(size_t)t * K + lane] : -1;
+      const int dk = e >= 0 ? e / El : 0;
+      const int row_k = __shfl_sync(0xffffffffu, row, dk);
+      if (lane < K) {
+        p.grad_w_out[(size_t)t * K + lane] =
+            (e >= 0 && row_k >= 0) ? p.gw_peers[dk][(size_t)row_k * K + lane] : 0.f;
+      }
+    }
     int rows[kMaxR];
 #pragma unroll
     for (int d = 0; d < kMaxR; ++d) rows[d] = __shfl_sync(0xffffffffu, row, d < R ? d : 0);
@@ -1238,7 +1249,7 @@ template <int kMaxR>
 __device__ __forceinline__ void combine_entry(const CombineParams& p) {
   if (p.layout == 1) {
     combine_body<kMaxR, true>(p);
-  } else if (p.y_peers[p.rank] != nullptr && p.grad_w_in == nullptr) {
+  } else if (p.y_peers[p.rank] != nullptr) {
     combine_pull<kMaxR>(p);
   } else {
     combine_body<kMaxR, false>(p);

@@ -412,22 +412,63 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     let grad_w = s
         .alloc_zeros::<f32>((t * k).max(1))
         .map_err(Error::cuda("alloc"))?;
-    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &grad_x, Some(&grad_w))?;
     let (want_gx, want_gw) =
         refr::dispatch_backward(&shape, &inputs, &outs, &gw_rows, r.rank, layout)?;
-    first_diff(
-        "dispatch_backward grad tokens",
-        &bits(&down(s, &grad_x, t * h)?),
-        &bits(&want_gx),
-    )?;
-    first_diff(
-        "dispatch_backward grad weights",
-        &down(s, &grad_w, t * k)?
-            .iter()
-            .map(|f| f.to_bits())
-            .collect::<Vec<_>>(),
-        &want_gw.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
-    )?;
+    let want_gw_bits: Vec<u32> = want_gw.iter().map(|f| f.to_bits()).collect();
+    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &grad_x, Some(&grad_w))?;
+    let check_backward = |how: &str| -> Result<()> {
+        first_diff(
+            &format!("dispatch_backward grad tokens ({how})"),
+            &bits(&down(s, &grad_x, t * h)?),
+            &bits(&want_gx),
+        )?;
+        first_diff(
+            &format!("dispatch_backward grad weights ({how})"),
+            &down(s, &grad_w, t * k)?
+                .iter()
+                .map(|f| f.to_bits())
+                .collect::<Vec<_>>(),
+            &want_gw_bits,
+        )
+    };
+    check_backward("plain memory: pushed")?;
+    if matches!(layout, RecvLayout::RankMajor) {
+        // Both gradients in symmetric memory: read in place (pull).
+        let ys = group.pool().alloc::<bf16>(cap * h)?;
+        let gws = group.pool().alloc::<f32>(cap * wpr)?;
+        // SAFETY: each pair holds the same number of elements.
+        unsafe {
+            moe_ep::cuda::result::memcpy_dtod_async(
+                ys.device_ptr(),
+                DeviceRegion::device_ptr(&y),
+                cap * h * 2,
+                s.cu_stream(),
+            )
+            .map_err(Error::cuda("dtod"))?;
+            moe_ep::cuda::result::memcpy_dtod_async(
+                gws.device_ptr(),
+                DeviceRegion::device_ptr(&gw_in),
+                cap * wpr * 4,
+                s.cu_stream(),
+            )
+            .map_err(Error::cuda("dtod"))?;
+        }
+        let poison = |n: usize| vec![0xffu8; n];
+        for (ptr, bytes) in [
+            (DeviceRegion::device_ptr(&grad_x), t * h * 2),
+            (DeviceRegion::device_ptr(&grad_w), t * k * 4),
+        ] {
+            if bytes > 0 {
+                // SAFETY: the buffers hold at least `bytes` bytes.
+                unsafe {
+                    moe_ep::cuda::result::memcpy_htod_async(ptr, &poison(bytes), s.cu_stream())
+                        .map_err(Error::cuda("htod"))?;
+                }
+            }
+        }
+        group.dispatch_backward(s, &handle, &ys, Some(&gws), &grad_x, Some(&grad_w))?;
+        check_backward("symmetric memory: pulled")?;
+    }
 
     // Combine backward: the output gradient dispatched (scaled when weighted).
     let grads: Vec<Vec<bf16>> = (0..r.world)

@@ -160,8 +160,10 @@ pub struct CombineParams {
     pub num_chunks: i32,
     pub timeout_ns: u64,
     /// `y` as mapped here, per rank, for the pull path (rank-major, symmetric
-    /// `y`, no weight gradients); all zero otherwise.
+    /// `y` and `grad_w_in`); all zero otherwise.
     pub y_peers: [u64; MAX_RANKS],
+    /// `grad_w_in` as mapped here, per rank, for the pull path (when given).
+    pub gw_peers: [u64; MAX_RANKS],
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -211,7 +213,7 @@ const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 520);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 344);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 408);
 
 #[cfg(test)]
 mod tests {
@@ -234,6 +236,7 @@ mod tests {
         assert_eq!(offset_of!(CombineParams, rank), 232);
         assert_eq!(offset_of!(CombineParams, timeout_ns), 272);
         assert_eq!(offset_of!(CombineParams, y_peers), 280);
+        assert_eq!(offset_of!(CombineParams, gw_peers), 344);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.

@@ -350,6 +350,28 @@ impl EpGroup {
         Ok(out)
     }
 
+    /// Peer mappings for combine's pull path: rank-major, `y` (and `grad_w`,
+    /// when given) symmetric. Otherwise zeros: partials are pushed.
+    fn pull_peers(
+        &self,
+        handle: &Handle,
+        y: &dyn DeviceRegion<bf16>,
+        grad_w: Option<&dyn DeviceRegion<f32>>,
+    ) -> ([u64; MAX_RANKS], [u64; MAX_RANKS]) {
+        let none = ([0; MAX_RANKS], [0; MAX_RANKS]);
+        if !matches!(handle.layout, RecvLayout::RankMajor) {
+            return none;
+        }
+        let Ok(y_peers) = self.recv_peers(y, "expert_out") else {
+            return none;
+        };
+        match grad_w.map(|g| self.recv_peers(g, "grad_recv_topk_weights")) {
+            None => (y_peers, [0; MAX_RANKS]),
+            Some(Ok(gw_peers)) => (y_peers, gw_peers),
+            Some(Err(_)) => none,
+        }
+    }
+
     fn check_handle(&self, handle: &Handle) -> Result<()> {
         if handle.world != self.comm.world() || handle.experts != self.cfg.num_experts {
             return Err(Error::arg(
@@ -489,7 +511,7 @@ impl EpGroup {
         grad_w_in: u64,
         out: u64,
         grad_w_out: u64,
-        y_peers: [u64; MAX_RANKS],
+        (y_peers, gw_peers): ([u64; MAX_RANKS], [u64; MAX_RANKS]),
     ) -> Result<()> {
         let (layout, _) = Self::layout_code(handle.layout)?;
         let p = CombineParams {
@@ -514,6 +536,7 @@ impl EpGroup {
             num_chunks: self.cfg.combine_chunks as i32,
             timeout_ns: self.timeout_ns(),
             y_peers,
+            gw_peers,
         };
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
         unsafe {
@@ -565,12 +588,7 @@ impl EpGroup {
                 w.device_ptr()
             }
         };
-        let y_peers = match handle.layout {
-            RecvLayout::RankMajor => self
-                .recv_peers(expert_out, "expert_out")
-                .unwrap_or([0; MAX_RANKS]),
-            RecvLayout::ExpertMajor { .. } => [0; MAX_RANKS],
-        };
+        let peers = self.pull_peers(handle, expert_out, None);
         self.launch_combine(
             stream,
             handle,
@@ -579,13 +597,15 @@ impl EpGroup {
             0,
             out.device_ptr(),
             0,
-            y_peers,
+            peers,
         )
     }
 
     /// Backward of dispatch: the gradient of the received tokens is combined
     /// home (unweighted), and the gradient of the received top-k weights is
-    /// routed back to `[T, K]` (`grad_topk_weights`, when given).
+    /// routed back to `[T, K]` (`grad_topk_weights`, when given). As in
+    /// [`EpGroup::combine`], rank-major gradients in symmetric memory (both of
+    /// them, when weights are given) are read in place by their home ranks.
     #[allow(clippy::too_many_arguments)]
     pub fn dispatch_backward(
         &self,
@@ -614,6 +634,7 @@ impl EpGroup {
             "[recv_capacity, hidden] bf16",
         )?;
         check_len("grad_tokens", grad_tokens.len(), t * h, "[T, hidden] bf16")?;
+        let peers = self.pull_peers(handle, grad_recv_tokens, grad_recv_topk_weights);
         let (gin, gout) = match (grad_recv_topk_weights, grad_topk_weights) {
             (Some(a), Some(b)) => {
                 check_len(
@@ -642,7 +663,7 @@ impl EpGroup {
             gin,
             grad_tokens.device_ptr(),
             gout,
-            [0; MAX_RANKS],
+            peers,
         )
     }
 
