@@ -7,7 +7,9 @@
 // Combine mirrors it: partial rows (the local experts of a token reduced in
 // f32) are pushed to the token's home rank, which sums them in rank order,
 // pipelined over chunks of the home ranks' tokens (rank-major: one warp per
-// block pushes with bulk (TMA) copies while the others sum).
+// block pushes with bulk (TMA) copies while the others sum). Rank-major with
+// the expert outputs in symmetric memory, the home instead reads every
+// rank's partial where it lies and sums in one pass (combine_pull).
 //
 // Tuning switches below and in abi.cuh / common.cuh (MOE_EP_PREFETCH,
 // MOE_EP_BULK_VECS) are compile-time: build with
@@ -246,9 +248,10 @@ __device__ __forceinline__ int nth_smallest(int v, int i, int lane) {
 }  // namespace
 
 // ============================================================================
-// Layout, kernel 1: local scan. Grid: E expert blocks, R rank blocks, 1 check
-// block. Positions of every (token, expert) and (token, rank) in this rank's
-// outgoing streams, and this rank's row of the count matrix.
+// Layout, kernel 1: local scan. Grid: E expert blocks, R rank blocks, then
+// check blocks (one token per thread). Positions of every (token, expert) and
+// (token, rank) in this rank's outgoing streams, and this rank's row of the
+// count matrix.
 // ============================================================================
 template <typename Idx>
 __device__ void layout_scan_body(const LayoutParams& p) {
@@ -264,19 +267,33 @@ __device__ void layout_scan_body(const LayoutParams& p) {
     const bool is_expert = b < E;
     const long lo = is_expert ? b : (long)(b - E) * El;
     const long hi = is_expert ? b + 1 : lo + El;
+    // Each thread takes kTpt consecutive tokens, so one block-wide scan
+    // covers blockDim.x * kTpt tokens (positions stay in token order).
+    constexpr int kTpt = 8;
     int running = 0;
-    for (int t0 = 0; t0 < T; t0 += blockDim.x) {
-      const int t = t0 + threadIdx.x;
-      int hit = -1;
-      if (t < T) {
-        for (int k = K - 1; k >= 0; --k) {
-          const long v = (long)idx[(size_t)t * K + k];
-          if (v >= lo && v < hi) hit = k;  // first matching slot wins
+    for (int t0 = 0; t0 < T; t0 += blockDim.x * kTpt) {
+      const int tb = t0 + threadIdx.x * kTpt;
+      int hits[kTpt];
+      int mine = 0;
+#pragma unroll
+      for (int i = 0; i < kTpt; ++i) {
+        const int t = tb + i;
+        int hit = -1;
+        if (t < T) {
+          for (int k = K - 1; k >= 0; --k) {
+            const long v = (long)idx[(size_t)t * K + k];
+            if (v >= lo && v < hi) hit = k;  // first matching slot wins
+          }
         }
+        hits[i] = hit;
+        mine += hit >= 0 ? 1 : 0;
       }
       int total;
-      const int pos = block_exclusive_scan(hit >= 0 ? 1 : 0, scratch, &total) + running;
-      if (t < T) {
+      int pos = block_exclusive_scan(mine, scratch, &total) + running;
+#pragma unroll
+      for (int i = 0; i < kTpt; ++i) {
+        const int t = tb + i, hit = hits[i];
+        if (t >= T) continue;
         if (is_expert) {
           if (hit >= 0) p.bufs.expert_pos[(size_t)t * K + hit] = pos;
         } else {
@@ -288,6 +305,7 @@ __device__ void layout_scan_body(const LayoutParams& p) {
             }
           }
         }
+        pos += hit >= 0 ? 1 : 0;
       }
       running += total;
     }
@@ -302,19 +320,26 @@ __device__ void layout_scan_body(const LayoutParams& p) {
     return;
   }
 
-  // Check block: normalise to int32, mask what the scans did not count.
-  for (int t = threadIdx.x; t < T; t += blockDim.x) {
-    for (int k = 0; k < K; ++k) {
-      const long v = (long)idx[(size_t)t * K + k];
-      int norm = (int)v;
-      if (v < -1 || v >= E) {
-        report_error(err, MOE_EP_ERR_BAD_EXPERT, p.rank, -1, 0, (uint64_t)E, (uint64_t)v,
+  // Check blocks (the rest of the grid): normalise to int32, mask what the
+  // scans did not count. One token per thread, its K ids in registers.
+  const int nchk = gridDim.x - (E + R);
+  for (int t = (b - (E + R)) * blockDim.x + threadIdx.x; t < T; t += nchk * blockDim.x) {
+    long v[MOE_EP_MAX_TOPK];
+#pragma unroll
+    for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) v[k] = k < K ? (long)idx[(size_t)t * K + k] : -1;
+#pragma unroll
+    for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+      if (k >= K) break;
+      int norm = (int)v[k];
+      if (v[k] < -1 || v[k] >= E) {
+        report_error(err, MOE_EP_ERR_BAD_EXPERT, p.rank, -1, 0, (uint64_t)E, (uint64_t)v[k],
                      t, k);
         norm = -1;
-      } else if (v >= 0) {
+      } else if (v[k] >= 0) {
+#pragma unroll
         for (int k2 = 0; k2 < k; ++k2) {
-          if ((long)idx[(size_t)t * K + k2] == v) {
-            report_error(err, MOE_EP_ERR_DUP_EXPERT, p.rank, -1, 0, 0, (uint64_t)v, t, k);
+          if (v[k2] == v[k]) {
+            report_error(err, MOE_EP_ERR_DUP_EXPERT, p.rank, -1, 0, 0, (uint64_t)v[k], t, k);
             norm = -1;
           }
         }

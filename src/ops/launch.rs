@@ -315,8 +315,11 @@ impl EpGroup {
         // the group, both outliving the enqueued work (the handle's arrays are
         // stream-ordered allocations freed in stream order).
         unsafe {
+            // E expert blocks, R rank blocks, then one token per thread of
+            // the check blocks.
+            let check_blocks = t.div_ceil(THREADS as usize).max(1);
             self.k_layout_scan
-                .launch(stream, (e + r + 1) as u32, THREADS, 0, &p)?;
+                .launch(stream, (e + r + check_blocks) as u32, THREADS, 0, &p)?;
             self.k_layout_exchange
                 .launch(stream, 1, THREADS, (2 * e * 4) as u32, &p)?;
             if layout_code == 1 {
