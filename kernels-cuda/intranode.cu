@@ -795,6 +795,25 @@ __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int m
   return -1;
 }
 
+// Row t's vectors base + j * 32 + lane (< lim): every present rank's vector
+// j of v (rank d present when have[d] >= 0) summed in f32 in ascending rank
+// order, stored as bf16. The one reduction order of every combine path.
+template <int kMaxR, int kV>
+__device__ __forceinline__ void sum_ranks_store(const int4 (&v)[kMaxR][kV],
+                                                const int (&have)[kMaxR], int R, int4* out, int t,
+                                                int n16, int base, int lim, int lane) {
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int d = 0; d < kMaxR; ++d) {
+      if (d < R && have[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
+    }
+    const int x = base + j * 32 + lane;
+    if (x < lim) st_na_v4(out + (size_t)t * n16 + x, pack_v4(acc));
+  }
+}
+
 // kMaxR: compile-time bound on the world, so the home's loads of every
 // rank's partial stay in registers (kHome vectors each).
 //
@@ -961,16 +980,7 @@ __device__ void combine_body(const CombineParams& p) {
             }
           }
         }
-#pragma unroll
-        for (int j = 0; j < kHome; ++j) {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-          for (int d = 0; d < kMaxR; ++d) {
-            if (d < R && slots[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
-          }
-          const int x = base + j * 32 + lane;
-          if (x < lim) st_na_v4(out + (size_t)t * n16 + x, pack_v4(acc));
-        }
+        sum_ranks_store<kMaxR, kHome>(v, slots, R, out, t, n16, base, lim, lane);
       }
       if (piece == 0 && p.grad_w_out != nullptr && lane < K) {
         const int e = p.bufs.topk[(size_t)t * K + lane];
@@ -1254,16 +1264,7 @@ __device__ void combine_pull(const CombineParams& p) {
         v[d][j] = x < lim ? ld_v4(src[d] + (size_t)rows[d] * n16 + x) : make_int4(0, 0, 0, 0);
       }
     }
-#pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int d = 0; d < kMaxR; ++d) {
-        if (d < R && rows[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
-      }
-      const int x = first + j * 32 + lane;
-      if (x < lim) st_na_v4(out + (size_t)t * n16 + x, pack_v4(acc));
-    }
+    sum_ranks_store<kMaxR, kV>(v, rows, R, out, t, n16, first, lim, lane);
     row = row_next;
   }
   handshake(2 * seq + 2);
