@@ -38,9 +38,11 @@ pub struct GroupConfig {
     pub recv_capacity: usize,
     /// SMs (thread blocks) the data kernels use; at most 132.
     pub num_sms: usize,
-    /// Chunks combine splits each rank's tokens into, so that pushing one
-    /// chunk's partials over NVLink overlaps summing the previous chunk's:
-    /// 1, 2, 4, 8 or 16 (1 = push everything, then sum).
+    /// Chunks combine splits each rank's tokens into when it pushes partials
+    /// (expert outputs not in symmetric memory, or expert-major), so that
+    /// pushing one chunk over NVLink overlaps summing the previous one:
+    /// 1, 2, 4, 8 or 16 (1 = push everything, then sum). The pull path
+    /// (rank-major, symmetric expert outputs) has no chunks.
     pub combine_chunks: usize,
     /// Kernel family.
     pub mode: Mode,
