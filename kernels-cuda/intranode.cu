@@ -74,13 +74,14 @@ constexpr int kUnroll = 8;  // 16-byte vectors in flight per lane per row chunk
 // kPiece 16-byte vectors per lane, every piece of a row the same size.
 constexpr int kPiece = MOE_EP_PIECE;
 
-// A row of n16 vectors cut into `n` pieces of `per` vectors per lane.
+// A row of n16 vectors cut into `n` pieces of `per` (<= max_per) vectors
+// per lane.
 struct Pieces {
   int n, per;
 };
-__device__ __forceinline__ Pieces pieces_of(int n16) {
+__device__ __forceinline__ Pieces pieces_of(int n16, int max_per = kPiece) {
   Pieces pc;
-  pc.n = (n16 + 32 * kPiece - 1) / (32 * kPiece);
+  pc.n = (n16 + 32 * max_per - 1) / (32 * max_per);
   pc.per = (n16 + 32 * pc.n - 1) / (32 * pc.n);
   return pc;
 }
@@ -1218,9 +1219,7 @@ __device__ void combine_pull(const CombineParams& p) {
   if (!handshake(2 * seq + 1)) return;
 
   // Items (token, piece), pieces of up to kV vectors per lane.
-  Pieces pc;
-  pc.n = (n16 + 32 * kV - 1) / (32 * kV);
-  pc.per = (n16 + 32 * pc.n - 1) / (32 * pc.n);
+  const Pieces pc = pieces_of(n16, kV);
   const int4* src[kMaxR];
 #pragma unroll
   for (int d = 0; d < kMaxR; ++d) {
