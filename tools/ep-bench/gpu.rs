@@ -68,12 +68,16 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// Runs `f` warm-up + iters times; returns the per-iteration times (us).
-    fn time(&self, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+    /// With `MOE_EP_BENCH_ENQUEUE=1` each rank also prints the median host
+    /// time `f` took to enqueue its work (inside the timed span: the stream
+    /// is empty when the start event is recorded).
+    fn time(&self, what: &str, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
         for _ in 0..self.opts.warmup {
             f()?;
         }
         self.stream.synchronize().map_err(s)?;
         let mut out = Vec::with_capacity(self.opts.iters);
+        let mut enqueue = Vec::with_capacity(self.opts.iters);
         for _ in 0..self.opts.iters {
             if self.opts.flush_l2 {
                 // SAFETY: flush is a live allocation of its length.
@@ -89,10 +93,21 @@ impl Ctx<'_> {
             }
             self.comm.barrier(&self.stream).map_err(s)?;
             self.timer.start.record(&self.stream).map_err(s)?;
+            let t0 = std::time::Instant::now();
             f()?;
+            enqueue.push(t0.elapsed().as_secs_f64() * 1e6);
             self.timer.end.record(&self.stream).map_err(s)?;
             self.timer.end.synchronize().map_err(s)?;
             out.push(self.timer.start.elapsed_ms(&self.timer.end).map_err(s)? as f64 * 1e3);
+        }
+        if std::env::var_os("MOE_EP_BENCH_ENQUEUE").is_some_and(|v| v == "1") && !enqueue.is_empty()
+        {
+            enqueue.sort_by(f64::total_cmp);
+            eprintln!(
+                "rank {}: {what}: host enqueue median {:.1} µs",
+                self.comm.rank(),
+                enqueue[enqueue.len() / 2]
+            );
         }
         Ok(out)
     }
@@ -297,13 +312,13 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 
     for &op in &opts.ops {
         let samples = match op {
-            Op::Layout => c.time(|| {
+            Op::Layout => c.time(op.name(), || {
                 group
                     .layout(s_, TopkIdx::I64(&idxv), k, layout)
                     .map(drop)
                     .map_err(s)
             })?,
-            Op::Dispatch => c.time(|| {
+            Op::Dispatch => c.time(op.name(), || {
                 group
                     .dispatch(
                         s_,
@@ -318,17 +333,21 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
                     .map(drop)
                     .map_err(s)
             })?,
-            Op::Combine => c.time(|| group.combine(s_, &handle, &recv, None, &out).map_err(s))?,
+            Op::Combine => c.time(op.name(), || {
+                group.combine(s_, &handle, &recv, None, &out).map_err(s)
+            })?,
             Op::CombinePush => {
                 let y = plain.as_ref().expect("allocated when asked for");
-                c.time(|| group.combine(s_, &handle, y, None, &out).map_err(s))?
+                c.time(op.name(), || {
+                    group.combine(s_, &handle, y, None, &out).map_err(s)
+                })?
             }
-            Op::DispatchBwd => c.time(|| {
+            Op::DispatchBwd => c.time(op.name(), || {
                 group
                     .dispatch_backward(s_, &handle, &recv, Some(&recv_w), &out, Some(&grad_w))
                     .map_err(s)
             })?,
-            Op::CombineBwd => c.time(|| {
+            Op::CombineBwd => c.time(op.name(), || {
                 group
                     .combine_backward(s_, &handle, &out, None, Some(&recv))
                     .map(drop)
@@ -387,7 +406,7 @@ fn baselines(
         .map_err(s)?;
     }
     let cs = c.stream.cu_stream() as *mut c_void;
-    let a2a = c.time(|| {
+    let a2a = c.time("nccl", || {
         nc::group_start().map_err(s)?;
         let mut off = 0usize;
         for d in (0..world).filter(|&d| d != rank) {
@@ -424,25 +443,25 @@ fn baselines(
     let dst = recv.peer_ptr(peer).ok_or("peer not reachable")?;
     let len = (nv / 16 * 16).min(recv.len() as u64);
     // SAFETY: len bytes fit both buffers.
-    let store = c.time(|| unsafe {
+    let store = c.time("peer-store", || unsafe {
         moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
     // The same copy the other way: SM loads of the peer's buffer (what a
     // combine that reads its partials in place does), local stores.
     let src = send.peer_ptr(peer).ok_or("peer not reachable")?;
     // SAFETY: as above.
-    let load = c.time(|| unsafe {
+    let load = c.time("peer-load", || unsafe {
         moe_ep::util::sm_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
     })?;
     // SAFETY: as above.
-    let bulk = c.time(|| unsafe {
+    let bulk = c.time("bulk-copy", || unsafe {
         moe_ep::util::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
     // SAFETY: as above.
-    let bulk_load = c.time(|| unsafe {
+    let bulk_load = c.time("bulk-load", || unsafe {
         moe_ep::util::bulk_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
     })?;
-    let ce = c.time(|| unsafe {
+    let ce = c.time("copy-engine", || unsafe {
         cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)
     })?;
     Ok(vec![
