@@ -118,7 +118,7 @@ struct Workspace {
   uint64_t combine_done_off;  // uint64 [R src][MAX_BLOCKS]    written by peers
   uint64_t stage_off;      // bf16 [2 parity][stage_rows][H]   combine partials, by peers
   uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
-  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine)
+  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..4] item counters
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
   uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
   uint64_t _pad;

@@ -115,23 +115,52 @@ struct Ws {
            (size_t)parity * w.stage_rows * MOE_EP_MAX_TOPK;
   }
   // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per
-  // block. [3][0] is the error claim word (see ErrSink).
+  // block. [3][0] is the error claim word (see ErrSink), [3][1..4] the
+  // item counters (claims).
   __device__ uint64_t* seq(int which, int me) const {
     return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
   }
   __device__ ErrSink err(ErrorInfo* host, int me) const {
     return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
   }
+  // Work-item counters of op `which` (1 dispatch, 2 combine): [3][1..4],
+  // two per op, alternating with the op's sequence number (see ItemClaims).
+  __device__ unsigned long long* claims(int which, int me, uint64_t call) const {
+    return reinterpret_cast<unsigned long long*>(seq(3, me)) + 1 + 2 * (which - 1) + (call & 1);
+  }
 };
 
-// Bumps this block's sequence counter for `which` and returns the new value.
+// Work items handed to warps one at a time from a counter, so a warp that
+// finishes early takes the next item and no SM is left with a tail. (On
+// 2 x H200 this moved dispatch at 20-32 SMs from 204-225 to 182-185 µs:
+// fixed strides left the slowest warps the last items; BENCHMARKS.md.)
+// Op call `seq` counts on claims(which, me, seq); next_seq clears the
+// other counter for call seq + 1 in every call of the op, whichever path it
+// takes (call seq - 1, its last user, has finished: one stream).
+struct ItemClaims {
+  unsigned long long* ctr;
+  __device__ ItemClaims(const Ws& ws, int which, int me, uint64_t seq)
+      : ctr(ws.claims(which, me, seq)) {}
+  // The warp's next item (warp-uniform; every lane calls).
+  __device__ int next(int lane) const {
+    int v = 0;
+    if (lane == 0) v = (int)atomicAdd(ctr, 1ull);
+    return __shfl_sync(0xffffffffu, v, 0);
+  }
+};
+
+// Bumps this block's sequence counter for op `which` (0 layout, 1 dispatch,
+// 2 combine) and returns the new value; block 0 clears the op's item counter
+// for the next call (ItemClaims).
 // NOTE: every rank launches the same number of blocks per op, so all the
 // counters of all ranks move in lockstep and one block's value is everyone's.
-__device__ uint64_t next_seq(uint64_t* seq_local) {
+__device__ uint64_t next_seq(const Ws& ws, int which, int me) {
   __shared__ uint64_t s_seq;
   if (threadIdx.x == 0) {
+    uint64_t* seq_local = ws.seq(which, me);
     s_seq = seq_local[blockIdx.x] + 1;
     seq_local[blockIdx.x] = s_seq;
+    if (which > 0 && blockIdx.x == 0) *ws.claims(which, me, s_seq + 1) = 0ull;
   }
   __syncthreads();
   return s_seq;
@@ -372,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.bufs.info;
-  const uint64_t seq = next_seq(ws.seq(0, me));
+  const uint64_t seq = next_seq(ws, 0, me);
   const int parity = (int)(seq & 1);
   const ErrSink err = ws.err(p.error, me);
 
@@ -495,12 +524,13 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
 }
 
 // ============================================================================
-// Dispatch: each warp takes a (token, piece), reads it once and stores it
-// into the receive buffer of every rank that hosts one of the token's experts
-// (rank-major: row u; expert-major: the row of its first local expert there,
-// the receiver copies the others; on the sender's own rank the sender writes
-// every row). The warp's next item is loaded (routing) and fetched into L2
-// (data) while the current one moves. Then one flag per (me, block) on every
+// Dispatch: each warp claims a (token, piece) at a time (ItemClaims), reads
+// it once and stores it into the receive buffer of every rank that hosts one
+// of the token's experts (rank-major: row u; expert-major: the row of its
+// first local expert there, the receiver copies the others; on the sender's
+// own rank the sender writes every row). The warp's next item is claimed,
+// its routing loaded and its data fetched into L2 while the current one
+// moves. Then one flag per (me, block) on every
 // rank, a bounded wait for everyone's flags, and (expert-major) the
 // receiver's local copies.
 // ============================================================================
@@ -534,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const bool scaled = p.scale_w != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  const uint64_t seq = next_seq(ws.seq(1, me));
+  const uint64_t seq = next_seq(ws, 1, me);
   const ErrSink err = ws.err(p.error, me);
 
   // NOTE: every rank derived rows_needed from the same matrix: if one rank
@@ -572,15 +602,18 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   pc.n = 1;  // whole rows: pc.per vectors per lane per pass
 #endif
   const int n_items = overflow ? 0 : p.num_tokens * pc.n;
+  const ItemClaims claims(ws, 1, me, seq);
   TokRoute cur{-1, -1, 0, 0.f};
-  if (gw < n_items) cur = load_route(p, gw / pc.n, R, K, expert_major, lane);
-  for (int it = gw; it < n_items; it += nw) {
+  int it = n_items > 0 ? claims.next(lane) : n_items;
+  if (it < n_items) cur = load_route(p, it / pc.n, R, K, expert_major, lane);
+  while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
     const int first = piece * pc.per * 32;
     const int lim = pc.n == 1 ? n16 : min(n16, first + pc.per * 32);
+    const int it_next = claims.next(lane);
     TokRoute next = cur;
-    if (it + nw < n_items) {
-      const int tn = (it + nw) / pc.n, fn = ((it + nw) % pc.n) * pc.per * 32;
+    if (it_next < n_items) {
+      const int tn = it_next / pc.n, fn = (it_next % pc.n) * pc.per * 32;
       if (tn != t) next = load_route(p, tn, R, K, expert_major, lane);
       if (lane == 0) {
         const int ln = pc.n == 1 ? n16 : min(n16, fn + pc.per * 32);
@@ -654,6 +687,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       }
     }
     cur = next;
+    it = it_next;
   }
 
   if (!signal_and_wait(dispatch_flags, ws, me, R, p.num_blocks, seq, p.timeout_ns, err,
@@ -872,7 +906,7 @@ __device__ void combine_body(const CombineParams& p) {
     mbar_init(&s_bar[threadIdx.x], 1);
     fence_mbar_init();
   }
-  const uint64_t seq = next_seq(ws.seq(2, me));  // also the barrier for the shared arrays
+  const uint64_t seq = next_seq(ws, 2, me);  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.error, me);
   const int parity = (int)(seq & 1);
   const int4* y = reinterpret_cast<const int4*>(p.y);
@@ -1182,7 +1216,7 @@ __device__ void combine_body(const CombineParams& p) {
 // reads each of its tokens' partials where they lie, its own locally and
 // every other rank's over NVLink, and sums them in ascending rank order in
 // one pass (the same order and bits as the push path): no stage, no chunks.
-// Each block shakes hands with the same block of every other rank twice
+// Warps claim (token, piece) items one at a time (ItemClaims). Each block shakes hands with the same block of every other rank twice
 // through pull_flag: "my expert outputs are ready" before its loads
 // (2 seq + 1) and "I have read yours" before it may end (2 seq + 2), since a
 // rank may overwrite its expert outputs once its combine is done.
@@ -1192,12 +1226,12 @@ __device__ void combine_pull(const CombineParams& p) {
   // Every rank's vectors are in flight at once: fewer each for larger worlds.
   constexpr int kV = kMaxR <= 2 ? MOE_EP_PULL_VECS : (kMaxR <= 4 ? 4 : 2);
   const int R = p.world, E = p.num_experts, El = E / R, K = p.topk, me = p.rank;
-  const int n16 = p.hidden / 8, T = p.num_tokens, nb = p.num_blocks;
+  const int n16 = p.hidden / 8, T = p.num_tokens;
   const Ws ws{p.w, p.ws, R, E};
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.bufs.info;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint64_t seq = next_seq(ws.seq(2, me));
+  const int lane = threadIdx.x & 31;
+  const uint64_t seq = next_seq(ws, 2, me);
   const ErrSink err = ws.err(p.error, me);
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.
   for (int d = 0; d < R; ++d) {
@@ -1216,8 +1250,6 @@ __device__ void combine_pull(const CombineParams& p) {
     }
     return __syncthreads_and(ok) != 0;
   };
-  if (!handshake(2 * seq + 1)) return;
-
   // Items (token, piece), pieces of up to kV vectors per lane.
   const Pieces pc = pieces_of(n16, kV);
   const int4* src[kMaxR];
@@ -1227,17 +1259,22 @@ __device__ void combine_pull(const CombineParams& p) {
   }
   const int u_off = lane < R ? info[o.dst_u_off + lane] : 0;  // my first row on rank `lane`
   int4* out = reinterpret_cast<int4*>(p.out);
-  const int gw = blockIdx.x * kWarps + warp, nw = nb * kWarps, n_items = T * pc.n;
+  const int n_items = T * pc.n;
   // Lane d < R: the row on rank d of the token of item `it` (-1: not sent there).
   auto row_of = [&](int it) {
     if (it >= n_items || lane >= R) return -1;
     const int pos = p.bufs.rank_pos[(size_t)(it / pc.n) * R + lane];
     return pos >= 0 ? u_off + pos : -1;
   };
-  int row = row_of(gw);
-  for (int it = gw; it < n_items; it += nw) {
+  // The first item and its rows are looked up while the handshake waits.
+  const ItemClaims claims(ws, 2, me, seq);
+  int it = claims.next(lane);
+  int row = row_of(it);
+  if (!handshake(2 * seq + 1)) return;
+  while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
-    const int row_next = row_of(it + nw);  // loaded while this item's rows move
+    const int it_next = claims.next(lane);
+    const int row_next = row_of(it_next);  // loaded while this item's rows move
     if (piece == 0 && p.grad_w_in != nullptr) {
       // Dispatch backward: slot k's weight gradient lives on the rank that
       // owns expert k, beside the token's row there.
@@ -1264,6 +1301,7 @@ __device__ void combine_pull(const CombineParams& p) {
       }
     }
     sum_ranks_store<kMaxR, kV>(v, rows, R, out, t, n16, first, lim, lane);
+    it = it_next;
     row = row_next;
   }
   handshake(2 * seq + 2);

@@ -179,7 +179,8 @@ impl EpGroup {
         //   dispatch_done  u64   [R][MAX_BLOCKS]
         //   combine_done   u64   [R][MAX_BLOCKS]
         //   pull_flag      u64   [R][MAX_BLOCKS]        combine (pull) handshakes
-        //   seq            u64   [4][MAX_BLOCKS]        local counters
+        //   seq            u64   [4][MAX_BLOCKS]        local counters ([3][0] error
+        //                                               claim, [3][1..4] item counters)
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
         //   stage          bf16  [2][R * max_tokens][H]
         let (r, h) = (world as u64, cfg.hidden as u64);
