@@ -57,6 +57,12 @@ cartesian product of all lists is benchmarked, tokens varying fastest.
     --no-baselines         skip NCCL all-to-all and the hardware ceilings
     --profile              Nsight mode: no warm-up, each op runs exactly --iters
                            times (default 3), no L2 flush
+    --start gpu|host       how the ranks start each timed run (default gpu):
+                           gpu = every rank's work is enqueued behind a gate,
+                           then the GPUs leave a one-word NCCL all-reduce
+                           together and the timer starts; host = the timer
+                           starts after a host barrier (host skew and enqueue
+                           time fall inside the timing)
     --seed N               routing seed (default 0)
     --json FILE            write all results (per-rank stats included) as JSON
     --csv FILE             write one line per (case, op) as CSV
@@ -326,6 +332,9 @@ pub struct Opts {
     pub profile: bool,
     /// Flush L2 between timed iterations (`false` under `--profile`).
     pub flush_l2: bool,
+    /// `--start`: `true` (gpu, the default) lines the ranks up on the GPUs
+    /// before each timed run; `false` (host) after a host barrier only.
+    pub gpu_start: bool,
     /// `--seed`: routing seed.
     pub seed: u64,
     /// `--json`: output file.
@@ -361,6 +370,7 @@ impl Default for Opts {
             baselines: true,
             profile: false,
             flush_l2: true,
+            gpu_start: true,
             seed: 0,
             json: None,
             csv: None,
@@ -454,7 +464,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
             "--check" | "--no-baselines" | "--profile" | "--quiet" => true,
             "--gpus" | "--tokens" | "--hidden" | "--topk" | "--experts" | "--mode" | "--layout"
             | "--dtype" | "--routing" | "--num-sms" | "--warmup" | "--iters" | "--ops"
-            | "--seed" | "--json" | "--csv" | "--plot" | "--ranks-per-node" => false,
+            | "--seed" | "--json" | "--csv" | "--plot" | "--ranks-per-node" | "--start" => false,
             _ => return Err(format!("unknown option '{name}' (see --help)")),
         };
         if flag {
@@ -503,6 +513,13 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
             "--json" => opts.json = Some(parse_out_path(name, value)?),
             "--csv" => opts.csv = Some(parse_out_path(name, value)?),
             "--plot" => opts.plot = Some(parse_out_path(name, value)?),
+            "--start" => {
+                opts.gpu_start = match value {
+                    "gpu" => true,
+                    "host" => false,
+                    _ => return Err(format!("--start: '{value}' is not gpu or host")),
+                }
+            }
             // Only "--ranks-per-node" is left (the list above is exhaustive).
             _ => opts.ranks_per_node = Some(parse_uint(name, value)?),
         }
@@ -819,7 +836,7 @@ mod tests {
         assert_eq!(o.num_sms, vec![24]);
         assert_eq!((o.warmup, o.iters), (5, 20));
         assert_eq!(o.ops, vec![Op::Layout, Op::Dispatch, Op::Combine]);
-        assert!(o.baselines && o.flush_l2 && !o.check && !o.profile && !o.quiet);
+        assert!(o.baselines && o.flush_l2 && o.gpu_start && !o.check && !o.profile && !o.quiet);
         let cases = o.cases();
         assert_eq!(cases.len(), 1);
         assert_eq!(
@@ -869,9 +886,12 @@ mod tests {
             "42",
             "--ranks-per-node",
             "2",
+            "--start",
+            "host",
             "--quiet",
         ]);
         assert_eq!(o.gpus, Some(4));
+        assert!(!o.gpu_start);
         assert_eq!(o.tokens, vec![128, 256]);
         assert_eq!(o.mode, Mode::LowLatency);
         assert_eq!(
@@ -964,6 +984,7 @@ mod tests {
         assert_err_names(&["--layout", "expert:x"], "--layout");
         assert_err_names(&["--ops", "dispatch,foo"], "--ops");
         assert_err_names(&["--dtype", "fp16"], "--dtype");
+        assert_err_names(&["--start", "now"], "--start");
         let e = assert_err_names(&["--dtype", "fp8"], "--dtype");
         assert!(e.contains("not yet supported"), "{e}");
     }

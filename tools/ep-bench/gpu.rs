@@ -4,7 +4,8 @@
 //! tests, seeded per rank, so every rank can rebuild every other rank's
 //! routing for `--check` and for sizing), creates an `EpGroup`, and times each
 //! op with CUDA events around it: warm-up runs first, then `--iters` timed
-//! runs, each after an L2 flush and a host barrier that lines the ranks up.
+//! runs, each after an L2 flush and a host barrier, then (`--start gpu`, the
+//! default) a gate and a one-word NCCL all-reduce that line the GPUs up.
 //! The baselines move the same bytes in the same run: NCCL grouped
 //! send/recv, an SM copy loop storing into the peer's symmetric buffer (the
 //! peer-store ceiling), the same with the SMs' bulk-copy units (the
@@ -18,6 +19,7 @@ use moe_ep::cuda::{result as cu, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::runtime::nccl_call as nc;
+use moe_ep::runtime::MappedHost;
 use moe_ep::workload::{self, Rng};
 use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
 
@@ -64,6 +66,58 @@ struct Ctx<'a> {
     comm: Arc<Communicator>,
     flush: CudaSlice<u8>,
     timer: Timer,
+    start: GpuStart,
+}
+
+/// `--start gpu`: the stream waits at a gate (a host-mapped word) until the
+/// host has enqueued the whole timed run, then all ranks' GPUs pass a
+/// one-word NCCL all-reduce, which they leave together, and the timer starts.
+/// Host skew and host enqueue time stay out of the timing, for our ops and
+/// the baselines alike.
+struct GpuStart {
+    gate: MappedHost<u32>,
+    opened: std::cell::Cell<u32>,
+    word: CudaSlice<u32>,
+}
+
+impl GpuStart {
+    /// Enqueues the gate (closed until [`GpuStart::open`]) and the all-reduce.
+    fn enqueue(&self, c: &Ctx<'_>) -> R<()> {
+        let next = self.opened.get().wrapping_add(1);
+        // SAFETY: the gate is a live mapped allocation; flags 0 = wait until
+        // the word is >= next (CU_STREAM_WAIT_VALUE_GEQ).
+        let rc = unsafe {
+            moe_ep::cuda::sys::cuStreamWaitValue32_v2(
+                c.stream.cu_stream(),
+                self.gate.device_ptr(),
+                next,
+                0,
+            )
+        };
+        if rc != moe_ep::cuda::sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuStreamWaitValue32: {rc:?}"));
+        }
+        let w = DeviceRegion::device_ptr(&self.word) as *mut c_void;
+        // SAFETY: one u32 in place, on this rank's stream and communicator.
+        unsafe {
+            nc::all_reduce(
+                w,
+                w,
+                1,
+                moe_ep::sys::nccl::ncclUint32,
+                moe_ep::sys::nccl::ncclSum,
+                c.comm.raw(),
+                c.stream.cu_stream() as *mut c_void,
+            )
+        }
+        .map_err(s)
+    }
+    /// Opens the gate enqueued last.
+    fn open(&self) {
+        let next = self.opened.get().wrapping_add(1);
+        self.gate.write(next);
+        self.opened.set(next);
+    }
 }
 
 impl Ctx<'_> {
@@ -92,11 +146,26 @@ impl Ctx<'_> {
                 .map_err(s)?;
             }
             self.comm.barrier(&self.stream).map_err(s)?;
-            self.timer.start.record(&self.stream).map_err(s)?;
+            if self.opts.gpu_start {
+                if let Err(e) = self.start.enqueue(self) {
+                    self.start.open();
+                    return Err(e);
+                }
+            }
             let t0 = std::time::Instant::now();
-            f()?;
+            // The gate opens whatever happens: a closed gate would block the stream.
+            let ran = self
+                .timer
+                .start
+                .record(&self.stream)
+                .map_err(s)
+                .and_then(|_| f())
+                .and_then(|_| self.timer.end.record(&self.stream).map_err(s));
             enqueue.push(t0.elapsed().as_secs_f64() * 1e6);
-            self.timer.end.record(&self.stream).map_err(s)?;
+            if self.opts.gpu_start {
+                self.start.open();
+            }
+            ran?;
             self.timer.end.synchronize().map_err(s)?;
             out.push(self.timer.start.elapsed_ms(&self.timer.end).map_err(s)? as f64 * 1e3);
         }
@@ -176,12 +245,18 @@ pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>
         .map_err(|e| format!("NCCL init: {e}"))?;
     let stream = ctx.new_stream().map_err(s)?;
     let flush = stream.alloc_zeros::<u8>(256 << 20).map_err(s)?;
+    let start = GpuStart {
+        gate: MappedHost::new(&ctx, 0u32).map_err(s)?,
+        opened: std::cell::Cell::new(0),
+        word: stream.alloc_zeros::<u32>(1).map_err(s)?,
+    };
     let c = Ctx {
         opts,
         timer: Timer::new(&ctx)?,
         stream,
         comm,
         flush,
+        start,
     };
     let gpu_name = ctx.name().unwrap_or_else(|_| "GPU".into());
     let mut progress = Progress::new(cases.len(), env.is_root() && !opts.quiet);
