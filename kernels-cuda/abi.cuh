@@ -20,6 +20,10 @@
 // destination come before each sub-chunk; a combine runs in 1, 2, 4, 8 or 16
 // chunks of whole sub-chunks.
 #define MOE_EP_SUBCHUNKS 16
+// The layout scan counts this many experts per block (one pass over the
+// routing per group of experts): its grid has ceil(E / SCAN_EXPERTS) such
+// blocks, then one per rank, then the check blocks.
+#define MOE_EP_SCAN_EXPERTS 4
 // Rank-major combine: one warp per block pushes partials with bulk copies
 // through a ring of shared buffers (MOE_EP_COMBINE_SMEM bytes of dynamic
 // shared memory, given by the launcher), one row piece of up to

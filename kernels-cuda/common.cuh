@@ -217,32 +217,33 @@ MOE_EP_DEVICE T warp_sum(T v) {
   return v;
 }
 
-// Exclusive prefix sum of one int per thread over the block; returns the
+// Exclusive prefix sum of one value per thread over the block; returns the
 // thread's exclusive prefix and writes the block total to *total.
-// scratch: >= 32 ints of shared memory.
-MOE_EP_DEVICE int block_exclusive_scan(int v, int* scratch, int* total) {
+// scratch: >= 33 values of shared memory.
+template <typename T>
+MOE_EP_DEVICE T block_exclusive_scan(T v, T* scratch, T* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  int incl = v;
+  T incl = v;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    int n = __shfl_up_sync(0xffffffffu, incl, o);
+    T n = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += n;
   }
   if (lane == 31) scratch[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    int w = lane < nwarps ? scratch[lane] : 0;
-    int wi = w;
+    T w = lane < nwarps ? scratch[lane] : T(0);
+    T wi = w;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      int n = __shfl_up_sync(0xffffffffu, wi, o);
+      T n = __shfl_up_sync(0xffffffffu, wi, o);
       if (lane >= o) wi += n;
     }
     if (lane < nwarps) scratch[lane] = wi - w;  // exclusive prefix of warps
     if (lane == 31) scratch[32] = wi;           // total
   }
   __syncthreads();
-  int r = scratch[warp] + incl - v;
+  T r = scratch[warp] + incl - v;
   *total = scratch[32];
   __syncthreads();
   return r;

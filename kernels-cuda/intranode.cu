@@ -278,72 +278,121 @@ __device__ __forceinline__ int nth_smallest(int v, int i, int lane) {
 }  // namespace
 
 // ============================================================================
-// Layout, kernel 1: local scan. Grid: E expert blocks, R rank blocks, then
-// check blocks (one token per thread). Positions of every (token, expert) and
-// (token, rank) in this rank's outgoing streams, and this rank's row of the
-// count matrix.
+// Layout, kernel 1: local scan. Grid: ceil(E / kExpertsPerBlock) expert-group
+// blocks, R rank blocks, then check blocks (one token per thread). Positions
+// of every (token, expert) and (token, rank) in this rank's outgoing streams,
+// and this rank's row of the count matrix.
 // ============================================================================
+constexpr int kExpertsPerBlock = MOE_EP_SCAN_EXPERTS;
+__device__ __forceinline__ int expert_groups(int E) {
+  return (E + kExpertsPerBlock - 1) / kExpertsPerBlock;
+}
+// A warp takes kRounds rounds of 32 consecutive tokens (lane = token), so a
+// load instruction reads 32 neighbouring tokens' ids; one block-wide scan
+// per blockDim.x * kRounds tokens.
+constexpr int kRounds = 8;
+
+// Positions in token order of the tokens that hit each of kBins bins: bin g
+// holds the values [lo + g * width, lo + (g + 1) * width), g < nbins; a
+// token's slot in bin g is its first slot k with a value there. For every
+// token t and bin g, emit(t, g, k, pos): k the slot (0xff: none), pos the
+// number of earlier tokens in bin g. Returns the bins' totals (thread 0).
+// Per round, ballots give each lane its place within the warp; one scan of
+// the warps' totals (16-bit fields of a u64: at most blockDim.x * kRounds =
+// 4096 per field per scan) places the warps.
+template <int kBins, typename Idx, typename Emit>
+__device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int nbins,
+                          int (&running)[kBins], Emit emit) {
+  static_assert(kBins * 16 <= 64 && kBins * 8 <= 32, "fields");
+  __shared__ uint64_t scratch[33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  for (int t0 = 0; t0 < T; t0 += blockDim.x * kRounds) {
+    const int tw = t0 + warp * 32 * kRounds;
+    uint32_t slots[kRounds];  // byte g: the token's slot in bin g (0xff: none)
+    uint32_t hits[kRounds][kBins];
+    uint64_t mine = 0;        // the warp's hits per bin, lane 0's copy counted
+#pragma unroll
+    for (int j = 0; j < kRounds; ++j) {
+      const int t = tw + j * 32 + lane;
+      uint32_t sl = 0xffffffffu;
+      if (t < T) {
+        for (int k = K - 1; k >= 0; --k) {  // first matching slot wins
+          const long v = (long)idx[(size_t)t * K + k] - lo;
+          if (v >= 0 && v < width * nbins) {
+            const int g = kBins == 1 ? 0 : (int)(v / width);
+            sl = (sl & ~(0xffu << (8 * g))) | ((uint32_t)k << (8 * g));
+          }
+        }
+      }
+      slots[j] = sl;
+#pragma unroll
+      for (int g = 0; g < kBins; ++g) {
+        hits[j][g] = __ballot_sync(0xffffffffu, ((sl >> (8 * g)) & 0xffu) != 0xffu);
+        if (lane == 0) mine += (uint64_t)__popc(hits[j][g]) << (16 * g);
+      }
+    }
+    uint64_t total;
+    const uint64_t before = __shfl_sync(0xffffffffu, block_exclusive_scan(mine, scratch, &total), 0);
+    int pos[kBins];
+#pragma unroll
+    for (int g = 0; g < kBins; ++g) pos[g] = running[g] + (int)((before >> (16 * g)) & 0xffffu);
+#pragma unroll
+    for (int j = 0; j < kRounds; ++j) {
+      const int t = tw + j * 32 + lane;
+#pragma unroll
+      for (int g = 0; g < kBins; ++g) {
+        if (t < T && g < nbins) {
+          emit(t, g, (slots[j] >> (8 * g)) & 0xffu, pos[g] + __popc(hits[j][g] & below));
+        }
+        pos[g] += __popc(hits[j][g]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kBins; ++g) running[g] += (int)((total >> (16 * g)) & 0xffffu);
+  }
+}
+
 template <typename Idx>
 __device__ void layout_scan_body(const LayoutParams& p) {
-  __shared__ int scratch[33];
   const Idx* idx = reinterpret_cast<const Idx*>(p.topk_idx);
   const int T = p.num_tokens, K = p.topk, E = p.num_experts, R = p.world;
-  const int El = E / R;
+  const int El = E / R, nG = expert_groups(E);
   const int b = blockIdx.x;
   int32_t* my_counts = p.bufs.info + info_offsets(R, E, El).counts + p.rank * count_row(R, E);
   const ErrSink err = Ws{p.w, p.ws, R, E}.err(p.error, p.rank);
 
-  if (b < E + R) {
-    const bool is_expert = b < E;
-    const long lo = is_expert ? b : (long)(b - E) * El;
-    const long hi = is_expert ? b + 1 : lo + El;
-    // Each thread takes kTpt consecutive tokens, so one block-wide scan
-    // covers blockDim.x * kTpt tokens (positions stay in token order).
-    constexpr int kTpt = 8;
-    int running = 0;
-    for (int t0 = 0; t0 < T; t0 += blockDim.x * kTpt) {
-      const int tb = t0 + threadIdx.x * kTpt;
-      int hits[kTpt];
-      int mine = 0;
-#pragma unroll
-      for (int i = 0; i < kTpt; ++i) {
-        const int t = tb + i;
-        int hit = -1;
-        if (t < T) {
-          for (int k = K - 1; k >= 0; --k) {
-            const long v = (long)idx[(size_t)t * K + k];
-            if (v >= lo && v < hi) hit = k;  // first matching slot wins
-          }
-        }
-        hits[i] = hit;
-        mine += hit >= 0 ? 1 : 0;
-      }
-      int total;
-      int pos = block_exclusive_scan(mine, scratch, &total) + running;
-#pragma unroll
-      for (int i = 0; i < kTpt; ++i) {
-        const int t = tb + i, hit = hits[i];
-        if (t >= T) continue;
-        if (is_expert) {
-          if (hit >= 0) p.bufs.expert_pos[(size_t)t * K + hit] = pos;
-        } else {
-          p.bufs.rank_pos[(size_t)t * R + (b - E)] = hit >= 0 ? pos : -1;
-          // Sub-chunk starts: tokens for d before token floor(j * T / SUBCHUNKS).
-          for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
-            if ((int)((long)j * T / MOE_EP_SUBCHUNKS) == t) {
-              my_counts[E + R + (b - E) * (MOE_EP_SUBCHUNKS - 1) + j - 1] = pos;
-            }
-          }
-        }
-        pos += hit >= 0 ? 1 : 0;
-      }
-      running += total;
-    }
+  if (b < nG) {
+    // Experts [e0, e0 + ng): their (token, slot) positions, counts at [e].
+    const int e0 = b * kExpertsPerBlock, ng = min(kExpertsPerBlock, E - e0);
+    int running[kExpertsPerBlock] = {};
+    scan_bins<kExpertsPerBlock>(idx, T, K, e0, 1, ng, running,
+                                [&](int t, int, uint32_t k, int pos) {
+                                  if (k != 0xffu) p.bufs.expert_pos[(size_t)t * K + k] = pos;
+                                });
     if (threadIdx.x == 0) {
-      my_counts[b] = running;  // expert e at [e], rank d at [E + d]
-      if (!is_expert && T == 0) {
+      for (int g = 0; g < ng; ++g) my_counts[e0 + g] = running[g];
+    }
+    return;
+  }
+  if (b < nG + R) {
+    // Rank d: every token's position (-1: not sent), count at [E + d], and
+    // the sub-chunk starts: tokens for d before token floor(j * T / SUBCHUNKS).
+    const int d = b - nG;
+    int running[1] = {0};
+    scan_bins<1>(idx, T, K, (long)d * El, El, 1, running, [&](int t, int, uint32_t k, int pos) {
+      p.bufs.rank_pos[(size_t)t * R + d] = k != 0xffu ? pos : -1;
+      for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
+        if ((int)((long)j * T / MOE_EP_SUBCHUNKS) == t) {
+          my_counts[E + R + d * (MOE_EP_SUBCHUNKS - 1) + j - 1] = pos;
+        }
+      }
+    });
+    if (threadIdx.x == 0) {
+      my_counts[E + d] = running[0];
+      if (T == 0) {
         for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
-          my_counts[E + R + (b - E) * (MOE_EP_SUBCHUNKS - 1) + j - 1] = 0;
+          my_counts[E + R + d * (MOE_EP_SUBCHUNKS - 1) + j - 1] = 0;
         }
       }
     }
@@ -352,8 +401,8 @@ __device__ void layout_scan_body(const LayoutParams& p) {
 
   // Check blocks (the rest of the grid): normalise to int32, mask what the
   // scans did not count. One token per thread, its K ids in registers.
-  const int nchk = gridDim.x - (E + R);
-  for (int t = (b - (E + R)) * blockDim.x + threadIdx.x; t < T; t += nchk * blockDim.x) {
+  const int nchk = gridDim.x - (nG + R);
+  for (int t = (b - (nG + R)) * blockDim.x + threadIdx.x; t < T; t += nchk * blockDim.x) {
     long v[MOE_EP_MAX_TOPK];
 #pragma unroll
     for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) v[k] = k < K ? (long)idx[(size_t)t * K + k] : -1;

@@ -2,7 +2,7 @@
 # On the GPU machine, from a checkout with .gpu/ staged (../shared/device/stage-gpu):
 # the whole GPU test suite, then the benchmark tables of BENCHMARKS.md, then a
 # short Nsight Compute pass that checks the profiling recipe of the README.
-# Logs and the sweep's SVG land in $OUT (or /tmp): 8 files, what a device
+# Logs and the sweep's SVG land in $OUT (or /tmp): 9 files, what a device
 # call brings back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,9 @@ nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu --format=
 bash .gpu/run-tests.sh 2>&1 | grep -E "^(==|test |test result|SKIP|FAILED)" | tee "$out/tests.log"
 # The issue's size, both layouts, every op, with --check.
 $bench --check --quiet --layout rank,expert:128 --ops layout,dispatch,combine,combine-push,dispatch-bwd,combine-bwd 2>&1 | tee "$out/ht.txt"
+# The same rank-major table timed from a host barrier only (--start host):
+# host skew and enqueue time inside the timing, as before the fifth session.
+$bench --quiet --start host --ops layout,dispatch,combine,dispatch-bwd,combine-bwd 2>&1 | tee "$out/host-start.txt"
 # SM count sweep at the issue's size.
 $bench --quiet --num-sms 12,16,20,24,32,48 2>&1 | tee "$out/sms.txt"
 # Tokens sweep for the plot.

@@ -16,6 +16,8 @@ pub const COMBINE_SMEM: u32 = 128 * 1024;
 /// Sub-chunks of each rank's tokens that combine pipelines over
 /// (`MOE_EP_SUBCHUNKS`).
 pub const SUBCHUNKS: usize = 16;
+/// Experts per block of the layout scan (`MOE_EP_SCAN_EXPERTS`).
+pub const SCAN_EXPERTS: usize = 4;
 
 /// Words in one rank's row of the count matrix (`count_row` in abi.cuh):
 /// `[E]` per expert, `[R]` per destination, `[R][SUBCHUNKS - 1]` sub-chunk
@@ -260,6 +262,7 @@ mod tests {
         assert_eq!(define("MOE_EP_MAX_TOPK"), MAX_TOPK.to_string());
         assert_eq!(define("MOE_EP_THREADS"), THREADS.to_string());
         assert_eq!(define("MOE_EP_SUBCHUNKS"), SUBCHUNKS.to_string());
+        assert_eq!(define("MOE_EP_SCAN_EXPERTS"), SCAN_EXPERTS.to_string());
         assert_eq!(define("MOE_EP_COMBINE_SMEM"), "(128 * 1024)");
         assert_eq!(COMBINE_SMEM, 128 * 1024);
     }

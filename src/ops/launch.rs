@@ -8,7 +8,7 @@ use half::bf16;
 
 use super::abi::{
     count_row, info_offsets, CombineParams, DispatchParams, LayoutBufs, LayoutParams, COMBINE_SMEM,
-    MAX_RANKS, MAX_TOPK, THREADS,
+    MAX_RANKS, MAX_TOPK, SCAN_EXPERTS, THREADS,
 };
 use super::group::EpGroup;
 use super::DeviceRegion;
@@ -37,13 +37,43 @@ pub struct Handle {
     pub(crate) layout: RecvLayout,
     pub(crate) num_tokens: usize,
     pub(crate) topk: usize,
-    topk_norm: CudaSlice<i32>,
-    rank_pos: CudaSlice<i32>,
-    expert_pos: CudaSlice<i32>,
-    info: CudaSlice<i32>,
+    /// One stream-ordered allocation (one alloc, one memset per layout):
+    /// the normalised routing `[T, K]`, rank positions `[T, R]`, expert
+    /// positions `[T, K]` and the info words, at `arena_at`.
+    arena: CudaSlice<i32>,
+    arena_at: ArenaOffsets,
     meta: Option<SymmBuffer<i32>>,
     world: usize,
     experts: usize,
+}
+
+/// Where each of a handle's arrays starts in its arena (i32 elements, each
+/// start a multiple of 64 elements).
+#[derive(Clone, Copy, Debug)]
+struct ArenaOffsets {
+    topk_norm: usize,
+    rank_pos: usize,
+    expert_pos: usize,
+    info: usize,
+    info_len: usize,
+    total: usize,
+}
+
+impl ArenaOffsets {
+    fn new(t: usize, k: usize, r: usize, info_len: usize) -> ArenaOffsets {
+        let up = |n: usize| n.max(1).div_ceil(64) * 64;
+        let rank_pos = up(t * k);
+        let expert_pos = rank_pos + up(t * r);
+        let info = expert_pos + up(t * k);
+        ArenaOffsets {
+            topk_norm: 0,
+            rank_pos,
+            expert_pos,
+            info,
+            info_len,
+            total: info + up(info_len),
+        }
+    }
 }
 
 /// The count matrix of a handle, copied to the host on request.
@@ -78,12 +108,18 @@ impl Handle {
     pub fn tokens_per_local_expert(&self) -> CudaView<'_, i32> {
         let el = self.experts / self.world;
         let o = info_offsets(self.world, self.experts, el);
-        self.info.slice(o.expert_count..o.expert_count + el)
+        let at = self.arena_at.info;
+        self.arena
+            .slice(at + o.expert_count..at + o.expert_count + el)
+    }
+    fn info(&self) -> CudaView<'_, i32> {
+        let a = self.arena_at;
+        self.arena.slice(a.info..a.info + a.info_len)
     }
     /// Copies the counts to the host (synchronises `stream`).
     pub fn host_counts(&self, stream: &Arc<CudaStream>) -> Result<HostCounts> {
         let info: Vec<i32> = stream
-            .clone_dtoh(&self.info)
+            .clone_dtoh(&self.info())
             .map_err(Error::cuda("cuMemcpyDtoH"))?;
         stream
             .synchronize()
@@ -116,11 +152,13 @@ impl Handle {
         })
     }
     fn bufs(&self) -> LayoutBufs {
+        let (base, a) = (self.arena.device_ptr(), self.arena_at);
+        let at = |off: usize| base + (off * std::mem::size_of::<i32>()) as u64;
         LayoutBufs {
-            topk: self.topk_norm.device_ptr(),
-            rank_pos: self.rank_pos.device_ptr(),
-            expert_pos: self.expert_pos.device_ptr(),
-            info: self.info.device_ptr(),
+            topk: at(a.topk_norm),
+            rank_pos: at(a.rank_pos),
+            expert_pos: at(a.expert_pos),
+            info: at(a.info),
             meta: self.meta.as_ref().map_or(0, |m| m.device_ptr()),
         }
     }
@@ -254,15 +292,10 @@ impl EpGroup {
         let (layout_code, alignment) = Self::layout_code(layout)?;
         let (r, e) = (self.comm.world(), self.cfg.num_experts);
         let el = e / r;
-        let alloc = |n: usize| {
-            stream
-                .alloc_zeros::<i32>(n.max(1))
-                .map_err(Error::cuda("cuMemAlloc"))
-        };
-        let topk_norm = alloc(t * topk)?;
-        let rank_pos = alloc(t * r)?;
-        let expert_pos = alloc(t * topk)?;
-        let info = alloc(info_offsets(r, e, el).total)?;
+        let arena_at = ArenaOffsets::new(t, topk, r, info_offsets(r, e, el).total);
+        let arena = stream
+            .alloc_zeros::<i32>(arena_at.total)
+            .map_err(Error::cuda("cuMemAlloc"))?;
         // Expert-major receivers need, per received token, its rows here:
         // written by the senders, so symmetric. Collective allocation.
         let meta = match layout {
@@ -276,10 +309,8 @@ impl EpGroup {
             layout,
             num_tokens: t,
             topk,
-            topk_norm,
-            rank_pos,
-            expert_pos,
-            info,
+            arena,
+            arena_at,
             meta,
             world: r,
             experts: e,
@@ -315,11 +346,17 @@ impl EpGroup {
         // the group, both outliving the enqueued work (the handle's arrays are
         // stream-ordered allocations freed in stream order).
         unsafe {
-            // E expert blocks, R rank blocks, then one token per thread of
-            // the check blocks.
+            // Expert-group blocks, R rank blocks, then one token per thread
+            // of the check blocks.
             let check_blocks = t.div_ceil(THREADS as usize).max(1);
-            self.k_layout_scan
-                .launch(stream, (e + r + check_blocks) as u32, THREADS, 0, &p)?;
+            let groups = e.div_ceil(SCAN_EXPERTS);
+            self.k_layout_scan.launch(
+                stream,
+                (groups + r + check_blocks) as u32,
+                THREADS,
+                0,
+                &p,
+            )?;
             self.k_layout_exchange
                 .launch(stream, 1, THREADS, (2 * e * 4) as u32, &p)?;
             if layout_code == 1 {

@@ -57,12 +57,12 @@ cartesian product of all lists is benchmarked, tokens varying fastest.
     --no-baselines         skip NCCL all-to-all and the hardware ceilings
     --profile              Nsight mode: no warm-up, each op runs exactly --iters
                            times (default 3), no L2 flush
-    --start gpu|host       how the ranks start each timed run (default gpu):
-                           gpu = every rank's work is enqueued behind a gate,
-                           then the GPUs leave a one-word NCCL all-reduce
-                           together and the timer starts; host = the timer
-                           starts after a host barrier (host skew and enqueue
-                           time fall inside the timing)
+    --start gpu|host       how the ranks start each timed run (default gpu;
+                           host under --profile): gpu = every rank's work is
+                           enqueued behind a gate, then the GPUs leave a
+                           one-word NCCL all-reduce together and the timer
+                           starts; host = the timer starts after a host
+                           barrier (host skew and enqueue time fall inside)
     --seed N               routing seed (default 0)
     --json FILE            write all results (per-rank stats included) as JSON
     --csv FILE             write one line per (case, op) as CSV
@@ -440,6 +440,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
     let mut opts = Opts::default();
     let mut iters_given = false;
     let mut warmup_given = false;
+    let mut start_given = false;
     let mut i = 0;
     while i < args.len() {
         let arg = args[i].as_ref();
@@ -518,7 +519,8 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
                     "gpu" => true,
                     "host" => false,
                     _ => return Err(format!("--start: '{value}' is not gpu or host")),
-                }
+                };
+                start_given = true;
             }
             // Only "--ranks-per-node" is left (the list above is exhaustive).
             _ => opts.ranks_per_node = Some(parse_uint(name, value)?),
@@ -531,6 +533,15 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
                 "--warmup: --profile runs no warm-up; drop --warmup or set it to 0".to_string(),
             );
         }
+        if start_given && opts.gpu_start {
+            return Err(
+                "--start gpu: not with --profile (Nsight Compute runs each profiled \
+                        kernel inside its launch call, before the gate could open); \
+                        --profile times from a host barrier"
+                    .to_string(),
+            );
+        }
+        opts.gpu_start = false;
         opts.warmup = 0;
         opts.flush_l2 = false;
         if !iters_given {
@@ -959,7 +970,9 @@ mod tests {
     #[test]
     fn profile_mode() {
         let o = run(&["--profile"]);
-        assert!(o.profile && !o.flush_l2);
+        assert!(o.profile && !o.flush_l2 && !o.gpu_start);
+        assert_err_names(&["--profile", "--start", "gpu"], "--start");
+        assert!(!run(&["--profile", "--start", "host"]).gpu_start);
         assert_eq!((o.warmup, o.iters), (0, PROFILE_DEFAULT_ITERS));
         let o = run(&["--profile", "--iters", "1", "--warmup", "0"]);
         assert_eq!((o.warmup, o.iters), (0, 1));
