@@ -123,7 +123,7 @@ struct Ws {
   __device__ ErrSink err(ErrorInfo* host, int me) const {
     return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
   }
-  // Work-item counters of op `which` (1 dispatch, 2 combine): [3][1..4],
+  // Work-item counters of op `which` (1 dispatch; 2 combine, unused): [3][1..4],
   // two per op, alternating with the op's sequence number (see ItemClaims).
   __device__ unsigned long long* claims(int which, int me, uint64_t call) const {
     return reinterpret_cast<unsigned long long*>(seq(3, me)) + 1 + 2 * (which - 1) + (call & 1);
@@ -133,7 +133,8 @@ struct Ws {
 // Work items handed to warps one at a time from a counter, so a warp that
 // finishes early takes the next item and no SM is left with a tail. (On
 // 2 x H200 this moved dispatch at 20-32 SMs from 204-225 to 182-185 µs:
-// fixed strides left the slowest warps the last items; BENCHMARKS.md.)
+// fixed strides left the slowest warps the last items; BENCHMARKS.md. The
+// pulled combine keeps its fixed stride: claims did not help it.)
 // Op call `seq` counts on claims(which, me, seq); next_seq clears the
 // other counter for call seq + 1 in every call of the op, whichever path it
 // takes (call seq - 1, its last user, has finished: one stream).
@@ -1265,7 +1266,7 @@ __device__ void combine_body(const CombineParams& p) {
 // reads each of its tokens' partials where they lie, its own locally and
 // every other rank's over NVLink, and sums them in ascending rank order in
 // one pass (the same order and bits as the push path): no stage, no chunks.
-// Warps claim (token, piece) items one at a time (ItemClaims). Each block shakes hands with the same block of every other rank twice
+// Each block shakes hands with the same block of every other rank twice
 // through pull_flag: "my expert outputs are ready" before its loads
 // (2 seq + 1) and "I have read yours" before it may end (2 seq + 2), since a
 // rank may overwrite its expert outputs once its combine is done.
@@ -1315,14 +1316,15 @@ __device__ void combine_pull(const CombineParams& p) {
     const int pos = p.bufs.rank_pos[(size_t)(it / pc.n) * R + lane];
     return pos >= 0 ? u_off + pos : -1;
   };
-  // The first item and its rows are looked up while the handshake waits.
-  const ItemClaims claims(ws, 2, me, seq);
-  int it = claims.next(lane);
-  int row = row_of(it);
+  // A fixed stride (gw, gw + nw, ...): claimed items (ItemClaims) measured
+  // no faster here at 20-32 SMs and 5% slower at 16 (BENCHMARKS.md).
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  int it = gw;
+  int row = row_of(it);  // looked up while the handshake waits
   if (!handshake(2 * seq + 1)) return;
   while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
-    const int it_next = claims.next(lane);
+    const int it_next = it + nw;
     const int row_next = row_of(it_next);  // loaded while this item's rows move
     if (piece == 0 && p.grad_w_in != nullptr) {
       // Dispatch backward: slot k's weight gradient lives on the rank that
