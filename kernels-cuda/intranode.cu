@@ -123,7 +123,7 @@ struct Ws {
   __device__ ErrSink err(ErrorInfo* host, int me) const {
     return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
   }
-  // Work-item counters of op `which` (1 dispatch; 2 combine, unused): [3][1..4],
+  // Work-item counters of op `which` (1 dispatch, 2 combine): [3][1..4],
   // two per op, alternating with the op's sequence number (see ItemClaims).
   __device__ unsigned long long* claims(int which, int me, uint64_t call) const {
     return reinterpret_cast<unsigned long long*>(seq(3, me)) + 1 + 2 * (which - 1) + (call & 1);
@@ -134,7 +134,7 @@ struct Ws {
 // finishes early takes the next item and no SM is left with a tail. (On
 // 2 x H200 this moved dispatch at 20-32 SMs from 204-225 to 182-185 µs:
 // fixed strides left the slowest warps the last items; BENCHMARKS.md. The
-// pulled combine keeps its fixed stride: claims did not help it.)
+// pulled combine claims only in the dispatch backward: see combine_pull.)
 // Op call `seq` counts on claims(which, me, seq); next_seq clears the
 // other counter for call seq + 1 in every call of the op, whichever path it
 // takes (call seq - 1, its last user, has finished: one stream).
@@ -1316,15 +1316,19 @@ __device__ void combine_pull(const CombineParams& p) {
     const int pos = p.bufs.rank_pos[(size_t)(it / pc.n) * R + lane];
     return pos >= 0 ? u_off + pos : -1;
   };
-  // A fixed stride (gw, gw + nw, ...): claimed items (ItemClaims) measured
-  // no faster here at 20-32 SMs and 5% slower at 16 (BENCHMARKS.md).
+  // Items: the dispatch backward (weight gradients read beside each token's
+  // first piece) claims them (ItemClaims: 240 -> 193 µs at 24 SMs); the
+  // plain combine keeps a fixed stride gw, gw + nw, ... (claims: no faster
+  // at 20-32 SMs, 8% slower at 16; BENCHMARKS.md).
+  const bool claimed = p.grad_w_in != nullptr;
+  const ItemClaims claims(ws, 2, me, seq);
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  int it = gw;
+  int it = claimed ? claims.next(lane) : gw;
   int row = row_of(it);  // looked up while the handshake waits
   if (!handshake(2 * seq + 1)) return;
   while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
-    const int it_next = it + nw;
+    const int it_next = claimed ? claims.next(lane) : it + nw;
     const int row_next = row_of(it_next);  // loaded while this item's rows move
     if (piece == 0 && p.grad_w_in != nullptr) {
       // Dispatch backward: slot k's weight gradient lives on the rank that
