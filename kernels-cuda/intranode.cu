@@ -1319,7 +1319,7 @@ __device__ void combine_pull(const CombineParams& p) {
   // Items: the dispatch backward (weight gradients read beside each token's
   // first piece) claims them (ItemClaims: 240 -> 193 µs at 24 SMs); the
   // plain combine keeps a fixed stride gw, gw + nw, ... (claims: no faster
-  // at 20-32 SMs, 8% slower at 16; BENCHMARKS.md).
+  // at 20-32 SMs, 5-8% slower at 16; BENCHMARKS.md).
   const bool claimed = p.grad_w_in != nullptr;
   const ItemClaims claims(ws, 2, me, seq);
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
