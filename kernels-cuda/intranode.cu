@@ -297,7 +297,7 @@ constexpr int kRounds = 8;
 // holds the values [lo + g * width, lo + (g + 1) * width), g < nbins; a
 // token's slot in bin g is its first slot k with a value there. For every
 // token t and bin g, emit(t, g, k, pos): k the slot (0xff: none), pos the
-// number of earlier tokens in bin g. Returns the bins' totals (thread 0).
+// number of earlier tokens in bin g. Adds the bins' totals to running.
 // Per round, ballots give each lane its place within the warp; one scan of
 // the warps' totals (16-bit fields of a u64: at most blockDim.x * kRounds =
 // 4096 per field per scan) places the warps.
