@@ -55,6 +55,7 @@ fn short_sweep_with_check_on_two_gpus() {
         "dispatch",
         "combine",
         "nccl-alltoall",
+        "nccl-peers",
         "peer-store-ceiling",
         "copy-engine",
         "vs NCCL",

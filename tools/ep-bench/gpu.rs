@@ -449,7 +449,8 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     Ok((gather(c, mine)?, check))
 }
 
-/// NCCL grouped send/recv of this rank's dispatch rows to every peer; SM
+/// NCCL grouped send/recv of this rank's dispatch rows to every rank (the
+/// all-to-all) and to the peers only; SM
 /// stores and bulk (TMA) copies into the next rank's symmetric buffer; SM
 /// loads and bulk copies from it; copy-engine peer copy.
 fn baselines(
@@ -480,40 +481,15 @@ fn baselines(
         )
         .map_err(s)?;
     }
-    let cs = c.stream.cu_stream() as *mut c_void;
-    let a2a = c.time("nccl", || {
-        nc::group_start().map_err(s)?;
-        let mut off = 0usize;
-        for d in (0..world).filter(|&d| d != rank) {
-            let (ns, nr) = (
-                counts[rank * world + d] as usize * row,
-                counts[d * world + rank] as usize * row,
-            );
-            // SAFETY: both ranges lie inside send/recv (sized above).
-            unsafe {
-                nc::send(
-                    (send.device_ptr() as usize + off) as *const c_void,
-                    ns,
-                    moe_ep::sys::nccl::ncclUint8,
-                    d,
-                    c.comm.raw(),
-                    cs,
-                )
-                .map_err(s)?;
-                nc::recv(
-                    (recv.device_ptr() as usize + off) as *mut c_void,
-                    nr,
-                    moe_ep::sys::nccl::ncclUint8,
-                    d,
-                    c.comm.raw(),
-                    cs,
-                )
-                .map_err(s)?;
-            }
-            off += ns.max(nr);
-        }
-        nc::group_end().map_err(s)
+    // NCCL's all-to-all as PyTorch's `all_to_all_single` issues it for
+    // uneven splits: grouped send/recv with every rank, this one included
+    // (NCCL copies the rows that stay here itself), the rows our dispatch
+    // moves. Then the same without the self pair: the NVLink bytes alone.
+    let a2a = c.time("nccl", || nccl_exchange(c, &send, &recv, counts, row, true))?;
+    let peers = c.time("nccl-peers", || {
+        nccl_exchange(c, &send, &recv, counts, row, false)
     })?;
+    let own = counts[rank * world + rank] as u64 * row as u64;
     let peer = (rank + 1) % world;
     let dst = recv.peer_ptr(peer).ok_or("peer not reachable")?;
     let len = (nv / 16 * 16).min(recv.len() as u64);
@@ -540,13 +516,65 @@ fn baselines(
         cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)
     })?;
     Ok(vec![
-        (report::NCCL_ALLTOALL.to_string(), a2a, nv, nv),
+        (report::NCCL_ALLTOALL.to_string(), a2a, nv, nv + own),
+        (report::NCCL_PEERS.to_string(), peers, nv, nv),
         (report::PEER_STORE_CEILING.to_string(), store, len, len),
         (report::PEER_LOAD_CEILING.to_string(), load, len, len),
         (report::BULK_COPY_CEILING.to_string(), bulk, len, len),
         (report::BULK_LOAD_CEILING.to_string(), bulk_load, len, len),
         (report::COPY_ENGINE.to_string(), ce, len, len),
     ])
+}
+
+/// One NCCL group of send/recv pairs moving this rank's dispatch rows
+/// (`counts[s * world + d]` rows of `row` bytes from s to d): with every
+/// rank when `with_self`, else with the peers only. Rows for rank d start at
+/// the sum of the larger of the two directions' sizes of the ranks before d,
+/// in both buffers.
+fn nccl_exchange(
+    c: &Ctx<'_>,
+    send: &moe_ep::SymmBuffer<u8>,
+    recv: &moe_ep::SymmBuffer<u8>,
+    counts: &[u32],
+    row: usize,
+    with_self: bool,
+) -> R<()> {
+    let (rank, world) = (c.comm.rank(), c.comm.world());
+    let cs = c.stream.cu_stream() as *mut c_void;
+    nc::group_start().map_err(s)?;
+    let mut off = 0usize;
+    for d in 0..world {
+        let (ns, nr) = (
+            counts[rank * world + d] as usize * row,
+            counts[d * world + rank] as usize * row,
+        );
+        if d != rank || with_self {
+            // SAFETY: both ranges lie inside send/recv (sized by the caller
+            // to the sum over d of max(ns, nr)).
+            unsafe {
+                nc::send(
+                    (send.device_ptr() as usize + off) as *const c_void,
+                    ns,
+                    moe_ep::sys::nccl::ncclUint8,
+                    d,
+                    c.comm.raw(),
+                    cs,
+                )
+                .map_err(s)?;
+                nc::recv(
+                    (recv.device_ptr() as usize + off) as *mut c_void,
+                    nr,
+                    moe_ep::sys::nccl::ncclUint8,
+                    d,
+                    c.comm.raw(),
+                    cs,
+                )
+                .map_err(s)?;
+            }
+        }
+        off += ns.max(nr);
+    }
+    nc::group_end().map_err(s)
 }
 
 /// All ranks' statistics of every op, gathered in rank order.

@@ -4,8 +4,9 @@
 //! median / min / max in µs and its bytes; GB/s = that rank's bytes / its
 //! median (see [`crate::accounting::gbps`], 1 GB = 1e9 B). Ratios compare our
 //! ops with the baselines measured in the same [`CaseResult`]:
-//! `vs NCCL` = our NVLink GB/s / `nccl-alltoall` NVLink GB/s, `vs ceiling` =
-//! our NVLink GB/s / `peer-store-ceiling` NVLink GB/s.
+//! `vs NCCL` = our NVLink GB/s / `nccl-alltoall` NVLink GB/s, `vs peers` =
+//! the same over `nccl-peers` (NCCL moving only the NVLink bytes, a harder
+//! bar), `vs ceiling` = our NVLink GB/s / `peer-store-ceiling` NVLink GB/s.
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
@@ -13,8 +14,13 @@ use std::io::{IsTerminal, Write};
 use crate::accounting::gbps;
 use crate::cli::{Case, Op};
 
-/// Op name of the NCCL all-to-all baseline.
+/// Op name of the NCCL all-to-all baseline: grouped send/recv with every
+/// rank, this one included (PyTorch's `all_to_all_single`), moving the rows
+/// our dispatch moves.
 pub const NCCL_ALLTOALL: &str = "nccl-alltoall";
+/// Op name of NCCL grouped send/recv with the peers only: the NVLink bytes,
+/// without the rows that stay on this GPU.
+pub const NCCL_PEERS: &str = "nccl-peers";
 /// Op name of the peer-store (SM writes to peer memory) bandwidth ceiling.
 pub const PEER_STORE_CEILING: &str = "peer-store-ceiling";
 /// Op name of the peer-load (SM reads of peer memory) bandwidth ceiling.
@@ -182,6 +188,12 @@ impl CaseResult {
     /// `op` is ours.
     pub fn vs_nccl(&self, op: &OpResult) -> Option<f64> {
         self.ratio(op, NCCL_ALLTOALL)
+    }
+
+    /// Our NVLink GB/s over `nccl-peers`', when both are known and `op` is
+    /// ours.
+    pub fn vs_nccl_peers(&self, op: &OpResult) -> Option<f64> {
+        self.ratio(op, NCCL_PEERS)
     }
 
     /// Our NVLink GB/s over `peer-store-ceiling`'s, when both are known and
@@ -353,7 +365,7 @@ fn render_columns(header: &[String], right: &[bool], rows: &[Vec<String>]) -> St
 /// Human-readable table: a title line (world size, GPU name, fixed
 /// settings), then one row per (case, op) with the case columns that vary in
 /// the sweep, op, median/min/max µs (slowest rank), NVLink GB/s, logical
-/// GB/s, vs NCCL, vs ceiling (and `check` when `--check` ran).
+/// GB/s, vs NCCL, vs peers, vs ceiling (and `check` when `--check` ran).
 pub fn table(results: &[CaseResult]) -> String {
     if results.is_empty() {
         return "ep-bench: no results\n".to_string();
@@ -370,6 +382,7 @@ pub fn table(results: &[CaseResult]) -> String {
         ("NVLink GB/s", true),
         ("logical GB/s", true),
         ("vs NCCL", true),
+        ("vs peers", true),
         ("vs ceiling", true),
     ] {
         header.push(h.to_string());
@@ -401,6 +414,7 @@ pub fn table(results: &[CaseResult]) -> String {
                 "-".into()
             });
             row.push(fmt_ratio(res.vs_nccl(op)));
+            row.push(fmt_ratio(res.vs_nccl_peers(op)));
             row.push(fmt_ratio(res.vs_ceiling(op)));
             if with_check {
                 row.push(fmt_check(res.check).to_string());
@@ -468,7 +482,7 @@ fn json_case(c: &Case) -> String {
 /// `{"tool", "version", "results": [{"case": {...}, "world", "gpu_name",
 /// "check", "ops": [{"op", "baseline", "median_us", "min_us", "max_us",
 /// "slowest_rank", "nvlink_bytes", "logical_bytes", "nvlink_gbps",
-/// "logical_gbps", "vs_nccl", "vs_ceiling", "per_rank": [{"rank",
+/// "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling", "per_rank": [{"rank",
 /// "median_us", "min_us", "max_us", "nvlink_bytes", "logical_bytes"}]}]}]}`.
 /// Times in µs, bytes in B, bandwidths in GB/s; unknown values are `null`.
 pub fn json(results: &[CaseResult]) -> String {
@@ -501,7 +515,8 @@ pub fn json(results: &[CaseResult]) -> String {
                 "        {{\"op\": {}, \"baseline\": {}, \"median_us\": {}, \"min_us\": {}, \
                  \"max_us\": {}, \"slowest_rank\": {}, \"nvlink_bytes\": {}, \
                  \"logical_bytes\": {}, \"nvlink_gbps\": {}, \"logical_gbps\": {}, \
-                 \"vs_nccl\": {}, \"vs_ceiling\": {}, \"per_rank\": [",
+                 \"vs_nccl\": {}, \"vs_nccl_peers\": {}, \"vs_ceiling\": {}, \
+                 \"per_rank\": [",
                 json_string(&op.op),
                 !op.is_ours(),
                 json_f64(st.median_us),
@@ -514,6 +529,7 @@ pub fn json(results: &[CaseResult]) -> String {
                 json_f64(op.nvlink_gbps()),
                 json_f64(op.logical_gbps()),
                 json_opt_f64(res.vs_nccl(op)),
+                json_opt_f64(res.vs_nccl_peers(op)),
                 json_opt_f64(res.vs_ceiling(op)),
             );
             for (r, s) in op.per_rank.iter().enumerate() {
@@ -564,7 +580,7 @@ fn csv_field(s: &str) -> String {
 /// Column names of [`csv`].
 pub const CSV_HEADER: &str = "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,world,\
 gpu_name,op,baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,logical_bytes,\
-nvlink_gbps,logical_gbps,vs_nccl,vs_ceiling,check,per_rank_median_us";
+nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,check,per_rank_median_us";
 
 /// Header plus one line per (case, op). Times in µs, bytes in B, GB/s;
 /// unknown values are empty; `per_rank_median_us` is `rank0;rank1;...`.
@@ -612,6 +628,7 @@ pub fn csv(results: &[CaseResult]) -> String {
                 num(op.nvlink_gbps()),
                 num(op.logical_gbps()),
                 opt(res.vs_nccl(op)),
+                opt(res.vs_nccl_peers(op)),
                 opt(res.vs_ceiling(op)),
                 check.to_string(),
                 per_rank.join(";"),
@@ -790,6 +807,14 @@ pub(crate) mod tests {
         let nccl = r.op(NCCL_ALLTOALL).unwrap();
         assert!(!nccl.is_ours() && d.is_ours());
         assert_eq!(r.vs_nccl(nccl), None);
+        // No nccl-peers row: no ratio; with one (100 µs, 2e6 B -> 20 GB/s): 1.0.
+        assert_eq!(r.vs_nccl_peers(d), None);
+        let mut wp = r.clone();
+        wp.ops
+            .push(op(NCCL_PEERS, &[100.0, 80.0], &[2_000_000, 2_000_000]));
+        assert!((wp.vs_nccl_peers(wp.op("dispatch").unwrap()).unwrap() - 1.0).abs() < 1e-9);
+        assert!((wp.vs_nccl(wp.op("dispatch").unwrap()).unwrap() - 2.0).abs() < 1e-9);
+        assert_eq!(wp.vs_nccl_peers(wp.op(NCCL_PEERS).unwrap()), None);
         // Layout moves no bytes: no ratio.
         assert_eq!(r.vs_nccl(r.op("layout").unwrap()), None);
         // No baselines: no ratios.
@@ -822,6 +847,7 @@ pub(crate) mod tests {
             "NVLink GB/s",
             "logical GB/s",
             "vs NCCL",
+            "vs peers",
             "vs ceiling",
         ] {
             assert!(lines[1].contains(h), "missing {h}");
@@ -882,7 +908,7 @@ pub(crate) mod tests {
         let dispatch = lines.iter().find(|l| l.contains(",dispatch,")).unwrap();
         assert!(dispatch.ends_with(",ok,80;100"), "{dispatch}");
         assert!(
-            dispatch.contains(",false,100,90,120,1,2000000,3000000,20,30,2,0.5,"),
+            dispatch.contains(",false,100,90,120,1,2000000,3000000,20,30,2,,0.5,"),
             "{dispatch}"
         );
     }
@@ -1120,6 +1146,7 @@ pub(crate) mod tests {
         assert_eq!(d.get("nvlink_gbps"), Some(&J::Num(20.0)));
         assert_eq!(d.get("vs_nccl"), Some(&J::Num(2.0)));
         assert_eq!(d.get("vs_ceiling"), Some(&J::Num(0.5)));
+        assert_eq!(d.get("vs_nccl_peers"), Some(&J::Null));
         let per_rank = d.get("per_rank").unwrap().arr();
         assert_eq!(per_rank.len(), 2);
         assert_eq!(per_rank[0].get("median_us"), Some(&J::Num(80.0)));
