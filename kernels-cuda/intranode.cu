@@ -321,7 +321,9 @@ __device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int
         for (int k = K - 1; k >= 0; --k) {  // first matching slot wins
           const long v = (long)idx[(size_t)t * K + k] - lo;
           if (v >= 0 && v < width * nbins) {
-            const int g = kBins == 1 ? 0 : (int)(v / width);
+            // 0 <= v < width * nbins <= E: 32-bit arithmetic (a 64-bit
+            // division is a long software routine).
+            const int g = kBins == 1 ? 0 : (width == 1 ? (int)v : (int)v / (int)width);
             sl = (sl & ~(0xffu << (8 * g))) | ((uint32_t)k << (8 * g));
           }
         }
@@ -483,21 +485,37 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   extern __shared__ int32_t smem[];  // [E] expert totals, then [E] padded block starts
   int32_t* tot = smem;
   int32_t* start = smem + E;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int s_sum = 0;
-    for (int s = 0; s < R; ++s) s_sum += C[s * n + e];
-    tot[e] = s_sum;
-  }
-  __syncthreads();
   const bool expert_major = p.layout == 1;
   const int align = p.alignment > 0 ? p.alignment : 1;
+  // Every expert's padded block start within its rank d = e / El: one
+  // block-wide exclusive scan over all E padded totals (tiles of
+  // blockDim.x), then each rank's segment rebased to 0.
+  __shared__ int32_t s_scan[33];
+  __shared__ int32_t s_seg[MOE_EP_MAX_RANKS + 1];  // scan value at e = d * El; [R]: the sum
+  int carry = 0;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    int padded = 0;
+    if (e < E) {
+      int s_sum = 0;
+      for (int s = 0; s < R; ++s) s_sum += C[s * n + e];
+      tot[e] = s_sum;
+      padded = (s_sum + align - 1) / align * align;
+    }
+    int tile;
+    const int ex = block_exclusive_scan(padded, s_scan, &tile);
+    if (e < E) start[e] = carry + ex;
+    carry += tile;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) s_seg[threadIdx.x] = start[threadIdx.x * El];
+  if (threadIdx.x == 0) s_seg[R] = carry;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) start[e] -= s_seg[e / El];
+  __syncthreads();
   if (threadIdx.x < R) {
     const int d = threadIdx.x;
-    int acc = 0;
-    for (int j = 0; j < El; ++j) {
-      start[d * El + j] = acc;
-      acc += (tot[d * El + j] + align - 1) / align * align;
-    }
+    const int acc = s_seg[d + 1] - s_seg[d];  // rank d's padded expert-major rows
     int rows = 0, before_me = 0;
     for (int s = 0; s < R; ++s) {
       if (s < me) before_me += N(s, d);
