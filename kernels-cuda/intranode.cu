@@ -318,6 +318,10 @@ __device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int
       const int t = tw + j * 32 + lane;
       uint32_t sl = 0xffffffffu;
       if (t < T) {
+        // Kept rolled: unrolled, this loop made the scan kernel's code 182 KB
+        // instead of 104 KB, and cold code (other work fills the L2 between
+        // layouts) costs more than the rolled loop.
+#pragma unroll 1
         for (int k = K - 1; k >= 0; --k) {  // first matching slot wins
           const long v = (long)idx[(size_t)t * K + k] - lo;
           if (v >= 0 && v < width * nbins) {
@@ -409,25 +413,38 @@ __device__ void layout_scan_body(const LayoutParams& p) {
     long v[MOE_EP_MAX_TOPK];
 #pragma unroll
     for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) v[k] = k < K ? (long)idx[(size_t)t * K + k] : -1;
+    // The token's first bad entry is reported once, after the loop (one
+    // inlined report instead of one per unrolled comparison).
+    int bad_code = 0, bad_k = 0;
 #pragma unroll
     for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
       if (k >= K) break;
       int norm = (int)v[k];
+      int code = 0;
       if (v[k] < -1 || v[k] >= E) {
-        report_error(err, MOE_EP_ERR_BAD_EXPERT, p.rank, -1, 0, (uint64_t)E, (uint64_t)v[k],
-                     t, k);
-        norm = -1;
+        code = MOE_EP_ERR_BAD_EXPERT;
       } else if (v[k] >= 0) {
 #pragma unroll
         for (int k2 = 0; k2 < k; ++k2) {
-          if (v[k2] == v[k]) {
-            report_error(err, MOE_EP_ERR_DUP_EXPERT, p.rank, -1, 0, 0, (uint64_t)v[k], t, k);
-            norm = -1;
-          }
+          if (v[k2] == v[k]) code = MOE_EP_ERR_DUP_EXPERT;
         }
+      }
+      if (code != 0) {
+        norm = -1;
+        if (bad_code == 0) bad_code = code, bad_k = k;
       }
       p.bufs.topk[(size_t)t * K + k] = norm;
       if (norm < 0) p.bufs.expert_pos[(size_t)t * K + k] = -1;
+    }
+    if (bad_code != 0) {
+      long bad_v = v[0];
+#pragma unroll
+      for (int k = 1; k < MOE_EP_MAX_TOPK; ++k) {
+        if (k == bad_k) bad_v = v[k];
+      }
+      const bool range = bad_code == MOE_EP_ERR_BAD_EXPERT;
+      report_error(err, bad_code, p.rank, -1, 0, range ? (uint64_t)E : 0, (uint64_t)bad_v, t,
+                   bad_k);
     }
   }
 }
