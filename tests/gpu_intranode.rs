@@ -129,6 +129,16 @@ fn cases() -> Vec<Case> {
             256,
             Routing::Uniform,
         ),
+        // More experts than a block has threads: the layout's exchange
+        // scans the experts' block starts in two tiles.
+        case(
+            "many_experts_t200_h2048_k8_e1024",
+            200,
+            2048,
+            8,
+            1024,
+            Routing::Uniform,
+        ),
         // The largest sizes the NVLink issue names (16384 tokens per rank,
         // hidden 16384, 512 experts), in two cases to keep the CPU side short.
         Case {
@@ -974,7 +984,9 @@ fn cuda_graph_capture_and_replay() {
     });
 }
 
-/// An expert id out of range is reported by the next call, naming topk_idx.
+/// An expert id out of range, then (next layout) an expert twice in one
+/// token's top-k: each is reported by the next call, naming topk_idx, the
+/// token and the slot.
 #[test]
 fn bad_expert_id_is_reported() {
     let Some(world) = gpus_or_skip("bad_expert_id_is_reported", 2) else {
@@ -1001,6 +1013,31 @@ fn bad_expert_id_is_reported() {
                 other => {
                     return Err(Error::InvalidState(format!(
                         "expected InvalidDeviceData for topk_idx, got {other:?}"
+                    )))
+                }
+            }
+        } else {
+            res?;
+        }
+        // Rank 0's token 3 names its slot-0 expert again in slot 1.
+        idx[5] = 5;
+        if r.rank == 0 {
+            idx[7] = idx[6];
+        }
+        let d_idx = up(s, &idx)?;
+        let _handle = group.layout(s, TopkIdx::I64(&d_idx), k, RecvLayout::RankMajor)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        let res = group.check();
+        if r.rank == 0 {
+            let want = format!("token 3 slot 1: expert {} appears twice", idx[6]);
+            match res {
+                Err(Error::InvalidDeviceData {
+                    arg: "topk_idx",
+                    detail,
+                }) if detail.contains(&want) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "expected InvalidDeviceData for topk_idx ({want}), got {other:?}"
                     )))
                 }
             }
