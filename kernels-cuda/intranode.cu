@@ -660,22 +660,25 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   int4* rx = reinterpret_cast<int4*>(p.recv_x[me]);
   if (expert_major && !overflow) {
     // Zero padding rows at the tail of each local expert's block (only this
-    // rank writes them, so before the wait). Every warp takes rows
-    // first + gw, first + gw + nw, ... of every expert; the lanes read 32
-    // experts' bounds at once (one load latency per 32 experts, not one per
-    // expert: 512 local experts had cost ~1 ms here).
+    // rank writes them, so before the wait). Padding row i of expert j goes
+    // to warp (j * (alignment - 1) + i) mod nw: every expert's padding
+    // starts on another warp, so all warps share the zeros (with a fixed
+    // start, rows 0..alignment - 2 of every expert fell on the first warps:
+    // one SM wrote them all). The lanes read 32 experts' bounds at once.
     const int4 zero = make_int4(0, 0, 0, 0);
+    const long pad_max = p.alignment > 1 ? p.alignment - 1 : 1;
     for (int j0 = 0; j0 < El; j0 += 32) {
       const int j = j0 + lane;
       const int first_l = j < El ? info[o.expert_start + j] + info[o.expert_count + j] : 0;
       const int end_l = j < El ? info[o.expert_start + j + 1] : 0;
-      unsigned mine = __ballot_sync(0xffffffffu, end_l - first_l > gw);
+      const int i0_l = (int)(((gw - (long)j * pad_max) % nw + nw) % nw);  // this warp's first row
+      unsigned mine = __ballot_sync(0xffffffffu, first_l + i0_l < end_l);
       while (mine != 0u) {
         const int l = __ffs(mine) - 1;
         mine &= mine - 1u;
-        const int first = __shfl_sync(0xffffffffu, first_l, l);
+        const int first = __shfl_sync(0xffffffffu, first_l + i0_l, l);
         const int end = __shfl_sync(0xffffffffu, end_l, l);
-        for (int row = first + gw; row < end; row += nw) {
+        for (int row = first; row < end; row += nw) {
           for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
           if (lane == 0) {
             if (p.recv_w[me]) p.recv_w[me][row] = 0.f;
