@@ -663,8 +663,9 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     // rank writes them, so before the wait). Padding row i of expert j goes
     // to warp (j * (alignment - 1) + i) mod nw: every expert's padding
     // starts on another warp, so all warps share the zeros (with a fixed
-    // start, rows 0..alignment - 2 of every expert fell on the first warps:
-    // one SM wrote them all). The lanes read 32 experts' bounds at once.
+    // start, every expert's padding fell on the first alignment - 1 warps:
+    // for alignment 16, one SM wrote them all). The lanes read 32 experts'
+    // bounds at once.
     const int4 zero = make_int4(0, 0, 0, 0);
     const long pad_max = p.alignment > 1 ? p.alignment - 1 : 1;
     for (int j0 = 0; j0 < El; j0 += 32) {
