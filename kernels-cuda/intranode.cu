@@ -976,8 +976,15 @@ __device__ void combine_body(const CombineParams& p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = p.num_chunks, sub_per_chunk = MOE_EP_SUBCHUNKS / C;
   // Expert-major items are whole rows: a token's row set (its local expert
-  // rows, sorted) is worked out once per token, not once per piece.
+  // rows, sorted) is worked out once per token, not once per piece. A chunk
+  // with fewer rows (or home tokens) than working warps is cut into pieces
+  // instead, so that few tokens still spread over every warp (whole rows
+  // left most warps idle and the rest walking long rows: 200 tokens cost
+  // ~400 µs).
   const Pieces pc = expert_major ? Pieces{1, (n16 + 31) / 32} : pieces_of(n16);
+  auto pieces_for = [&](int n_rows, int n_warps) {
+    return expert_major && n_rows < n_warps ? pieces_of(n16) : pc;
+  };
 
   // s_lo[c][s] .. s_lo[c + 1][s]: rows (u) from rank s whose home tokens are in chunk c.
   __shared__ int s_lo[MOE_EP_SUBCHUNKS + 1][MOE_EP_MAX_RANKS];
@@ -1069,6 +1076,7 @@ __device__ void combine_body(const CombineParams& p) {
   auto reduce_chunk = [&](int cs, int w0, int nws) {
     const int t_lo = (int)((long)(cs * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
     const int t_hi = (int)((long)((cs + 1) * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
+    const Pieces pc = pieces_for(t_hi - t_lo, nws);
     const int n_items = (t_hi - t_lo) * pc.n;
     int pos =
         (w0 < n_items && lane < R) ? p.bufs.rank_pos[(size_t)(t_lo + w0 / pc.n) * R + lane] : -1;
@@ -1280,6 +1288,7 @@ __device__ void combine_body(const CombineParams& p) {
     for (int c = 0; c <= C; ++c) {
       // ---- push chunk c: partials of the rows whose home tokens are in it ----
       if (c < C) {
+        const Pieces pc = pieces_for(rows_of_chunk(c), nw);
         const int n_items = rows_of_chunk(c) * pc.n;
         for (int it = gw; it < n_items; it += nw) {
           const PushItem q = push_item(c, it, pc);
