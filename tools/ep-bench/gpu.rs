@@ -450,9 +450,9 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
 }
 
 /// NCCL grouped send/recv of this rank's dispatch rows to every rank (the
-/// all-to-all) and to the peers only; SM
-/// stores and bulk (TMA) copies into the next rank's symmetric buffer; SM
-/// loads and bulk copies from it; copy-engine peer copy.
+/// all-to-all) and to the peers only; SM stores and bulk (TMA) copies into
+/// the next rank's symmetric buffer; SM loads and bulk copies from it;
+/// copy-engine peer copy.
 fn baselines(
     c: &Ctx<'_>,
     group: &EpGroup,
