@@ -7,7 +7,8 @@
 //! runs, each after an L2 flush and a host barrier, then (`--start gpu`, the
 //! default) a gate and a one-word NCCL all-reduce that line the GPUs up.
 //! The baselines move the same bytes in the same run: NCCL grouped
-//! send/recv, an SM copy loop storing into the peer's symmetric buffer (the
+//! send/recv (with every rank, this one included: the all-to-all; and with
+//! the peers only), an SM copy loop storing into the peer's symmetric buffer (the
 //! peer-store ceiling), the same with the SMs' bulk-copy units (the
 //! bulk-copy ceiling) and the copy engine's peer copy. Rank 0 gathers every
 //! rank's statistics and returns them.
