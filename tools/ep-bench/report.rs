@@ -5,8 +5,9 @@
 //! median (see [`crate::accounting::gbps`], 1 GB = 1e9 B). Ratios compare our
 //! ops with the baselines measured in the same [`CaseResult`]:
 //! `vs NCCL` = our NVLink GB/s / `nccl-alltoall` NVLink GB/s, `vs peers` =
-//! the same over `nccl-peers` (NCCL moving only the NVLink bytes, a harder
-//! bar), `vs ceiling` = our NVLink GB/s / `peer-store-ceiling` NVLink GB/s.
+//! the same over `nccl-peers` (NCCL moving only the NVLink bytes, not the
+//! rows that stay on the GPU), `vs ceiling` = our NVLink GB/s /
+//! `peer-store-ceiling` NVLink GB/s.
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
