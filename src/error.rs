@@ -45,6 +45,18 @@ pub enum Error {
         seen: u64,
     },
 
+    /// A host-side collective (barrier, all-gather, a collective allocation)
+    /// of a virtual world did not complete: `missing` names the ranks that
+    /// did not arrive within the timeout, left the world (dropped their
+    /// communicator, or panicked) or called another collective.
+    #[error("rank {rank}: host collective `{collective}` failed: {reason}")]
+    CollectiveFailed {
+        rank: usize,
+        collective: &'static str,
+        missing: Vec<usize>,
+        reason: String,
+    },
+
     /// An input value checked on the device was out of range (e.g. an expert
     /// id in `topk_idx` not in `[-1, num_experts)`).
     #[error("invalid device data in `{arg}`: {detail}")]

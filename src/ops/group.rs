@@ -144,11 +144,53 @@ pub struct EpGroup {
     pub(crate) ws_peers: [u64; MAX_RANKS],
     pub(crate) error: MappedHost<ErrorInfo>,
     poisoned: AtomicBool,
-    pub(crate) k_layout_scan: Function,
-    pub(crate) k_layout_exchange: Function,
-    pub(crate) k_layout_meta: Function,
-    pub(crate) k_dispatch: Function,
-    pub(crate) k_combine: Function,
+    pub(crate) k: Kernels,
+}
+
+/// The kernels of a group.
+pub(crate) struct Kernels {
+    pub(crate) layout_scan: Function,
+    pub(crate) layout_exchange: Function,
+    pub(crate) layout_meta: Function,
+    pub(crate) dispatch: Function,
+    /// The smallest compile-time world bound that fits (registers); its
+    /// bulk-copy buffers live in dynamic shared memory.
+    pub(crate) combine: Function,
+}
+
+impl Kernels {
+    pub(crate) fn load(comm: &Communicator) -> Result<Kernels> {
+        let m = Module::get(comm.context(), "intranode")?;
+        let combine = m.function(match comm.world() {
+            0..=2 => "moe_ep_combine_r2",
+            3..=4 => "moe_ep_combine_r4",
+            _ => "moe_ep_combine_r8",
+        })?;
+        combine.allow_dynamic_smem(abi::COMBINE_SMEM)?;
+        Ok(Kernels {
+            layout_scan: m.function("moe_ep_layout_scan")?,
+            layout_exchange: m.function("moe_ep_layout_exchange")?,
+            layout_meta: m.function("moe_ep_layout_meta")?,
+            dispatch: m.function("moe_ep_dispatch")?,
+            combine,
+        })
+    }
+
+    /// Every kernel with the dynamic shared memory its launches ask for.
+    pub(crate) fn with_smem(&self, num_experts: usize) -> Vec<(&Function, u32)> {
+        vec![
+            (&self.layout_scan, 0),
+            (&self.layout_exchange, exchange_smem(num_experts)),
+            (&self.layout_meta, 0),
+            (&self.dispatch, 0),
+            (&self.combine, abi::COMBINE_SMEM),
+        ]
+    }
+}
+
+/// Dynamic shared memory of the layout exchange: two int32 per expert.
+pub(crate) fn exchange_smem(num_experts: usize) -> u32 {
+    (2 * num_experts * 4) as u32
 }
 
 impl EpGroup {
@@ -167,6 +209,10 @@ impl EpGroup {
         let ctx = comm.context().clone();
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        // Before any collective allocation: a refusal here is the same on
+        // every rank (same GPU kind, same config), so no rank is left waiting.
+        let k = Kernels::load(comm)?;
+        super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)?;
         let recv_capacity = if cfg.recv_capacity == 0 {
             world * cfg.max_tokens_per_rank
         } else {
@@ -233,15 +279,6 @@ impl EpGroup {
             .map_err(Error::cuda("cuStreamSynchronize"))?;
         comm.barrier(&stream)?;
 
-        let m = Module::get(&ctx, "intranode")?;
-        // The smallest compile-time world bound that fits (registers); its
-        // bulk-copy buffers live in dynamic shared memory.
-        let k_combine = m.function(match world {
-            0..=2 => "moe_ep_combine_r2",
-            3..=4 => "moe_ep_combine_r4",
-            _ => "moe_ep_combine_r8",
-        })?;
-        k_combine.allow_dynamic_smem(abi::COMBINE_SMEM)?;
         Ok(EpGroup {
             comm: comm.clone(),
             pool,
@@ -251,12 +288,7 @@ impl EpGroup {
             ws_peers,
             error: MappedHost::new(&ctx, ErrorInfo::default())?,
             poisoned: AtomicBool::new(false),
-            k_layout_scan: m.function("moe_ep_layout_scan")?,
-            k_layout_exchange: m.function("moe_ep_layout_exchange")?,
-            k_layout_meta: m.function("moe_ep_layout_meta")?,
-            k_dispatch: m.function("moe_ep_dispatch")?,
-            // The smallest compile-time world bound that fits (registers).
-            k_combine,
+            k,
             cfg,
         })
     }

@@ -350,17 +350,17 @@ impl EpGroup {
             // of the check blocks.
             let check_blocks = t.div_ceil(THREADS as usize).max(1);
             let groups = e.div_ceil(SCAN_EXPERTS);
-            self.k_layout_scan.launch(
+            self.k.layout_scan.launch(
                 stream,
                 (groups + r + check_blocks) as u32,
                 THREADS,
                 0,
                 &p,
             )?;
-            self.k_layout_exchange
-                .launch(stream, 1, THREADS, (2 * e * 4) as u32, &p)?;
+            self.k.layout_exchange
+                .launch(stream, 1, THREADS, super::group::exchange_smem(e), &p)?;
             if layout_code == 1 {
-                self.k_layout_meta
+                self.k.layout_meta
                     .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)?;
             }
         }
@@ -463,7 +463,7 @@ impl EpGroup {
         };
         // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
         unsafe {
-            self.k_dispatch
+            self.k.dispatch
                 .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)
         }
     }
@@ -580,7 +580,7 @@ impl EpGroup {
         };
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
         unsafe {
-            self.k_combine
+            self.k.combine
                 .launch(stream, self.cfg.num_sms as u32, THREADS, COMBINE_SMEM, &p)
         }
     }

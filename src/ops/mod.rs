@@ -17,9 +17,11 @@
 pub mod abi;
 mod group;
 mod launch;
+mod residency;
 
 pub use group::{EpGroup, GroupConfig, Mode};
 pub use launch::{DispatchOut, Dispatched, Handle, HostCounts, RecvBuf, TopkIdx};
+pub use residency::{residency, Residency};
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceSlice};
 

@@ -1,21 +1,35 @@
-//! `Communicator`: an NCCL communicator bound to one GPU, owned (created from
-//! a unique id) or borrowed (a caller's existing `ncclComm_t`).
+//! `Communicator`: the ranks of one expert-parallel world. Either an NCCL
+//! communicator bound to one GPU, owned (created from a unique id) or
+//! borrowed (a caller's existing `ncclComm_t`), or one rank of a **virtual
+//! world**: W ranks in one process on one GPU, each driven from its own
+//! thread, whose symmetric memory is plain device memory and whose host
+//! collectives run in-process ([`Communicator::virtual_world`]).
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
+use crate::runtime::host_group::HostGroup;
 use crate::runtime::nccl_call::{self as nc, UniqueId};
 use crate::symm::Segment;
 use crate::sys::nccl::{ncclComm_t, ncclDataType_t, ncclUint8};
 
-/// An NCCL communicator of `world` ranks, this process being `rank`, on the
-/// GPU of `ctx`. Windows and pool segments keep it alive (`Arc`).
+/// How long a virtual world's host collectives wait for the slowest rank
+/// unless [`Communicator::virtual_world_with_timeout`] says otherwise.
+pub const VIRTUAL_HOST_TIMEOUT: Duration = Duration::from_secs(60);
+
+enum Backend {
+    Nccl { raw: ncclComm_t, owned: bool },
+    Virtual(HostGroup),
+}
+
+/// One rank of a world of `world` ranks, on the GPU of its context. Windows
+/// and pool segments keep it alive (`Arc`).
 pub struct Communicator {
-    raw: ncclComm_t,
-    owned: bool,
+    backend: Backend,
     rank: usize,
     world: usize,
     ctx: Arc<CudaContext>,
@@ -28,6 +42,7 @@ pub struct Communicator {
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time;
 // every call here goes through &self on the owning rank's thread in practice.
+// The virtual backend is Send + Sync by itself.
 unsafe impl Send for Communicator {}
 unsafe impl Sync for Communicator {}
 
@@ -66,8 +81,7 @@ impl Communicator {
         // SAFETY: raw is live.
         let (rank, world) = unsafe { (nc::comm_user_rank(raw)?, nc::comm_count(raw)?) };
         let mut c = Communicator {
-            raw,
-            owned,
+            backend: Backend::Nccl { raw, owned },
             rank,
             world,
             ctx: ctx.clone(),
@@ -86,6 +100,68 @@ impl Communicator {
         Ok(Arc::new(c))
     }
 
+    /// `world` virtual ranks of one process on the GPU of `ctx`, in rank
+    /// order: give each to its own thread, with its own stream. Their
+    /// symmetric segments are plain device allocations (one per rank,
+    /// allocated collectively), each rank's peer table points at its
+    /// siblings' allocations, and the host collectives (barrier, all-gather)
+    /// run in-process, waiting at most [`VIRTUAL_HOST_TIMEOUT`] for the
+    /// slowest rank. The kernels are the same as on NCCL communicators: only
+    /// NVLink is not crossed.
+    ///
+    /// All ranks' kernels run on one GPU at once and wait for each other, so
+    /// `EpGroup::new` checks that every rank's blocks fit the GPU together.
+    /// Create the ranks' streams one after another (the driver spreads
+    /// consecutive streams over its hardware queues) and run one virtual
+    /// world per GPU at a time.
+    pub fn virtual_world(ctx: &Arc<CudaContext>, world: usize) -> Result<Vec<Arc<Self>>> {
+        Self::virtual_world_with_timeout(ctx, world, VIRTUAL_HOST_TIMEOUT)
+    }
+
+    /// [`Communicator::virtual_world`] whose host collectives wait at most
+    /// `timeout`: a rank that does not arrive in time (or whose communicator
+    /// is dropped, also by a panicking thread) fails every other rank's
+    /// collective with [`Error::CollectiveFailed`] naming it.
+    pub fn virtual_world_with_timeout(
+        ctx: &Arc<CudaContext>,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Vec<Arc<Self>>> {
+        if world == 0 {
+            return Err(Error::arg("world", "at least 1 virtual rank", world));
+        }
+        if timeout.is_zero() {
+            return Err(Error::arg("timeout", "a positive duration", "0"));
+        }
+        Ok(HostGroup::new(world, timeout)
+            .into_iter()
+            .map(|g| {
+                Arc::new(Communicator {
+                    rank: g.rank(),
+                    world,
+                    backend: Backend::Virtual(g),
+                    ctx: ctx.clone(),
+                    node_of: vec![0; world],
+                    segments: Mutex::new(vec![]),
+                })
+            })
+            .collect())
+    }
+
+    /// True for a rank of a virtual world (no NCCL communicator behind it).
+    pub fn is_virtual(&self) -> bool {
+        matches!(self.backend, Backend::Virtual(_))
+    }
+
+    /// Ranks that share this rank's GPU (and so its SMs): the world of a
+    /// virtual world, else 1.
+    pub fn ranks_per_gpu(&self) -> usize {
+        match self.backend {
+            Backend::Virtual(_) => self.world,
+            Backend::Nccl { .. } => 1,
+        }
+    }
+
     /// This process's rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -98,9 +174,21 @@ impl Communicator {
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
-    /// The raw handle, for NCCL calls of the caller's own.
-    pub fn raw(&self) -> ncclComm_t {
-        self.raw
+    /// The raw NCCL handle, for NCCL calls of the caller's own; `None` for a
+    /// virtual rank.
+    pub fn raw(&self) -> Option<ncclComm_t> {
+        match self.backend {
+            Backend::Nccl { raw, .. } => Some(raw),
+            Backend::Virtual(_) => None,
+        }
+    }
+
+    /// The in-process group of a virtual rank.
+    pub(crate) fn host_group(&self) -> Option<&HostGroup> {
+        match &self.backend {
+            Backend::Virtual(g) => Some(g),
+            Backend::Nccl { .. } => None,
+        }
     }
     /// Ranks on this rank's host, in rank order (NVLink reachable candidates).
     pub fn node_ranks(&self) -> Vec<usize> {
@@ -133,18 +221,31 @@ impl Communicator {
 
     /// Reports an asynchronous NCCL error, if any.
     pub fn check_async(&self) -> Result<()> {
+        let Backend::Nccl { raw, .. } = self.backend else {
+            return Ok(());
+        };
         // SAFETY: raw is live for self's lifetime.
-        let code = unsafe { nc::comm_get_async_error(self.raw)? };
-        nc::check("ncclCommGetAsyncError(async)", code, Some(self.raw))
+        let code = unsafe { nc::comm_get_async_error(raw)? };
+        nc::check("ncclCommGetAsyncError(async)", code, Some(raw))
     }
 
     /// Gathers `value` (same length on every rank) from every rank, in rank
-    /// order. Collective and synchronous: set-up paths only.
-    pub fn all_gather_host<T: bytemuck::Pod>(
+    /// order, after the work enqueued on `stream` so far has finished (on
+    /// every rank). Collective and synchronous: set-up paths only.
+    pub fn all_gather_host<T: bytemuck::Pod + Send + Sync>(
         &self,
         stream: &Arc<CudaStream>,
         value: &[T],
     ) -> Result<Vec<T>> {
+        let raw = match &self.backend {
+            Backend::Nccl { raw, .. } => *raw,
+            Backend::Virtual(g) => {
+                stream
+                    .synchronize()
+                    .map_err(Error::cuda("cuStreamSynchronize"))?;
+                return g.all_gather("all_gather_host", value);
+            }
+        };
         let bytes: &[u8] = bytemuck::cast_slice(value);
         let n = bytes.len().max(1);
         let mut send = stream
@@ -168,7 +269,7 @@ impl Communicator {
                     r as *mut c_void,
                     n,
                     ncclUint8 as ncclDataType_t,
-                    self.raw,
+                    raw,
                     stream.cu_stream() as *mut c_void,
                 )?;
             }
@@ -189,24 +290,34 @@ impl Communicator {
         }
     }
 
-    /// A barrier over the communicator on `stream` (an all-reduce of one byte),
-    /// waited for on the host.
+    /// A barrier over the communicator after the work enqueued on `stream`
+    /// (an all-gather of one byte), waited for on the host.
     pub fn barrier(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        if let Backend::Virtual(g) = &self.backend {
+            stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+            return g.barrier();
+        }
         self.all_gather_host(stream, &[0u8]).map(|_| ())
     }
 
-    /// Aborts the communicator (unblocks peers' pending NCCL calls).
+    /// Aborts the communicator (unblocks peers' pending NCCL calls; on a
+    /// virtual rank, fails every pending and later host collective).
     pub fn abort(self: Arc<Self>) -> Result<()> {
+        if let Backend::Virtual(g) = &self.backend {
+            g.abort();
+            return Ok(());
+        }
         match Arc::try_unwrap(self) {
-            Ok(mut c) => {
-                let owned = std::mem::replace(&mut c.owned, false);
-                if owned {
+            Ok(mut c) => match &mut c.backend {
+                Backend::Nccl { raw, owned } if *owned => {
+                    *owned = false;
                     // SAFETY: we own raw and nothing else references it.
-                    unsafe { nc::comm_abort(c.raw) }
-                } else {
-                    Ok(())
+                    unsafe { nc::comm_abort(*raw) }
                 }
-            }
+                _ => Ok(()),
+            },
             Err(_) => Err(Error::InvalidState(
                 "abort: the communicator is still used by windows or groups".into(),
             )),
@@ -216,16 +327,17 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        if !self.owned {
+        // A virtual rank leaves its group when its HostGroup drops.
+        let Backend::Nccl { raw, owned: true } = self.backend else {
             return;
-        }
+        };
         let _ = self.ctx.bind_to_thread();
         // SAFETY: we own raw; every window/segment holding an Arc is gone.
         unsafe {
-            if let Err(e) = nc::comm_finalize(self.raw) {
+            if let Err(e) = nc::comm_finalize(raw) {
                 eprintln!("moe-ep: ncclCommFinalize failed in drop: {e}");
             }
-            if let Err(e) = nc::comm_destroy(self.raw) {
+            if let Err(e) = nc::comm_destroy(raw) {
                 eprintln!("moe-ep: ncclCommDestroy failed in drop: {e}");
             }
         }

@@ -147,6 +147,25 @@ impl Function {
         })
     }
 
+    /// How many blocks of `block` threads with `smem` bytes of dynamic
+    /// shared memory one SM holds at once (registers, shared memory, threads
+    /// and the block limit all counted).
+    pub fn max_blocks_per_sm(&self, block: u32, smem: u32) -> Result<usize> {
+        // SAFETY: raw is a live function of a loaded module.
+        let n = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(
+                self.raw,
+                block as i32,
+                smem as usize,
+            )
+        }
+        .map_err(|source| Error::Cuda {
+            context: self.name,
+            source,
+        })?;
+        Ok(n.max(0) as usize)
+    }
+
     /// Launches with one by-value parameter struct (`__grid_constant__ const P`).
     ///
     /// # Safety

@@ -7,6 +7,10 @@
 //! `ncclGetPeerDevicePointer` on NCCL >= 2.29.2, else from a one-thread kernel
 //! calling the device API's `ncclGetPeerPointer` (kernels-cuda/symm.cu).
 //!
+//! On a virtual rank (`Communicator::virtual_world`) a segment is a plain
+//! device allocation per rank, allocated collectively in-process, and its
+//! peers are the sibling ranks' allocations on the same GPU.
+//!
 //! The **pool** grows by whole segments. Allocation is collective by contract:
 //! every rank makes the same `alloc`/drop calls in the same order, so the
 //! first-fit allocator returns the same (segment, offset) on every rank; debug
@@ -40,16 +44,46 @@ pub struct Segment {
     comm: Arc<Communicator>,
     base: u64,
     size: usize,
-    win: ncclWindow_t,
+    backing: Backing,
     /// `peers[r]`: rank r's copy as mapped here; 0 when not load/store reachable.
     peers: Vec<u64>,
-    owned: bool,
+}
+
+enum Backing {
+    /// An NCCL window; `owned` when this crate allocated and registered it.
+    Window { win: ncclWindow_t, owned: bool },
+    /// A virtual rank's segment: held, never read, are every rank's
+    /// allocations of this collective call, so that each rank's memory
+    /// lives until the last rank that maps it has dropped its segment.
+    Virtual { _ranks: Vec<Arc<DeviceAlloc>> },
+    /// A caller's buffer registered collectively by a virtual rank (the
+    /// caller keeps ownership).
+    VirtualWrapped,
+}
+
+/// A plain device allocation (a virtual rank's segment), freed on drop.
+struct DeviceAlloc {
+    ptr: u64,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_sync in Segment::new; no rank maps it
+        // any more (every Segment holding this Arc is gone).
+        if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
+            eprintln!("moe-ep: cuMemFree of a virtual segment failed in drop: {e}");
+        }
+    }
 }
 
 // SAFETY: the raw handles are only used through &self with NCCL/driver calls
 // that are thread-safe for distinct objects.
 unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
+unsafe impl Send for DeviceAlloc {}
+unsafe impl Sync for DeviceAlloc {}
 
 impl Segment {
     /// Allocates and registers `size` bytes (rounded up to SEGMENT_GRANULE).
@@ -59,26 +93,51 @@ impl Segment {
         comm.context()
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        if let Some(group) = comm.host_group() {
+            // SAFETY: a plain allocation of `size` bytes, owned by `mine`.
+            let ptr = unsafe { cudarc::driver::result::malloc_sync(size) }
+                .map_err(Error::cuda("cuMemAlloc (virtual segment)"))?;
+            let mine = Arc::new(DeviceAlloc {
+                ptr,
+                ctx: comm.context().clone(),
+            });
+            let ranks = group.exchange("segment allocation", (mine, size))?;
+            if let Some((r, (_, sz))) = ranks.iter().enumerate().find(|(_, (_, sz))| *sz != size) {
+                return Err(Error::InvalidState(format!(
+                    "symmetric allocation diverged: rank {r} allocated a segment of {sz} bytes, rank {} one of {size} (every rank must make the same allocations in the same order)",
+                    comm.rank()
+                )));
+            }
+            let ranks: Vec<Arc<DeviceAlloc>> = ranks.into_iter().map(|(a, _)| a).collect();
+            let seg = Arc::new(Segment {
+                comm: comm.clone(),
+                base: ptr,
+                size,
+                peers: ranks.iter().map(|a| a.ptr).collect(),
+                backing: Backing::Virtual { _ranks: ranks },
+            });
+            comm.register_segment(&seg);
+            return Ok(seg);
+        }
+        let raw = comm.raw().expect("an NCCL communicator");
         let ptr = nc::mem_alloc(size)?;
         // SAFETY: ptr is a fresh ncclMemAlloc of `size` bytes; comm is live.
-        let win =
-            match unsafe { nc::window_register(comm.raw(), ptr, size, NCCL_WIN_COLL_SYMMETRIC) } {
-                Ok(w) => w,
-                Err(e) => {
-                    // SAFETY: allocated above, not registered.
-                    let _ = unsafe { nc::mem_free(ptr) };
-                    return Err(e);
-                }
-            };
+        let win = match unsafe { nc::window_register(raw, ptr, size, NCCL_WIN_COLL_SYMMETRIC) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: allocated above, not registered.
+                let _ = unsafe { nc::mem_free(ptr) };
+                return Err(e);
+            }
+        };
         let mut seg = Segment {
             comm: comm.clone(),
             base: ptr as u64,
             size,
-            win,
+            backing: Backing::Window { win, owned: true },
             peers: vec![],
-            owned: true,
         };
-        seg.peers = seg.resolve_peers()?;
+        seg.peers = seg.resolve_peers(win)?;
         let seg = Arc::new(seg);
         comm.register_segment(&seg);
         Ok(seg)
@@ -96,6 +155,13 @@ impl Segment {
         base: u64,
         size: usize,
     ) -> Result<Arc<Segment>> {
+        if comm.is_virtual() {
+            return Err(Error::arg(
+                "window",
+                "an NCCL window of an NCCL communicator (a virtual rank has none: wrap a device buffer with Segment::wrap_device)",
+                "a window given to a virtual rank",
+            ));
+        }
         if win.is_null() || base == 0 || size == 0 {
             return Err(Error::arg(
                 "window",
@@ -107,25 +173,70 @@ impl Segment {
             comm: comm.clone(),
             base,
             size,
-            win,
+            backing: Backing::Window { win, owned: false },
             peers: vec![],
-            owned: false,
         };
-        seg.peers = seg.resolve_peers()?;
+        seg.peers = seg.resolve_peers(win)?;
         let seg = Arc::new(seg);
         comm.register_segment(&seg);
         Ok(seg)
     }
 
-    fn resolve_peers(&self) -> Result<Vec<u64>> {
+    /// A virtual rank's counterpart of [`Segment::wrap`]: registers the
+    /// caller's device buffer `[base, base + size)` collectively (every rank
+    /// of the virtual world calls it with its own buffer of the same size),
+    /// so that its siblings map it. The caller keeps ownership.
+    ///
+    /// # Safety
+    /// `[base, base + size)` must be device memory of `comm`'s context that
+    /// stays allocated as long as any rank's returned segment lives.
+    pub unsafe fn wrap_device(
+        comm: &Arc<Communicator>,
+        base: u64,
+        size: usize,
+    ) -> Result<Arc<Segment>> {
+        let Some(group) = comm.host_group() else {
+            return Err(Error::arg(
+                "comm",
+                "a virtual rank (on an NCCL communicator, register the buffer as an NCCL window and use Segment::wrap)",
+                "an NCCL communicator",
+            ));
+        };
+        if base == 0 || size == 0 {
+            return Err(Error::arg(
+                "buffer",
+                "a non-null device buffer of size > 0",
+                "null or empty",
+            ));
+        }
+        let all = group.all_gather("wrap_device", &[base, size as u64])?;
+        if let Some(r) = (0..comm.world()).find(|&r| all[2 * r + 1] != size as u64) {
+            return Err(Error::arg(
+                "buffer",
+                format!("{size} bytes on every rank (the size rank {} gave)", comm.rank()),
+                format!("{} bytes on rank {r}", all[2 * r + 1]),
+            ));
+        }
+        let seg = Arc::new(Segment {
+            comm: comm.clone(),
+            base,
+            size,
+            backing: Backing::VirtualWrapped,
+            peers: (0..comm.world()).map(|r| all[2 * r]).collect(),
+        });
+        comm.register_segment(&seg);
+        Ok(seg)
+    }
+
+    fn resolve_peers(&self, win: ncclWindow_t) -> Result<Vec<u64>> {
         let world = self.comm.world();
         let mut peers = vec![0u64; world];
         let node = self.comm.node_ranks();
         // SAFETY: win is live.
-        if unsafe { nc::peer_device_pointer(self.win, 0, self.comm.rank())? }.is_some() {
+        if unsafe { nc::peer_device_pointer(win, 0, self.comm.rank())? }.is_some() {
             for &r in &node {
                 // SAFETY: as above.
-                peers[r] = unsafe { nc::peer_device_pointer(self.win, 0, r)? }
+                peers[r] = unsafe { nc::peer_device_pointer(win, 0, r)? }
                     .unwrap_or(std::ptr::null_mut()) as u64;
             }
         } else {
@@ -157,7 +268,7 @@ impl Segment {
                 out.device_ptr_mut(&stream)
             };
             let mut a = Args {
-                win: self.win,
+                win,
                 first: first as i32,
                 count: node.len() as i32,
                 out: out_ptr,
@@ -198,9 +309,12 @@ impl Segment {
     pub fn peer_base(&self, r: usize) -> Option<u64> {
         self.peers.get(r).copied().filter(|&p| p != 0)
     }
-    /// The raw NCCL window.
-    pub fn window(&self) -> ncclWindow_t {
-        self.win
+    /// The raw NCCL window; `None` on a virtual rank.
+    pub fn window(&self) -> Option<ncclWindow_t> {
+        match self.backing {
+            Backing::Window { win, .. } => Some(win),
+            Backing::Virtual { .. } | Backing::VirtualWrapped => None,
+        }
     }
     /// The communicator it belongs to.
     pub fn comm(&self) -> &Arc<Communicator> {
@@ -216,13 +330,15 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        if !self.owned {
+        // Virtual segments free their memory when the last DeviceAlloc goes.
+        let Backing::Window { win, owned: true } = self.backing else {
             return;
-        }
+        };
+        let Some(raw) = self.comm.raw() else { return };
         let _ = self.comm.context().bind_to_thread();
         // SAFETY: registered and allocated in new; deregistered before freeing.
         unsafe {
-            if let Err(e) = nc::window_deregister(self.comm.raw(), self.win) {
+            if let Err(e) = nc::window_deregister(raw, win) {
                 eprintln!("moe-ep: ncclCommWindowDeregister failed in drop: {e}");
             }
             if let Err(e) = nc::mem_free(self.base as *mut c_void) {
@@ -352,6 +468,21 @@ impl SymmPool {
         size: usize,
     ) -> Result<SymmBuffer<T>> {
         let seg = Segment::wrap(&self.inner.comm, win, base, size)?;
+        Ok(self.adopt(seg, size))
+    }
+
+    /// On a virtual rank: registers the caller's device buffer collectively
+    /// (every rank passes its own buffer of the same size), the counterpart
+    /// of [`SymmPool::wrap_window`], and returns a buffer over all of it.
+    ///
+    /// # Safety
+    /// As [`Segment::wrap_device`]; `size` must be a multiple of `size_of::<T>()`.
+    pub unsafe fn wrap_device<T: Copy>(&self, base: u64, size: usize) -> Result<SymmBuffer<T>> {
+        let seg = Segment::wrap_device(&self.inner.comm, base, size)?;
+        Ok(self.adopt(seg, size))
+    }
+
+    fn adopt<T>(&self, seg: Arc<Segment>, size: usize) -> SymmBuffer<T> {
         let len = size / std::mem::size_of::<T>().max(1);
         self.inner
             .slots
@@ -362,14 +493,14 @@ impl SymmPool {
                 free: vec![],
                 pooled: false,
             });
-        Ok(SymmBuffer {
+        SymmBuffer {
             seg,
             offset: 0,
             len,
             bytes: size,
             pool: None,
             _t: PhantomData,
-        })
+        }
     }
 
     /// True if `[ptr, ptr + len)` lies inside a registered window of this

@@ -107,7 +107,7 @@ impl GpuStart {
                 1,
                 moe_ep::sys::nccl::ncclUint32,
                 moe_ep::sys::nccl::ncclSum,
-                c.comm.raw(),
+                c.comm.raw().ok_or("NCCL baselines need an NCCL communicator")?,
                 c.stream.cu_stream() as *mut c_void,
             )
         }
@@ -558,7 +558,7 @@ fn nccl_exchange(
                     ns,
                     moe_ep::sys::nccl::ncclUint8,
                     d,
-                    c.comm.raw(),
+                    c.comm.raw().ok_or("NCCL baselines need an NCCL communicator")?,
                     cs,
                 )
                 .map_err(s)?;
@@ -567,7 +567,7 @@ fn nccl_exchange(
                     nr,
                     moe_ep::sys::nccl::ncclUint8,
                     d,
-                    c.comm.raw(),
+                    c.comm.raw().ok_or("NCCL baselines need an NCCL communicator")?,
                     cs,
                 )
                 .map_err(s)?;

@@ -1,0 +1,390 @@
+//! In-process host collectives for the ranks of a virtual world: W ranks in
+//! one process, one thread each, meeting at barriers and all-gathers that
+//! are bounded by a timeout.
+//!
+//! Each rank holds one [`HostGroup`] handle. The n-th collective a rank calls
+//! meets the n-th collective of every other rank (as NCCL's collectives do);
+//! a rank that does not arrive within the timeout, leaves (its handle is
+//! dropped, also while its thread panics) or calls a different collective
+//! fails the round on every rank with [`Error::CollectiveFailed`] naming it,
+//! and every later collective of the group fails at once: the ranks can no
+//! longer agree on which round is which.
+//!
+//! ```
+//! use std::time::Duration;
+//! use moe_ep::runtime::HostGroup;
+//!
+//! let ranks = HostGroup::new(3, Duration::from_secs(5));
+//! std::thread::scope(|s| {
+//!     for g in &ranks {
+//!         s.spawn(move || {
+//!             let all = g.all_gather("ids", &[g.rank() as u32 * 10]).unwrap();
+//!             assert_eq!(all, vec![0, 10, 20]);
+//!             g.barrier().unwrap();
+//!         });
+//!     }
+//! });
+//! ```
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// One rank's handle on an in-process group of ranks.
+pub struct HostGroup {
+    shared: Arc<Shared>,
+    rank: usize,
+    /// Collectives this rank has entered so far (the next round's number).
+    rounds: AtomicU64,
+}
+
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    rounds: BTreeMap<u64, Round>,
+    /// `left[r]`: why rank r left the group, once it has.
+    left: Vec<Option<&'static str>>,
+    /// Set by the first failure; every later collective fails with it.
+    broken: Option<(Vec<usize>, String)>,
+}
+
+struct Round {
+    collective: &'static str,
+    values: Vec<Option<Arc<dyn Any + Send + Sync>>>,
+    /// Ranks that have not yet taken the result.
+    readers_left: usize,
+}
+
+impl HostGroup {
+    /// A group of `world` ranks whose collectives wait at most `timeout`
+    /// for the slowest rank; the handles are in rank order.
+    pub fn new(world: usize, timeout: Duration) -> Vec<HostGroup> {
+        let shared = Arc::new(Shared {
+            world,
+            timeout,
+            state: Mutex::new(State {
+                left: vec![None; world],
+                ..State::default()
+            }),
+            wake: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| HostGroup {
+                shared: shared.clone(),
+                rank,
+                rounds: AtomicU64::new(0),
+            })
+            .collect()
+    }
+
+    /// This handle's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.shared.world
+    }
+    /// How long a collective waits for the slowest rank.
+    pub fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
+    /// Every rank's `value` (the same length on every rank), in rank order.
+    /// `collective` names the call in errors ("barrier", "segment
+    /// allocation", ...); every rank must call the same one.
+    pub fn all_gather<T: Copy + Send + Sync + 'static>(
+        &self,
+        collective: &'static str,
+        value: &[T],
+    ) -> Result<Vec<T>> {
+        let all = self.exchange(collective, value.to_vec())?;
+        if let Some((r, v)) = all.iter().enumerate().find(|(_, v)| v.len() != value.len()) {
+            return Err(self.fail(
+                collective,
+                vec![r],
+                format!(
+                    "rank {r} gave {} elements, rank {} gave {}",
+                    v.len(),
+                    self.rank,
+                    value.len()
+                ),
+            ));
+        }
+        Ok(all.into_iter().flatten().collect())
+    }
+
+    /// Waits until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        self.exchange("barrier", ()).map(drop)
+    }
+
+    /// Every rank's `value`, in rank order: the general form of
+    /// [`HostGroup::all_gather`] (values are moved, not copied as bytes, so
+    /// they can be owning handles).
+    pub fn exchange<T: Clone + Send + Sync + 'static>(
+        &self,
+        collective: &'static str,
+        value: T,
+    ) -> Result<Vec<T>> {
+        let n = self.rounds.fetch_add(1, Ordering::Relaxed);
+        let sh = &*self.shared;
+        let deadline = Instant::now() + sh.timeout;
+        let mut st = sh.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((missing, why)) = &st.broken {
+            return Err(self.error(collective, missing.clone(), why.clone()));
+        }
+        let world = sh.world;
+        let round = st.rounds.entry(n).or_insert_with(|| Round {
+            collective,
+            values: vec![None; world],
+            readers_left: world,
+        });
+        if round.collective != collective {
+            let first = round
+                .values
+                .iter()
+                .position(Option::is_some)
+                .unwrap_or(self.rank);
+            let why = format!(
+                "rank {first} called `{}` where rank {} called `{collective}` (every rank must make the same collective calls in the same order)",
+                round.collective, self.rank
+            );
+            return Err(self.break_group(&mut st, collective, vec![first], why));
+        }
+        round.values[self.rank] = Some(Arc::new(value));
+        sh.wake.notify_all();
+        loop {
+            if let Some((missing, why)) = &st.broken {
+                return Err(self.error(collective, missing.clone(), why.clone()));
+            }
+            let round = st.rounds.get_mut(&n).expect("a round lives until all have read it");
+            let missing: Vec<usize> = (0..world).filter(|&r| round.values[r].is_none()).collect();
+            if missing.is_empty() {
+                let mut out = Vec::with_capacity(world);
+                for (r, v) in round.values.iter().enumerate() {
+                    let v = v.as_ref().expect("every rank arrived");
+                    match v.downcast_ref::<T>() {
+                        Some(t) => out.push(t.clone()),
+                        None => {
+                            let why = format!(
+                                "rank {r} passed another kind of value to `{collective}` than rank {}",
+                                self.rank
+                            );
+                            return Err(self.break_group(&mut st, collective, vec![r], why));
+                        }
+                    }
+                }
+                round.readers_left -= 1;
+                if round.readers_left == 0 {
+                    st.rounds.remove(&n);
+                }
+                return Ok(out);
+            }
+            let gone: Vec<String> = missing
+                .iter()
+                .filter_map(|&r| st.left[r].map(|how| format!("rank {r} {how}")))
+                .collect();
+            if !gone.is_empty() {
+                let why = format!("{} before arriving", gone.join(", "));
+                return Err(self.break_group(&mut st, collective, missing, why));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let why = format!(
+                    "{} did not arrive within {:?}",
+                    ranks_text(&missing),
+                    sh.timeout
+                );
+                return Err(self.break_group(&mut st, collective, missing, why));
+            }
+            st = sh
+                .wake
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Fails every pending and later collective of the group (what
+    /// `ncclCommAbort` does for NCCL's).
+    pub fn abort(&self) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        let why = format!("rank {} aborted the group", self.rank);
+        self.break_group(&mut st, "abort", vec![self.rank], why);
+    }
+
+    fn break_group(
+        &self,
+        st: &mut State,
+        collective: &'static str,
+        missing: Vec<usize>,
+        why: String,
+    ) -> Error {
+        if st.broken.is_none() {
+            st.broken = Some((missing.clone(), why.clone()));
+        }
+        self.shared.wake.notify_all();
+        self.error(collective, missing, why)
+    }
+
+    fn fail(&self, collective: &'static str, missing: Vec<usize>, why: String) -> Error {
+        let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.break_group(&mut st, collective, missing, why)
+    }
+
+    fn error(&self, collective: &'static str, missing: Vec<usize>, reason: String) -> Error {
+        Error::CollectiveFailed {
+            rank: self.rank,
+            collective,
+            missing,
+            reason,
+        }
+    }
+}
+
+impl Drop for HostGroup {
+    fn drop(&mut self) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.left[self.rank] = Some(if std::thread::panicking() {
+            "panicked"
+        } else {
+            "left the group (its handle was dropped)"
+        });
+        self.shared.wake.notify_all();
+    }
+}
+
+fn ranks_text(r: &[usize]) -> String {
+    let list: Vec<String> = r.iter().map(|x| x.to_string()).collect();
+    match r.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<F: Fn(&HostGroup) -> Result<()> + Sync>(world: usize, ms: u64, f: F) -> Vec<Result<()>> {
+        let ranks = HostGroup::new(world, Duration::from_millis(ms));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ranks.iter().map(|g| s.spawn(|| f(g))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn all_gather_in_rank_order_many_rounds() {
+        let res = run(5, 5000, |g| {
+            for round in 0..200u64 {
+                let all = g.all_gather("ids", &[g.rank() as u64, round])?;
+                let want: Vec<u64> = (0..5).flat_map(|r| [r, round]).collect();
+                assert_eq!(all, want);
+                if round % 7 == 0 {
+                    g.barrier()?;
+                }
+            }
+            Ok(())
+        });
+        assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
+    }
+
+    #[test]
+    fn missing_rank_is_named_within_the_timeout() {
+        let t0 = Instant::now();
+        let ranks = HostGroup::new(4, Duration::from_millis(300));
+        let res: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .filter(|g| g.rank() != 2)
+                .map(|g| s.spawn(|| g.barrier()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        for r in &res {
+            match r {
+                Err(Error::CollectiveFailed { missing, reason, collective, .. }) => {
+                    assert_eq!(missing, &vec![2]);
+                    assert_eq!(*collective, "barrier");
+                    assert!(reason.contains("rank 2 did not arrive"), "{reason}");
+                }
+                other => panic!("expected CollectiveFailed, got {other:?}"),
+            }
+        }
+        // The group is broken for good: the late rank fails at once too.
+        let t1 = Instant::now();
+        let e = ranks[2].barrier().unwrap_err();
+        assert!(t1.elapsed() < Duration::from_millis(100));
+        assert!(e.to_string().contains("rank 2"), "{e}");
+    }
+
+    #[test]
+    fn dropped_or_panicking_rank_fails_the_others_at_once() {
+        let ranks = HostGroup::new(3, Duration::from_secs(30));
+        let mut it = ranks.into_iter();
+        let (g0, g1, g2) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+        let t0 = Instant::now();
+        let res: Vec<Result<()>> = std::thread::scope(|s| {
+            let a = s.spawn(move || g0.barrier());
+            let b = s.spawn(move || g1.barrier());
+            let c = s.spawn(move || {
+                let _g = g2;
+                std::thread::sleep(Duration::from_millis(50));
+                panic!("rank 2 fails");
+            });
+            assert!(c.join().is_err());
+            vec![a.join().unwrap(), b.join().unwrap()]
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        for r in res {
+            let e = r.unwrap_err();
+            assert!(e.to_string().contains("rank 2 panicked"), "{e}");
+        }
+    }
+
+    #[test]
+    fn different_collectives_or_lengths_fail_by_name() {
+        let res = run(2, 2000, |g| {
+            if g.rank() == 0 {
+                g.barrier()
+            } else {
+                g.all_gather("segment allocation", &[1u8]).map(drop)
+            }
+        });
+        for r in &res {
+            let e = r.as_ref().unwrap_err().to_string();
+            assert!(e.contains("barrier") && e.contains("segment allocation"), "{e}");
+        }
+        let res = run(2, 2000, |g| g.all_gather("x", &vec![0u32; 1 + g.rank()]).map(drop));
+        assert!(res.iter().all(|r| r.is_err()), "{res:?}");
+        let e = res[0].as_ref().unwrap_err().to_string();
+        assert!(e.contains("elements"), "{e}");
+    }
+
+    #[test]
+    fn abort_unblocks_a_pending_collective() {
+        let ranks = HostGroup::new(2, Duration::from_secs(30));
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            let h = s.spawn(|| ranks[0].barrier());
+            std::thread::sleep(Duration::from_millis(50));
+            ranks[1].abort();
+            let e = h.join().unwrap().unwrap_err();
+            assert!(e.to_string().contains("aborted"), "{e}");
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+}
