@@ -19,8 +19,8 @@ pub mod reference;
 pub mod runtime;
 pub mod symm;
 pub mod sys;
-pub mod util;
-pub mod workload;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 pub use error::{Error, NcclVersion, Result};
 pub use ops::{DeviceRegion, EpGroup, GroupConfig, Handle, Mode};

@@ -1018,7 +1018,7 @@ pub fn check_close_bf16(
 #[allow(clippy::needless_range_loop)] // index loops read better in these checks
 mod tests {
     use super::*;
-    use crate::workload::{self, Rng, Routing};
+    use crate::testkit::workload::{self, Rng, Routing};
     use std::collections::HashMap;
 
     const CASES: u64 = 300;

@@ -16,7 +16,7 @@ use common::{ensure, gpus_or_skip, run_ranks, Rank};
 use moe_ep::cuda::{CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
-use moe_ep::workload::{self, Rng, Routing};
+use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{bf16, EpGroup, Error, GroupConfig, RecvLayout, Result};
 
 #[derive(Clone, Copy, Debug)]

@@ -6,7 +6,7 @@ mod common;
 use common::{ensure, gpus_or_skip, run_ranks};
 use moe_ep::cuda::result::mem_get_info;
 use moe_ep::symm::{SymmBuffer, SymmPool, SEGMENT_GRANULE};
-use moe_ep::util::{fill_pattern, pattern_mismatches};
+use moe_ep::testkit::copy::{fill_pattern, pattern_mismatches};
 use moe_ep::Error;
 
 const SEG: usize = 64 << 20;

@@ -21,7 +21,7 @@ use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::runtime::nccl_call as nc;
 use moe_ep::runtime::MappedHost;
-use moe_ep::workload::{self, Rng};
+use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
 
 use crate::cli::{Case, Layout, Op, Opts, Routing};
@@ -474,7 +474,7 @@ fn baselines(
     // varied as the tokens (all-zero lines could be cheaper to move).
     // SAFETY: send holds total_rows * row bytes, a multiple of 4.
     unsafe {
-        moe_ep::util::fill_pattern(
+        moe_ep::testkit::copy::fill_pattern(
             &c.stream,
             send.device_ptr(),
             (total_rows * row / 4) as u64,
@@ -496,22 +496,22 @@ fn baselines(
     let len = (nv / 16 * 16).min(recv.len() as u64);
     // SAFETY: len bytes fit both buffers.
     let store = c.time("peer-store", || unsafe {
-        moe_ep::util::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
     // The same copy the other way: SM loads of the peer's buffer (what a
     // combine that reads its partials in place does), local stores.
     let src = send.peer_ptr(peer).ok_or("peer not reachable")?;
     // SAFETY: as above.
     let load = c.time("peer-load", || unsafe {
-        moe_ep::util::sm_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::sm_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
     })?;
     // SAFETY: as above.
     let bulk = c.time("bulk-copy", || unsafe {
-        moe_ep::util::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
     })?;
     // SAFETY: as above.
     let bulk_load = c.time("bulk-load", || unsafe {
-        moe_ep::util::bulk_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::bulk_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
     })?;
     let ce = c.time("copy-engine", || unsafe {
         cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)

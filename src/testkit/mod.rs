@@ -1,0 +1,7 @@
+//! Support for the tests and ep-bench (feature `testkit`; not part of the
+//! stable API): seeded routing and token generators ([`workload`]) and the
+//! launchers of `kernels-cuda/util.cu` ([`copy`]: a pattern writer and
+//! checker, the SM and bulk-copy loops that measure the NVLink ceilings).
+
+pub mod copy;
+pub mod workload;
