@@ -3,7 +3,7 @@
 //! with the baselines.
 #![cfg(feature = "multi-gpu")]
 
-mod common;
+use moe_ep::testkit::ranks as common;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,27 +1,28 @@
 //! GPU tests of the NVLink path (`multi-gpu`; written for any world size >= 2).
 //!
-//! Each case runs layout, dispatch, combine and both backward passes on every
-//! rank and checks them against the CPU reference: dispatch bit for bit,
-//! combine bit for bit against the reference's emulation of the kernel's f32
-//! arithmetic *and* within bf16 rounding of the exact f64 sum, and the same
-//! bits over 10 runs.
+//! Every test runs on real GPUs when there are at least two, and on virtual
+//! ranks on GPU 0 at world 2, 4 and 8 otherwise (`moe_ep::testkit::ranks`
+//! says how to choose). Each case of the table is two tests,
+//! `<case id>::rank_major` and `<case id>::expert_major`, that run layout,
+//! dispatch, combine and both backward passes on every rank and check them
+//! against the CPU reference: dispatch bit for bit, combine bit for bit
+//! against the reference's emulation of the kernel's f32 arithmetic *and*
+//! within bf16 rounding of the exact f64 sum, and the same bits over 10 runs.
+//! `cargo test --features multi-gpu uniform_t4096` runs one case.
 #![cfg(feature = "multi-gpu")]
-
-mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ensure, gpus_or_skip, run_ranks, Rank};
 use moe_ep::cuda::{CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
+use moe_ep::testkit::ranks::{ensure, run_ranks, run_worlds, worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{bf16, EpGroup, Error, GroupConfig, RecvLayout, Result};
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
-    name: &'static str,
     tokens: usize,
     hidden: usize,
     topk: usize,
@@ -33,20 +34,13 @@ struct Case {
     /// `GroupConfig::combine_chunks` (the pipeline depth of combine).
     chunks: usize,
     /// `GroupConfig::num_sms`: 1 (no pushing/summing split in combine), 2
-    /// (one block of each), 3, and the default 24.
+    /// (one block of each), 3, and the default 24 (or what fits when the
+    /// ranks share one GPU).
     sms: usize,
 }
 
-const fn case(
-    name: &'static str,
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
-    routing: Routing,
-) -> Case {
+const fn case(tokens: usize, hidden: usize, topk: usize, experts: usize, routing: Routing) -> Case {
     Case {
-        name,
         tokens,
         hidden,
         topk,
@@ -59,111 +53,103 @@ const fn case(
     }
 }
 
-fn cases() -> Vec<Case> {
-    vec![
-        case(
-            "uniform_t127_h2048_k8_e64",
-            127,
-            2048,
-            8,
-            64,
-            Routing::Uniform,
-        ),
-        Case {
-            chunks: 16, // more chunks than tokens: most are empty
-            ..case("uniform_t1_h2560_k2_e8", 1, 2560, 2, 8, Routing::Uniform)
-        },
-        case("empty_t0_h4096_k8_e256", 0, 4096, 8, 256, Routing::Uniform),
-        Case {
-            chunks: 1, // no pipelining: push everything, then sum
-            sms: 1,
-            ..case(
-                "hot_expert_half_t500_h5120_k8_e256",
-                500,
-                5120,
-                8,
-                256,
-                Routing::Skewed { hot_share: 0.5 },
-            )
-        },
-        Case {
-            sms: 3,
-            ..case(
-                "masked_t300_h6144_k2_e64",
-                300,
-                6144,
-                2,
-                64,
-                Routing::Masked { masked_share: 0.3 },
-            )
-        },
-        Case {
-            silent_rank: Some(1),
-            chunks: 4,
-            sms: 2,
-            ..case(
-                "silent_rank1_t200_h7168_k1_e8",
-                200,
-                7168,
-                1,
-                8,
-                Routing::Uniform,
-            )
-        },
-        Case {
-            idx_i32: true,
-            ..case(
-                "i32_idx_t256_h2048_k16_e64",
-                256,
-                2048,
-                16,
-                64,
-                Routing::Uniform,
-            )
-        },
-        case(
-            "uniform_t4096_h7168_k8_e256",
-            4096,
-            7168,
-            8,
-            256,
-            Routing::Uniform,
-        ),
-        // More experts than a block has threads: the layout's exchange
-        // scans the experts' block starts in two tiles.
-        case(
-            "many_experts_t200_h2048_k8_e1024",
-            200,
-            2048,
-            8,
-            1024,
-            Routing::Uniform,
-        ),
-        // The largest sizes the NVLink issue names (16384 tokens per rank,
-        // hidden 16384, 512 experts), in two cases to keep the CPU side short.
-        Case {
-            chunks: 4,
-            ..case(
-                "largest_t16384_h2048_k4_e512",
-                16384,
-                2048,
-                4,
-                512,
-                Routing::Uniform,
-            )
-        },
-        Case {
-            chunks: 4,
-            ..case(
-                "largest_t1024_h16384_k8_e512",
-                1024,
-                16384,
-                8,
-                512,
-                Routing::Uniform,
-            )
-        },
-    ]
+impl Case {
+    /// The case's id, built from its fields (defaults left out):
+    /// `<routing>_t<T>_h<H>_k<K>_e<E>[_silent<r>][_i32][_c<chunks>][_sm<sms>]`.
+    fn id(&self) -> String {
+        let routing = match self.routing {
+            Routing::Uniform => "uniform".to_string(),
+            Routing::Skewed { hot_share } => format!("skewed{}", (hot_share * 100.0).round()),
+            Routing::Masked { masked_share } => format!("masked{}", (masked_share * 100.0).round()),
+        };
+        let mut id = format!(
+            "{routing}_t{}_h{}_k{}_e{}",
+            self.tokens, self.hidden, self.topk, self.experts
+        );
+        if let Some(r) = self.silent_rank {
+            id += &format!("_silent{r}");
+        }
+        if self.idx_i32 {
+            id += "_i32";
+        }
+        if self.chunks != 8 {
+            id += &format!("_c{}", self.chunks);
+        }
+        if self.sms != 24 {
+            id += &format!("_sm{}", self.sms);
+        }
+        id
+    }
+}
+
+/// The case table: one module per case, named by the case's id, with a test
+/// per receive layout. Each test first checks that its name is the id its
+/// fields give.
+macro_rules! case_table {
+    ($($id:ident = $case:expr;)+) => {
+        $(
+            mod $id {
+                use super::*;
+                #[test]
+                fn rank_major() {
+                    table_case(stringify!($id), $case, RecvLayout::RankMajor);
+                }
+                #[test]
+                fn expert_major() {
+                    table_case(stringify!($id), $case, RecvLayout::ExpertMajor { alignment: 16 });
+                }
+            }
+        )+
+    };
+}
+
+case_table! {
+    uniform_t127_h2048_k8_e64 = case(127, 2048, 8, 64, Routing::Uniform);
+    // More chunks than tokens: most are empty.
+    uniform_t1_h2560_k2_e8_c16 = Case { chunks: 16, ..case(1, 2560, 2, 8, Routing::Uniform) };
+    uniform_t0_h4096_k8_e256 = case(0, 4096, 8, 256, Routing::Uniform);
+    // No pipelining (push everything, then sum) on one block.
+    skewed50_t500_h5120_k8_e256_c1_sm1 = Case {
+        chunks: 1,
+        sms: 1,
+        ..case(500, 5120, 8, 256, Routing::Skewed { hot_share: 0.5 })
+    };
+    masked30_t300_h6144_k2_e64_sm3 = Case {
+        sms: 3,
+        ..case(300, 6144, 2, 64, Routing::Masked { masked_share: 0.3 })
+    };
+    uniform_t200_h7168_k1_e8_silent1_c4_sm2 = Case {
+        silent_rank: Some(1),
+        chunks: 4,
+        sms: 2,
+        ..case(200, 7168, 1, 8, Routing::Uniform)
+    };
+    uniform_t256_h2048_k16_e64_i32 = Case { idx_i32: true, ..case(256, 2048, 16, 64, Routing::Uniform) };
+    uniform_t4096_h7168_k8_e256 = case(4096, 7168, 8, 256, Routing::Uniform);
+    // More experts than a block has threads: the layout's exchange scans the
+    // experts' block starts in two tiles.
+    uniform_t200_h2048_k8_e1024 = case(200, 2048, 8, 1024, Routing::Uniform);
+    // The largest sizes of the NVLink path's scope (16384 tokens per rank,
+    // hidden 16384, 512 experts), in two cases to keep the CPU side short.
+    uniform_t16384_h2048_k4_e512_c4 = Case { chunks: 4, ..case(16384, 2048, 4, 512, Routing::Uniform) };
+    uniform_t1024_h16384_k8_e512_c4 = Case { chunks: 4, ..case(1024, 16384, 8, 512, Routing::Uniform) };
+}
+
+fn table_case(id: &str, c: Case, layout: RecvLayout) {
+    assert_eq!(id, c.id(), "the test's name must be the id of its case's fields");
+    // A seed per case, the same for both layouts.
+    let seed = 1000 + id.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64)) % 1000;
+    let test = format!("{id}::{layout:?}");
+    for world in worlds(&test, 2) {
+        if c.experts % world.size != 0 {
+            eprintln!("  SKIP {test} at {world}: {} experts", c.experts);
+            continue;
+        }
+        let f = build_fixture(&c, world.size, layout, seed).expect("the reference");
+        run_ranks(world, |r| {
+            run_case(r, &c, &f, layout).map_err(|e| Error::InvalidState(format!("{test}: {e}")))
+        });
+    }
 }
 
 fn shape_of(c: &Case, world: usize) -> Shape {
@@ -177,14 +163,81 @@ fn shape_of(c: &Case, world: usize) -> Shape {
 
 fn tokens_per_rank(c: &Case, world: usize) -> Vec<usize> {
     (0..world)
-        .map(|r| {
-            if Some(r) == c.silent_rank {
-                0
-            } else {
-                c.tokens
-            }
-        })
+        .map(|r| if Some(r) == c.silent_rank { 0 } else { c.tokens })
         .collect()
+}
+
+/// What every rank of a case needs of the reference: computed once per
+/// world (one thread per destination rank), shared by all ranks.
+struct Fixture {
+    shape: Shape,
+    inputs: Vec<RankInput>,
+    /// What each rank receives.
+    refs: Vec<refr::DispatchOutput>,
+    counts: refr::Counts,
+    /// Expert outputs, weight gradients (`[rows * wpr]`) and output
+    /// gradients of every rank.
+    outs: Vec<Vec<bf16>>,
+    gw_rows: Vec<Vec<f32>>,
+    grads: Vec<Vec<bf16>>,
+    /// The largest receive count of any rank (the group's capacity).
+    cap: usize,
+}
+
+fn build_fixture(c: &Case, world: usize, layout: RecvLayout, seed: u64) -> Result<Fixture> {
+    let shape = shape_of(c, world);
+    let tpr = tokens_per_rank(c, world);
+    let inputs = workload::rank_inputs(seed, &shape, &tpr, c.routing);
+    let wpr = weights_per_row(layout, c.topk);
+    let per_rank: Vec<Result<(refr::DispatchOutput, Vec<bf16>, Vec<f32>, Vec<bf16>)>> =
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|d| {
+                    let (shape, inputs, tpr) = (&shape, &inputs, &tpr);
+                    s.spawn(move || {
+                        let o = refr::dispatch(shape, inputs, d, layout)?;
+                        let out = expert_out(seed, d, o.num_rows, c.hidden);
+                        let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
+                        let gw = (0..o.num_rows * wpr).map(|_| rng.f32_unit() - 0.5).collect();
+                        let g =
+                            workload::tokens(&mut Rng::new(seed ^ (0x9B0 + d as u64)), tpr[d], c.hidden);
+                        Ok((o, out, gw, g))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("reference thread")).collect()
+        });
+    let (mut refs, mut outs, mut gw_rows, mut grads) = (vec![], vec![], vec![], vec![]);
+    for p in per_rank {
+        let (o, out, gw, g) = p?;
+        refs.push(o);
+        outs.push(out);
+        gw_rows.push(gw);
+        grads.push(g);
+    }
+    let layouts: Vec<refr::Layout> = inputs
+        .iter()
+        .map(|i| refr::layout(&shape, &i.topk_idx))
+        .collect::<Result<_>>()?;
+    let counts = refr::gather_counts(&shape, &layouts);
+    let cap = refs.iter().map(|o| o.num_rows).max().unwrap_or(0).max(1);
+    Ok(Fixture {
+        shape,
+        inputs,
+        refs,
+        counts,
+        outs,
+        gw_rows,
+        grads,
+        cap,
+    })
+}
+
+fn weights_per_row(layout: RecvLayout, k: usize) -> usize {
+    match layout {
+        RecvLayout::RankMajor => k,
+        RecvLayout::ExpertMajor { .. } => 1,
+    }
 }
 
 fn up<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits>(
@@ -247,24 +300,32 @@ fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T])
     Ok(())
 }
 
-/// The whole forward and backward of one case and one layout on one rank.
-fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
-    let shape = shape_of(c, r.world);
-    let tpr = tokens_per_rank(c, r.world);
-    let inputs: Vec<RankInput> = workload::rank_inputs(seed, &shape, &tpr, c.routing);
-    let me = &inputs[r.rank];
-    let (t, h, k) = (tpr[r.rank], c.hidden, c.topk);
-    let refs: Vec<refr::DispatchOutput> = (0..r.world)
-        .map(|d| refr::dispatch(&shape, &inputs, d, layout))
-        .collect::<Result<_>>()?;
-    let cap = refs.iter().map(|o| o.num_rows).max().unwrap_or(0).max(1);
-
-    let mut cfg = GroupConfig::new(c.experts, h, c.tokens.max(1));
+/// A group config of the case on this world (its SMs capped to what fits).
+fn case_config(r: &Rank, c: &Case, cap: usize) -> Result<GroupConfig> {
+    let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens.max(1));
     cfg.recv_capacity = cap;
     cfg.timeout = Duration::from_secs(20);
     cfg.combine_chunks = c.chunks;
-    cfg.num_sms = c.sms;
-    let group = EpGroup::new(&r.comm, cfg)?;
+    cfg.num_sms = r.sms(c.sms, c.experts)?;
+    if r.rank == 0 && cfg.num_sms != c.sms {
+        eprintln!(
+            "  num_sms {} -> {} ({} ranks share one GPU)",
+            c.sms,
+            cfg.num_sms,
+            r.world
+        );
+    }
+    Ok(cfg)
+}
+
+/// The whole forward and backward of one case and one layout on one rank.
+fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
+    let (shape, inputs) = (&f.shape, &f.inputs);
+    let me = &inputs[r.rank];
+    let (h, k) = (c.hidden, c.topk);
+    let t = me.topk_idx.len() / k;
+    let cap = f.cap;
+    let group = EpGroup::new(&r.comm, case_config(r, c, cap)?)?;
     let s = &r.stream;
 
     // Exact-length views: T may be 0 (`up` keeps one element for empty input).
@@ -285,14 +346,9 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
 
     // Counts, on the host on request.
     let hc = handle.host_counts(s)?;
-    let want = &refs[r.rank];
-    let layouts: Vec<refr::Layout> = inputs
-        .iter()
-        .map(|i| refr::layout(&shape, &i.topk_idx))
-        .collect::<Result<_>>()?;
-    let counts = refr::gather_counts(&shape, &layouts);
-    first_diff("rank counts", &hc.rank_counts, &counts.rank)?;
-    first_diff("expert counts", &hc.expert_counts, &counts.expert)?;
+    let want = &f.refs[r.rank];
+    first_diff("rank counts", &hc.rank_counts, &f.counts.rank)?;
+    first_diff("expert counts", &hc.expert_counts, &f.counts.expert)?;
     ensure(hc.recv_rows == want.num_rows, || {
         format!("recv rows {} want {}", hc.recv_rows, want.num_rows)
     })?;
@@ -310,11 +366,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     // Dispatch, pool buffers: bit for bit.
     let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
     let rows = want.num_rows;
-    let wpr = if matches!(layout, RecvLayout::RankMajor) {
-        k
-    } else {
-        1
-    };
+    let wpr = weights_per_row(layout, k);
     first_diff(
         "dispatch tokens",
         &bits(&down(s, &got.tokens, rows * h)?),
@@ -343,9 +395,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     group.check()?;
 
     // Combine: unweighted, and weighted by the received weights (expert-major).
-    let outs: Vec<Vec<bf16>> = (0..r.world)
-        .map(|d| expert_out(seed, d, refs[d].num_rows, h))
-        .collect();
+    let outs = &f.outs;
     let y = up_len(s, &outs[r.rank], cap * h)?;
     let out = s
         .alloc_zeros::<bf16>((t * h).max(1))
@@ -363,13 +413,13 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
         };
         group.combine(s, &handle, &y, wts, &out)?;
         let first = bits(&down(s, &out, t * h)?);
-        let emu = refr::combine_emulated(&shape, &inputs, &outs, r.rank, layout, weighted)?;
+        let emu = refr::combine_emulated(shape, inputs, outs, r.rank, layout, weighted)?;
         first_diff(
             &format!("combine (weighted={weighted}) vs emulated f32"),
             &first,
             &bits(&emu),
         )?;
-        let exact = refr::combine_f64(&shape, &inputs, &outs, r.rank, layout, weighted)?;
+        let exact = refr::combine_f64(shape, inputs, outs, r.rank, layout, weighted)?;
         let got_bf: Vec<bf16> = first.iter().map(|&b| bf16::from_bits(b)).collect();
         refr::check_close_bf16(&got_bf, &exact, r.world)
             .map_err(|e| Error::InvalidState(format!("combine vs f64: {e}")))?;
@@ -407,14 +457,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     group.check()?;
 
     // Dispatch backward: gradient rows combined home, weight gradients routed back.
-    let gw_rows: Vec<Vec<f32>> = (0..r.world)
-        .map(|d| {
-            let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
-            (0..refs[d].num_rows * wpr)
-                .map(|_| rng.f32_unit() - 0.5)
-                .collect()
-        })
-        .collect();
+    let gw_rows = &f.gw_rows;
     let gw_in = up_len(s, &gw_rows[r.rank], cap * wpr)?;
     let grad_x = s
         .alloc_zeros::<bf16>((t * h).max(1))
@@ -423,7 +466,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
         .alloc_zeros::<f32>((t * k).max(1))
         .map_err(Error::cuda("alloc"))?;
     let (want_gx, want_gw) =
-        refr::dispatch_backward(&shape, &inputs, &outs, &gw_rows, r.rank, layout)?;
+        refr::dispatch_backward(shape, inputs, outs, gw_rows, r.rank, layout)?;
     let want_gw_bits: Vec<u32> = want_gw.iter().map(|f| f.to_bits()).collect();
     group.dispatch_backward(s, &handle, &y, Some(&gw_in), &grad_x, Some(&grad_w))?;
     let check_backward = |how: &str| -> Result<()> {
@@ -481,9 +524,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     }
 
     // Combine backward: the output gradient dispatched (scaled when weighted).
-    let grads: Vec<Vec<bf16>> = (0..r.world)
-        .map(|d| workload::tokens(&mut Rng::new(seed ^ (0x9B0 + d as u64)), tpr[d], h))
-        .collect();
+    let grads = &f.grads;
     let g_buf = up(s, &grads[r.rank])?;
     let g = g_buf.slice(0..t * h);
     for &weighted in weightings {
@@ -493,7 +534,7 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
             None
         };
         let gx = group.combine_backward(s, &handle, &g, wts, None)?;
-        let want_g = refr::combine_backward(&shape, &inputs, &grads, r.rank, layout, weighted)?;
+        let want_g = refr::combine_backward(shape, inputs, grads, r.rank, layout, weighted)?;
         first_diff(
             &format!("combine_backward (weighted={weighted})"),
             &bits(&down(s, &gx, rows * h)?),
@@ -505,31 +546,10 @@ fn run_case(r: &Rank, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Every case of the table, both layouts, against the CPU reference.
-#[test]
-fn dispatch_combine_backward_match_reference() {
-    let Some(world) = gpus_or_skip("dispatch_combine_backward_match_reference", 2) else {
-        return;
-    };
-    for (i, c) in cases().iter().enumerate() {
-        if c.experts % world != 0 {
-            eprintln!(
-                "SKIP case {}: {} experts not divisible by {world} ranks",
-                c.name, c.experts
-            );
-            continue;
-        }
-        for layout in [
-            RecvLayout::RankMajor,
-            RecvLayout::ExpertMajor { alignment: 16 },
-        ] {
-            eprintln!("case {} {:?} on {world} GPUs", c.name, layout);
-            run_ranks(world, |r| {
-                run_case(r, c, layout, 1000 + i as u64)
-                    .map_err(|e| Error::InvalidState(format!("case {} {layout:?}: {e}", c.name)))
-            });
-        }
-    }
+/// A small case for the single-purpose tests below (name, tokens, hidden,
+/// top-k, experts, routing).
+const fn small(tokens: usize, hidden: usize, topk: usize, experts: usize, routing: Routing) -> Case {
+    case(tokens, hidden, topk, experts, routing)
 }
 
 /// Caller-supplied receive buffers are written in place (zero copy); the
@@ -537,17 +557,14 @@ fn dispatch_combine_backward_match_reference() {
 /// with NotSymmetric; over-capacity is reported and writes nothing.
 #[test]
 fn caller_buffers_zero_copy_and_rejections() {
-    let Some(world) = gpus_or_skip("caller_buffers_zero_copy_and_rejections", 2) else {
-        return;
-    };
-    let c = case("zero_copy", 256, 2048, 8, 64, Routing::Uniform);
-    run_ranks(world, |r| {
+    let c = small(256, 2048, 8, 64, Routing::Uniform);
+    run_worlds("caller_buffers_zero_copy_and_rejections", 2, |r| {
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(7, &shape, &vec![c.tokens; r.world], c.routing);
         let me = &inputs[r.rank];
         let want = refr::dispatch(&shape, &inputs, r.rank, RecvLayout::RankMajor)?;
         let cap = r.world * c.tokens;
-        let group = EpGroup::new(&r.comm, GroupConfig::new(c.experts, c.hidden, c.tokens))?;
+        let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
         let s = &r.stream;
         let (x, w, idx) = (
             up(s, &me.tokens)?,
@@ -656,22 +673,17 @@ fn caller_buffers_zero_copy_and_rejections() {
 /// around (and inside) the caller's buffer are unchanged.
 #[test]
 fn over_capacity_is_reported_and_writes_nothing() {
-    let Some(world) = gpus_or_skip("over_capacity_is_reported_and_writes_nothing", 2) else {
-        return;
-    };
-    let c = case(
-        "over_capacity",
-        512,
+    let c = small(512,
         2048,
         8,
         64,
         Routing::Skewed { hot_share: 0.9 },
     );
-    run_ranks(world, |r| {
+    run_worlds("over_capacity_is_reported_and_writes_nothing", 2, |r| {
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(11, &shape, &vec![c.tokens; r.world], c.routing);
         let me = &inputs[r.rank];
-        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        let mut cfg = r.config(c.experts, c.hidden, c.tokens)?;
         cfg.recv_capacity = 100; // far below what this routing needs
         let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
@@ -758,12 +770,9 @@ impl<T> DeviceRegion<T> for InnerRegion {
 /// backward 1, backward 2, with three handles in flight; every result right.
 #[test]
 fn several_handles_in_flight() {
-    let Some(world) = gpus_or_skip("several_handles_in_flight", 2) else {
-        return;
-    };
-    let c = case("pipeline", 300, 2048, 8, 64, Routing::Uniform);
+    let c = small(300, 2048, 8, 64, Routing::Uniform);
     let layout = RecvLayout::ExpertMajor { alignment: 8 };
-    run_ranks(world, |r| {
+    run_worlds("several_handles_in_flight", 2, |r| {
         let shape = shape_of(&c, r.world);
         let tpr = vec![c.tokens; r.world];
         let batches: Vec<Vec<RankInput>> = (0..3)
@@ -778,7 +787,7 @@ fn several_handles_in_flight() {
             })
             .collect::<Result<_>>()?;
         let cap = refs.iter().flatten().map(|o| o.num_rows).max().unwrap_or(1);
-        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        let mut cfg = r.config(c.experts, c.hidden, c.tokens)?;
         cfg.recv_capacity = cap;
         let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
@@ -887,16 +896,13 @@ fn several_handles_in_flight() {
 /// the same bits every time, equal to the eager result.
 #[test]
 fn cuda_graph_capture_and_replay() {
-    let Some(world) = gpus_or_skip("cuda_graph_capture_and_replay", 2) else {
-        return;
-    };
-    let c = case("graph", 256, 4096, 8, 64, Routing::Uniform);
-    run_ranks(world, |r| {
+    let c = small(256, 4096, 8, 64, Routing::Uniform);
+    run_worlds("cuda_graph_capture_and_replay", 2, |r| {
         use moe_ep::cuda::sys::CUstreamCaptureMode;
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(3, &shape, &vec![c.tokens; r.world], c.routing);
         let me = &inputs[r.rank];
-        let group = EpGroup::new(&r.comm, GroupConfig::new(c.experts, c.hidden, c.tokens))?;
+        let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
         let s = &r.stream;
         let cap = group.recv_capacity();
         let (x, w, idx) = (
@@ -989,12 +995,9 @@ fn cuda_graph_capture_and_replay() {
 /// token and the slot.
 #[test]
 fn bad_expert_id_is_reported() {
-    let Some(world) = gpus_or_skip("bad_expert_id_is_reported", 2) else {
-        return;
-    };
-    run_ranks(world, |r| {
+    run_worlds("bad_expert_id_is_reported", 2, |r| {
         let (t, k, e, h) = (16, 2, 8 * r.world, 1024);
-        let group = EpGroup::new(&r.comm, GroupConfig::new(e, h, t))?;
+        let group = EpGroup::new(&r.comm, r.config(e, h, t)?)?;
         let s = &r.stream;
         let mut idx: Vec<i64> = (0..t * k).map(|i| (i % e) as i64).collect();
         if r.rank == 0 {
@@ -1053,15 +1056,12 @@ fn bad_expert_id_is_reported() {
 /// rank and counter that stalled; the group refuses further work.
 #[test]
 fn stalled_peer_times_out_with_rank_and_counter() {
-    let Some(world) = gpus_or_skip("stalled_peer_times_out_with_rank_and_counter", 2) else {
-        return;
-    };
-    let c = case("stall", 64, 1024, 2, 16, Routing::Uniform);
-    run_ranks(world, |r| {
+    let c = small(64, 1024, 2, 16, Routing::Uniform);
+    run_worlds("stalled_peer_times_out_with_rank_and_counter", 2, |r| {
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(5, &shape, &vec![c.tokens; r.world], c.routing);
         let me = &inputs[r.rank];
-        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        let mut cfg = r.config(c.experts, c.hidden, c.tokens)?;
         cfg.timeout = Duration::from_millis(300);
         let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
@@ -1107,14 +1107,11 @@ fn stalled_peer_times_out_with_rank_and_counter() {
 /// with a bounded PeerTimeout that names the handshake it waited on.
 #[test]
 fn mixed_combine_buffer_kinds_time_out() {
-    let Some(world) = gpus_or_skip("mixed_combine_buffer_kinds_time_out", 2) else {
-        return;
-    };
-    let c = case("mixed", 64, 1024, 2, 16, Routing::Uniform);
-    run_ranks(world, |r| {
+    let c = small(64, 1024, 2, 16, Routing::Uniform);
+    run_worlds("mixed_combine_buffer_kinds_time_out", 2, |r| {
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(6, &shape, &vec![c.tokens; r.world], c.routing);
-        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        let mut cfg = r.config(c.experts, c.hidden, c.tokens)?;
         cfg.timeout = Duration::from_millis(300);
         let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
@@ -1151,5 +1148,67 @@ fn mixed_combine_buffer_kinds_time_out() {
                 r.rank
             ))),
         }
+    });
+}
+
+/// Every rank's blocks must be resident at once (they wait for each other):
+/// one block more per rank than fits is refused on every rank before any
+/// collective allocation, naming `num_sms` and what fits; exactly what fits
+/// runs layout, dispatch and combine to the end (no rank's blocks wait for
+/// blocks that cannot start).
+#[test]
+fn residency_is_checked_and_what_fits_runs() {
+    let c = small(256, 2048, 8, 64, Routing::Uniform);
+    run_worlds("residency_is_checked_and_what_fits_runs", 2, |r| {
+        let res = moe_ep::ops::residency(&r.comm, c.experts)?;
+        let fit = res.max_blocks_per_rank();
+        if r.rank == 0 {
+            eprintln!("  {res:?}: at most {fit} blocks per rank");
+        }
+        let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+        if fit < 132 {
+            cfg.num_sms = fit + 1;
+            match EpGroup::new(&r.comm, cfg.clone()) {
+                Err(Error::InvalidArgument {
+                    arg: "num_sms",
+                    expected,
+                    ..
+                }) if expected.contains(&format!("at most {fit} blocks per rank")) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "num_sms {} (one more than fits): expected a refusal, got {:?}",
+                        fit + 1,
+                        other.err()
+                    )))
+                }
+            }
+        }
+        cfg.num_sms = fit.min(132);
+        let group = EpGroup::new(&r.comm, cfg)?;
+        let s = &r.stream;
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(21, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let (x, w, idx) = (
+            up(s, &me.tokens)?,
+            up(s, &me.topk_weights)?,
+            up(s, &me.topk_idx)?,
+        );
+        let want = refr::dispatch(&shape, &inputs, r.rank, RecvLayout::RankMajor)?;
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+        first_diff(
+            "dispatch at the residency limit",
+            &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
+            &bits(&want.tokens),
+        )?;
+        let out = s
+            .alloc_zeros::<bf16>(c.tokens * c.hidden)
+            .map_err(Error::cuda("alloc"))?;
+        group.combine(s, &handle, &got.tokens, None, &out)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        group.check()?;
+        r.comm.barrier(s)?;
+        Ok(())
     });
 }

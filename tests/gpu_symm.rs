@@ -1,13 +1,15 @@
-//! GPU tests of the symmetric-memory pool (`multi-gpu`; any world size >= 2).
+//! GPU tests of the symmetric-memory pool and the communicator (`multi-gpu`;
+//! any world size >= 2: real GPUs, or virtual ranks on GPU 0 at world 2, 4
+//! and 8 when there are fewer; `moe_ep::testkit::ranks`).
 #![cfg(feature = "multi-gpu")]
 
-mod common;
+use std::time::{Duration, Instant};
 
-use common::{ensure, gpus_or_skip, run_ranks};
 use moe_ep::cuda::result::mem_get_info;
 use moe_ep::symm::{SymmBuffer, SymmPool, SEGMENT_GRANULE};
 use moe_ep::testkit::copy::{fill_pattern, pattern_mismatches};
-use moe_ep::Error;
+use moe_ep::testkit::ranks::{ensure, gpus_or_skip, run_worlds, Ranks};
+use moe_ep::{Communicator, Error};
 
 const SEG: usize = 64 << 20;
 
@@ -16,10 +18,7 @@ const SEG: usize = 64 << 20;
 /// checks what it received; pool buffers are symmetric, plain ones are not.
 #[test]
 fn pool_offsets_peer_writes_and_is_symm_backed() {
-    let Some(world) = gpus_or_skip("pool_offsets_peer_writes_and_is_symm_backed", 2) else {
-        return;
-    };
-    run_ranks(world, |r| {
+    run_worlds("pool_offsets_peer_writes_and_is_symm_backed", 2, |r| {
         let pool = SymmPool::new(&r.comm, SEG);
         let a: SymmBuffer<u32> = pool.alloc(1000)?;
         let b: SymmBuffer<u32> = pool.alloc(1 << 20)?;
@@ -85,10 +84,7 @@ fn pool_offsets_peer_writes_and_is_symm_backed() {
 /// freed space is reused at the same offset.
 #[test]
 fn pool_grows_past_one_segment_and_reuses() {
-    let Some(world) = gpus_or_skip("pool_grows_past_one_segment_and_reuses", 2) else {
-        return;
-    };
-    run_ranks(world, |r| {
+    run_worlds("pool_grows_past_one_segment_and_reuses", 2, |r| {
         let pool = SymmPool::new(&r.comm, SEGMENT_GRANULE * 4);
         let a: SymmBuffer<u8> = pool.alloc(SEGMENT_GRANULE * 3)?;
         ensure(pool.num_segments() == 1, || {
@@ -124,15 +120,16 @@ fn pool_grows_past_one_segment_and_reuses() {
 /// 1000 allocate/free cycles leave device memory where it started.
 #[test]
 fn thousand_alloc_free_cycles_leak_nothing() {
-    let Some(world) = gpus_or_skip("thousand_alloc_free_cycles_leak_nothing", 2) else {
-        return;
-    };
-    run_ranks(world, |r| {
+    run_worlds("thousand_alloc_free_cycles_leak_nothing", 2, |r| {
         let pool = SymmPool::new(&r.comm, SEG);
         let warm: SymmBuffer<u8> = pool.alloc(1 << 20)?;
         drop(warm);
+        // Every rank synchronised before any rank reads the free memory (on
+        // virtual ranks the GPU, and so its free memory, is shared).
         r.ctx.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(&r.stream)?;
         let (free_before, _) = mem_get_info().map_err(Error::cuda("cuMemGetInfo"))?;
+        r.comm.barrier(&r.stream)?;
         for i in 0..1000usize {
             let x: SymmBuffer<u32> = pool.alloc(1 + (i * 7919) % (1 << 20))?;
             let y: SymmBuffer<u8> = pool.alloc(4096 + i)?;
@@ -140,6 +137,7 @@ fn thousand_alloc_free_cycles_leak_nothing() {
             drop(y);
         }
         r.ctx.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(&r.stream)?;
         let (free_after, _) = mem_get_info().map_err(Error::cuda("cuMemGetInfo"))?;
         ensure(pool.num_segments() == 1, || {
             format!("{} segments after the cycles", pool.num_segments())
@@ -149,6 +147,160 @@ fn thousand_alloc_free_cycles_leak_nothing() {
         })?;
         Ok(())
     });
+}
+
+/// A buffer the caller allocated and registered itself is symmetric like a
+/// pool buffer: an NCCL window it registered (one GPU per rank), or, on
+/// virtual ranks, its own device allocation registered collectively.
+#[test]
+fn wrapped_caller_buffer_is_symmetric() {
+    run_worlds("wrapped_caller_buffer_is_symmetric", 2, |r| {
+        let pool = SymmPool::new(&r.comm, SEG);
+        let n = 1usize << 16;
+        let bytes = n * 4;
+        // The caller's memory: an NCCL window, or a plain allocation.
+        let plain = r.stream.alloc_zeros::<u32>(n).map_err(Error::cuda("alloc"))?;
+        let plain_ptr = moe_ep::ops::DeviceRegion::device_ptr(&plain);
+        // (window, allocation) to deregister and free at the end (GPUs).
+        let mut registered = None;
+        let wrapped: SymmBuffer<u32> = match r.ranks {
+            Ranks::Virtual => {
+                // A window is refused on a virtual rank, naming the argument.
+                // SAFETY: refused before anything is dereferenced.
+                match unsafe { pool.wrap_window::<u32>(std::ptr::null_mut(), plain_ptr, bytes) } {
+                    Err(Error::InvalidArgument { arg: "window", .. }) => {}
+                    other => {
+                        return Err(Error::InvalidState(format!(
+                            "wrap_window on a virtual rank: {:?}",
+                            other.err()
+                        )))
+                    }
+                }
+                // SAFETY: `plain` outlives the pool and `wrapped` on every rank
+                // (both dropped below, before it).
+                unsafe { pool.wrap_device(plain_ptr, bytes)? }
+            }
+            Ranks::Gpus => {
+                use moe_ep::runtime::nccl_call as nc;
+                let ptr = nc::mem_alloc(bytes)?;
+                let raw = r.comm.raw().expect("an NCCL communicator");
+                // SAFETY: a fresh ncclMemAlloc of `bytes`, registered
+                // collectively; deregistered and freed below, after the pool
+                // and `wrapped` are gone.
+                let win = unsafe {
+                    nc::window_register(raw, ptr, bytes, moe_ep::sys::nccl::NCCL_WIN_COLL_SYMMETRIC)?
+                };
+                registered = Some((raw, win, ptr));
+                // SAFETY: as above.
+                unsafe { pool.wrap_window(win, ptr as u64, bytes)? }
+            }
+        };
+        ensure(pool.is_symm_backed(wrapped.device_ptr(), bytes), || {
+            "wrapped buffer not symm-backed".into()
+        })?;
+        ensure(!pool.is_symm_backed(wrapped.device_ptr(), bytes + 4), || {
+            "range past the wrapped buffer reported symmetric".into()
+        })?;
+        let right = (r.rank + 1) % r.world;
+        let left = (r.rank + r.world - 1) % r.world;
+        let peer = wrapped
+            .peer_ptr(right)
+            .ok_or_else(|| Error::InvalidState(format!("no peer pointer to rank {right}")))?;
+        // SAFETY: rank `right`'s copy of the wrapped buffer, n u32.
+        unsafe { fill_pattern(&r.stream, peer, n as u64, 300 + r.rank as u32)? };
+        r.comm.barrier(&r.stream)?;
+        let bad = pattern_mismatches(&r.stream, &wrapped, 300 + left as u32)?;
+        ensure(bad == 0, || {
+            format!("rank {}: {bad} of {n} words from rank {left} wrong", r.rank)
+        })?;
+        r.comm.barrier(&r.stream)?;
+        drop(wrapped);
+        drop(pool);
+        if let Some((raw, win, ptr)) = registered {
+            use moe_ep::runtime::nccl_call as nc;
+            // SAFETY: registered above; nothing maps it any more.
+            unsafe {
+                nc::window_deregister(raw, win)?;
+                nc::mem_free(ptr)?;
+            }
+        }
+        drop(plain);
+        Ok(())
+    });
+}
+
+/// Virtual ranks: a rank whose thread panics leaves the world, and every
+/// other rank's next host collective fails at once naming it (no hang, no
+/// timeout to sit out); a rank that never arrives is named after the timeout.
+#[test]
+fn virtual_rank_that_panics_or_stays_away_is_named() {
+    let Some(_) = gpus_or_skip("virtual_rank_that_panics_or_stays_away_is_named", 1) else {
+        return;
+    };
+    let ctx = moe_ep::context(0).expect("GPU 0");
+    for world in [2usize, 4, 8] {
+        eprintln!("  world {world}, virtual ranks on GPU 0");
+        let comms = Communicator::virtual_world_with_timeout(&ctx, world, Duration::from_secs(20))
+            .expect("virtual world");
+        let t0 = Instant::now();
+        let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let ctx = ctx.clone();
+                    s.spawn(move || {
+                        let stream = ctx.new_stream().expect("stream");
+                        comm.barrier(&stream).map_err(|e| e.to_string())?;
+                        if comm.rank() == world - 1 {
+                            panic!("rank {} fails on purpose", comm.rank());
+                        }
+                        comm.barrier(&stream).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())))
+                .collect()
+        });
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(10), "world {world}: took {took:?}");
+        for (rank, res) in results.iter().enumerate() {
+            let want = if rank == world - 1 {
+                "panicked".to_string()
+            } else {
+                format!("rank {} panicked", world - 1)
+            };
+            match res {
+                Err(e) if e.contains(&want) => {}
+                other => panic!("world {world} rank {rank}: expected an error naming the panicked rank, got {other:?}"),
+            }
+        }
+    }
+    // A rank that never arrives: named by every other rank after the timeout.
+    let comms = Communicator::virtual_world_with_timeout(&ctx, 4, Duration::from_millis(500))
+        .expect("virtual world");
+    let t0 = Instant::now();
+    let errs: Vec<Error> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .filter(|c| c.rank() != 2)
+            .map(|comm| {
+                let ctx = ctx.clone();
+                s.spawn(move || {
+                    let stream = ctx.new_stream().expect("stream");
+                    comm.barrier(&stream).expect_err("rank 2 never arrives")
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    for e in errs {
+        match e {
+            Error::CollectiveFailed { missing, .. } if missing == vec![2] => {}
+            other => panic!("expected CollectiveFailed naming rank 2, got {other}"),
+        }
+    }
 }
 
 /// One process per GPU: this test re-runs its own binary once per rank (the
