@@ -304,7 +304,7 @@ fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T])
 fn case_config(r: &Rank, c: &Case, cap: usize) -> Result<GroupConfig> {
     let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens.max(1));
     cfg.recv_capacity = cap;
-    cfg.timeout = Duration::from_secs(20);
+    cfg.timeout = Duration::from_secs(10);
     cfg.combine_chunks = c.chunks;
     cfg.num_sms = r.sms(c.sms, c.experts)?;
     if r.rank == 0 && cfg.num_sms != c.sms {
@@ -966,6 +966,9 @@ fn cuda_graph_capture_and_replay() {
             .end_capture(moe_ep::cuda::sys::CUgraphInstantiate_flags(0))
             .map_err(Error::cuda("end_capture"))?
             .ok_or_else(|| Error::InvalidState("empty graph".into()))?;
+        // Instantiation may wait for the whole GPU: every rank instantiates
+        // before any rank's replay waits for the others (virtual ranks).
+        r.comm.barrier(s)?;
         for replay in 0..5 {
             // SAFETY: out holds tokens*hidden bf16.
             unsafe {

@@ -277,6 +277,11 @@ impl EpGroup {
         stream
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
+        // Everything that allocates (pinned host memory may wait for the whole
+        // GPU) happens before the barrier: once a rank has passed it, its
+        // kernels may wait for the other ranks', and on a virtual world a
+        // rank still allocating behind the barrier would hold them up.
+        let error = MappedHost::new(&ctx, ErrorInfo::default())?;
         comm.barrier(&stream)?;
 
         Ok(EpGroup {
@@ -286,7 +291,7 @@ impl EpGroup {
             _ws: ws,
             w,
             ws_peers,
-            error: MappedHost::new(&ctx, ErrorInfo::default())?,
+            error,
             poisoned: AtomicBool::new(false),
             k,
             cfg,

@@ -70,6 +70,10 @@ impl Residency {
 /// The residency of `kernels` (each with its dynamic shared memory) on the
 /// GPU of `comm`.
 pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Result<Residency> {
+    // The occupancy queries need the context current on this thread.
+    comm.context()
+        .bind_to_thread()
+        .map_err(Error::cuda("cuCtxSetCurrent"))?;
     let sms = comm
         .context()
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

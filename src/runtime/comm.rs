@@ -110,10 +110,19 @@ impl Communicator {
     /// NVLink is not crossed.
     ///
     /// All ranks' kernels run on one GPU at once and wait for each other, so
-    /// `EpGroup::new` checks that every rank's blocks fit the GPU together.
-    /// Create the ranks' streams one after another (the driver spreads
-    /// consecutive streams over its hardware queues) and run one virtual
-    /// world per GPU at a time.
+    /// `EpGroup::new` checks that every rank's blocks fit the GPU together,
+    /// and nothing may make one rank's work wait for a sibling's:
+    /// - the device's stream-ordered memory pool is told not to make one
+    ///   stream wait for another to reuse memory (this applies to the whole
+    ///   process's allocations on that GPU);
+    /// - create the ranks' streams one after another (the driver spreads
+    ///   consecutive streams over its hardware queues; more queues with
+    ///   `CUDA_DEVICE_MAX_CONNECTIONS=32` before the first CUDA call);
+    /// - a rank must not call what waits for the whole GPU (`cuCtxSynchronize`,
+    ///   `cuMemFree`, pinned host allocation, graph instantiation) while its
+    ///   siblings' kernels may wait for its next launch: do it before a
+    ///   barrier;
+    /// - run one virtual world per GPU at a time.
     pub fn virtual_world(ctx: &Arc<CudaContext>, world: usize) -> Result<Vec<Arc<Self>>> {
         Self::virtual_world_with_timeout(ctx, world, VIRTUAL_HOST_TIMEOUT)
     }
@@ -133,6 +142,7 @@ impl Communicator {
         if timeout.is_zero() {
             return Err(Error::arg("timeout", "a positive duration", "0"));
         }
+        no_cross_stream_reuse(ctx)?;
         Ok(HostGroup::new(world, timeout)
             .into_iter()
             .map(|g| {
@@ -342,6 +352,44 @@ impl Drop for Communicator {
             }
         }
     }
+}
+
+/// Stops the device's stream-ordered memory pool from making one stream wait
+/// for another to reuse memory freed there
+/// (`CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES` off): the ranks of a
+/// virtual world allocate from one pool on their own streams, and such a
+/// dependency would make a rank's next allocation wait behind a sibling's
+/// kernel that is itself waiting for this rank. Reuse of memory whose free
+/// has completed, and reuse along event dependencies, stay on.
+fn no_cross_stream_reuse(ctx: &Arc<CudaContext>) -> Result<()> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()
+        .map_err(Error::cuda("cuCtxSetCurrent"))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: out-parameter of the device's current pool.
+    let rc = unsafe { sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Cuda {
+            context: "cuDeviceGetMemPool",
+            source: cudarc::driver::DriverError(rc),
+        });
+    }
+    let mut off: i32 = 0;
+    // SAFETY: the attribute takes an int.
+    let rc = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            &mut off as *mut i32 as *mut c_void,
+        )
+    };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Cuda {
+            context: "cuMemPoolSetAttribute(REUSE_ALLOW_INTERNAL_DEPENDENCIES)",
+            source: cudarc::driver::DriverError(rc),
+        });
+    }
+    Ok(())
 }
 
 /// A key equal for processes on the same host: hash of the host name.

@@ -70,8 +70,9 @@ struct DeviceAlloc {
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by malloc_sync in Segment::new; no rank maps it
-        // any more (every Segment holding this Arc is gone).
+        // SAFETY: allocated by malloc_async in Segment::new (and waited for);
+        // no rank maps it any more (every Segment holding this Arc is gone).
+        // cuMemFree waits for the work still using it.
         if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
             eprintln!("moe-ep: cuMemFree of a virtual segment failed in drop: {e}");
         }
@@ -94,9 +95,20 @@ impl Segment {
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
         if let Some(group) = comm.host_group() {
-            // SAFETY: a plain allocation of `size` bytes, owned by `mine`.
-            let ptr = unsafe { cudarc::driver::result::malloc_sync(size) }
-                .map_err(Error::cuda("cuMemAlloc (virtual segment)"))?;
+            // Stream-ordered on a stream of its own, then waited for: a plain
+            // cuMemAlloc may wait for the whole GPU, where the sibling ranks'
+            // kernels can be waiting for this rank's next launch.
+            let stream = comm
+                .context()
+                .new_stream()
+                .map_err(Error::cuda("cuStreamCreate"))?;
+            // SAFETY: `size` bytes on `stream`, owned by `mine` below once
+            // the stream has finished the allocation.
+            let ptr = unsafe { cudarc::driver::result::malloc_async(stream.cu_stream(), size) }
+                .map_err(Error::cuda("cuMemAllocAsync (virtual segment)"))?;
+            stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
             let mine = Arc::new(DeviceAlloc {
                 ptr,
                 ctx: comm.context().clone(),

@@ -55,6 +55,7 @@ fn say(line: String) {
 /// GPUs to use (all visible, or `MOE_EP_TEST_GPUS`), or None after printing
 /// why the test is skipped (no driver, or fewer than `needed`).
 pub fn gpus_or_skip(test: &str, needed: usize) -> Option<usize> {
+    more_hardware_queues();
     let found = match crate::device_count() {
         Ok(n) => n,
         Err(e) => {
@@ -96,6 +97,7 @@ fn virtual_worlds_from_env() -> Option<Vec<usize>> {
 /// for; else the virtual worlds (2, 4 and 8 unless asked otherwise) on GPU
 /// 0. Empty (after printing SKIP) without a GPU.
 pub fn worlds(test: &str, needed: usize) -> Vec<World> {
+    more_hardware_queues();
     let found = match crate::device_count() {
         Ok(n) => n,
         Err(e) => {
@@ -137,6 +139,19 @@ pub fn worlds(test: &str, needed: usize) -> Vec<World> {
         say(format!("{test}:"));
     }
     out
+}
+
+/// Asks the driver for 32 hardware work queues (`CUDA_DEVICE_MAX_CONNECTIONS`,
+/// 8 by default) unless the environment says otherwise, before the first
+/// CUDA call: streams that share a queue can wait behind each other, and the
+/// ranks of a virtual world wait for each other's kernels.
+fn more_hardware_queues() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+        }
+    });
 }
 
 /// What each rank's closure gets.
@@ -290,6 +305,15 @@ where
         .enumerate()
         .filter_map(|(r, x)| x.and_then(|x| x.err()).map(|e| format!("rank {r}: {e}")))
         .collect();
+    if !errors.is_empty() {
+        // Printed now too: a later test's watchdog may end the process
+        // before the harness prints the failures.
+        say(format!(
+            "  {world}: FAILED after {:.1} s\n    {}",
+            t0.elapsed().as_secs_f64(),
+            errors.join("\n    ")
+        ));
+    }
     assert!(errors.is_empty(), "{world}:\n{}", errors.join("\n"));
     say(format!("  {world}: ok in {:.1} s", t0.elapsed().as_secs_f64()));
 }
