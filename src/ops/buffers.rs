@@ -175,7 +175,11 @@ impl EpGroup {
     /// Every rank's address of `buf`, which must lie in a registered window
     /// of this communicator (same offset on every rank, by the collective
     /// allocation contract); `Error::NotSymmetric` naming `arg` otherwise.
-    pub(crate) fn peers_of<T>(&self, buf: &dyn DeviceRegion<T>, arg: &'static str) -> Result<Peers> {
+    pub(crate) fn peers_of<T>(
+        &self,
+        buf: &dyn DeviceRegion<T>,
+        arg: &'static str,
+    ) -> Result<Peers> {
         let (ptr, bytes) = (buf.device_ptr(), buf.len() * std::mem::size_of::<T>());
         let seg = self
             .comm

@@ -91,7 +91,11 @@ impl EpGroup {
             out: call.out,
             grad_w_out,
             y_peers: call.pull.as_ref().map(|q| q.y).unwrap_or_default(),
-            gw_peers: call.pull.as_ref().and_then(|q| q.grad_w).unwrap_or_default(),
+            gw_peers: call
+                .pull
+                .as_ref()
+                .and_then(|q| q.grad_w)
+                .unwrap_or_default(),
             num_chunks: self.cfg.combine_chunks as i32,
             _pad: 0,
         };

@@ -157,7 +157,11 @@ pub struct EpGroup {
 /// `NAME_r2`, `NAME_r4`, `NAME_r8`: a combine kernel per bound on the world.
 macro_rules! by_world {
     ($name:literal) => {
-        [concat!($name, "_r2"), concat!($name, "_r4"), concat!($name, "_r8")]
+        [
+            concat!($name, "_r2"),
+            concat!($name, "_r4"),
+            concat!($name, "_r8"),
+        ]
     };
 }
 
@@ -189,7 +193,10 @@ pub(crate) struct ByLayout {
 }
 
 impl ByLayout {
-    fn load(names: [&'static str; 2], load: impl Fn(&'static str) -> Result<Function>) -> Result<ByLayout> {
+    fn load(
+        names: [&'static str; 2],
+        load: impl Fn(&'static str) -> Result<Function>,
+    ) -> Result<ByLayout> {
         Ok(ByLayout {
             rank_major: load(names[0])?,
             expert_major: load(names[1])?,
@@ -498,7 +505,10 @@ mod tests {
     fn every_entry_point_is_in_its_module() {
         let per_world = |n: [[&'static str; 3]; 2]| n.concat();
         let modules: [(&str, Vec<&str>); 4] = [
-            ("layout", [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE, LAYOUT_META]].concat()),
+            (
+                "layout",
+                [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE, LAYOUT_META]].concat(),
+            ),
             ("dispatch", [DISPATCH, COMBINE_BWD].concat()),
             ("combine_pull", [COMBINE_PULL, DISPATCH_BWD_PULL].concat()),
             (

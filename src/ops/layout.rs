@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::abi::{info_offsets, LayoutKind, LayoutParams, MAX_RANKS, MAX_TOPK, SCAN_EXPERTS, THREADS};
+use super::abi::{
+    info_offsets, LayoutKind, LayoutParams, MAX_RANKS, MAX_TOPK, SCAN_EXPERTS, THREADS,
+};
 use super::buffers::{Peers, TopkIdx};
 use super::group::EpGroup;
 use super::handle::{ArenaOffsets, Handle};
@@ -69,7 +71,9 @@ impl RecvLayout {
     /// Refuses an alignment the kernels cannot take, naming `layout`.
     fn check_for_kernels(self) -> Result<()> {
         match self {
-            RecvLayout::ExpertMajor { alignment } if alignment == 0 || alignment > MAX_ALIGNMENT => {
+            RecvLayout::ExpertMajor { alignment }
+                if alignment == 0 || alignment > MAX_ALIGNMENT =>
+            {
                 Err(Error::arg(
                     "layout",
                     format!("ExpertMajor alignment in 1..={MAX_ALIGNMENT}"),
