@@ -72,7 +72,9 @@ impl Residency {
 pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Result<Residency> {
     let sms = comm
         .context()
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
         .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
         .max(0) as usize;
     let mut least: Option<(usize, &'static str)> = None;
