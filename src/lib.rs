@@ -10,7 +10,7 @@
 //! Layers, each calling only the one below: `sys` (raw NCCL, loaded at run
 //! time) → [`runtime`] (contexts, modules, communicator) → [`symm`] (the
 //! symmetric-memory pool) → [`ops`] (layout, dispatch, combine) → this file.
-//! [`reference`] is the CPU implementation everything is checked against.
+//! [`reference`](mod@reference) is the CPU implementation everything is checked against.
 //!
 //! Cargo features: `testkit` (seeded workloads and baseline copy kernels for
 //! the tests and ep-bench), `raw` (the raw layers for tools that measure

@@ -22,7 +22,7 @@
 //! host, except [`Handle::host_counts`]. Problems only the device can see
 //! (receive capacity exceeded, an expert id out of range, a peer that never
 //! answers) are recorded in host-mapped memory by the kernels and reported as
-//! an [`Error`] by the next call on the group (or by [`EpGroup::check`]).
+//! an [`Error`](crate::Error) by the next call on the group (or by [`EpGroup::check`]).
 
 pub mod abi;
 mod buffers;
