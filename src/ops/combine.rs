@@ -128,10 +128,7 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &dyn DeviceRegion<bf16>,
     ) -> Result<()> {
-        let _range = crate::runtime::nvtx::range("moe_ep::combine");
-        self.check()?;
-        self.bind(stream)?;
-        self.check_handle(handle)?;
+        let _range = self.enter("moe_ep::combine", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         check_len(
             "expert_out",
@@ -179,10 +176,7 @@ impl EpGroup {
         grad_tokens: &dyn DeviceRegion<bf16>,
         grad_topk_weights: Option<&dyn DeviceRegion<f32>>,
     ) -> Result<()> {
-        let _range = crate::runtime::nvtx::range("moe_ep::dispatch_backward");
-        self.check()?;
-        self.bind(stream)?;
-        self.check_handle(handle)?;
+        let _range = self.enter("moe_ep::dispatch_backward", stream, handle)?;
         let (t, k, h, cap) = (
             handle.num_tokens,
             handle.topk,

@@ -17,6 +17,7 @@ use super::buffers::DeviceRegion;
 use super::group::EpGroup;
 use super::layout::RecvLayout;
 use crate::error::{Error, Result};
+use crate::runtime::nvtx::{self, Range};
 use crate::symm::SymmBuffer;
 
 /// The routing of one batch, computed by [`EpGroup::layout`] and reused by
@@ -156,8 +157,24 @@ impl Handle {
 }
 
 impl EpGroup {
+    /// The start of every op on a handle: its NVTX range `name` (held by the
+    /// caller for the op), the error an earlier call left, the stream's
+    /// context, the handle's group.
+    pub(crate) fn enter(
+        &self,
+        name: &'static str,
+        stream: &CudaStream,
+        handle: &Handle,
+    ) -> Result<Range> {
+        let range = nvtx::range(name);
+        self.check()?;
+        self.bind(stream)?;
+        self.check_handle(handle)?;
+        Ok(range)
+    }
+
     /// Refuses a handle that another group's layout made.
-    pub(crate) fn check_handle(&self, handle: &Handle) -> Result<()> {
+    fn check_handle(&self, handle: &Handle) -> Result<()> {
         if handle.world != self.comm.world() || handle.experts != self.cfg.num_experts {
             return Err(Error::arg(
                 "handle",
