@@ -244,12 +244,12 @@ impl Kernels {
             3..=4 => 1,
             _ => 2,
         };
-        let combine = |m: &Arc<Module>, names: [&'static str; 3]| -> Result<Function> {
-            let f = m.function(names[bound])?;
+        let pick = |names: [&'static str; 3]| names[bound];
+        let combine = |m: &Arc<Module>, name: &'static str| -> Result<Function> {
+            let f = m.function(name)?;
             f.allow_dynamic_smem(abi::COMBINE_SMEM)?;
             Ok(f)
         };
-        let [rm, em] = [0, 1];
         Ok(Kernels {
             layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
             layout_scan_i64: layout.function(LAYOUT_SCAN[1])?,
@@ -257,16 +257,10 @@ impl Kernels {
             layout_meta: layout.function(LAYOUT_META)?,
             dispatch: ByLayout::load(DISPATCH, |f| dispatch.function(f))?,
             combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
-            combine_pull: combine(&pull, COMBINE_PULL)?,
-            dispatch_bwd_pull: combine(&pull, DISPATCH_BWD_PULL)?,
-            combine_push: ByLayout {
-                rank_major: combine(&push, COMBINE_PUSH[rm])?,
-                expert_major: combine(&push, COMBINE_PUSH[em])?,
-            },
-            dispatch_bwd_push: ByLayout {
-                rank_major: combine(&push, DISPATCH_BWD_PUSH[rm])?,
-                expert_major: combine(&push, DISPATCH_BWD_PUSH[em])?,
-            },
+            combine_pull: combine(&pull, pick(COMBINE_PULL))?,
+            dispatch_bwd_pull: combine(&pull, pick(DISPATCH_BWD_PULL))?,
+            combine_push: ByLayout::load(COMBINE_PUSH.map(pick), |f| combine(&push, f))?,
+            dispatch_bwd_push: ByLayout::load(DISPATCH_BWD_PUSH.map(pick), |f| combine(&push, f))?,
         })
     }
 

@@ -110,7 +110,7 @@ mod tests {
         Residency {
             sms: 132,
             blocks_per_sm: bps,
-            kernel: "moe_ep_combine_r8",
+            kernel: "moe_ep_combine_push_rank_major_r8",
             ranks_per_gpu: ranks,
         }
     }
@@ -132,7 +132,10 @@ mod tests {
                 assert_eq!(got, "17");
                 assert!(expected.contains("at most 16"), "{expected}");
                 assert!(expected.contains("8 x 17 = 136"), "{expected}");
-                assert!(expected.contains("moe_ep_combine_r8"), "{expected}");
+                assert!(
+                    expected.contains("moe_ep_combine_push_rank_major_r8"),
+                    "{expected}"
+                );
             }
             other => panic!("{other:?}"),
         }
