@@ -124,17 +124,19 @@ __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int m
 // rank's partial stay in registers (kHome vectors each). kGradW: the
 // dispatch backward's weight gradients travel beside the rows.
 //
-// Rank-major without weight gradients: warp 0 of each block is the pusher (bulk copies, no registers
-// in flight, chunk by chunk; it releases the block's flag for chunk c once
-// its copies are written) and the other warps sum: they wait for every other
-// rank's chunk c and reduce it, while the pushers already move chunk c + 1.
+// Rank-major without weight gradients: warp 0 of each block is the pusher
+// (bulk copies, no registers in flight, chunk by chunk; it releases the
+// block's flag for chunk c once its copies are written) and the other warps
+// sum: they wait for every other rank's chunk c and reduce it, while the
+// pushers already move chunk c + 1.
 // Expert-major (partials are f32 sums of several rows), and rank-major with
 // weight gradients: every warp pushes its share of chunk c, marks it (the
 // block's last warp releases the flag), then sums chunk c - 1.
 template <int kMaxR, bool kExpertMajor, bool kGradW>
 __device__ void combine_push(const CombineParams& p) {
-  // Expert-major home sums hold f32 accumulators too: fewer vectors. (4 or 8
-  // per lane per rank at 2 ranks measured alike: BENCHMARKS.md.)
+  // Vectors per lane per rank the home sum loads at once (rank-major at 2
+  // ranks: 4 and 8 measured alike, BENCHMARKS.md); expert-major home sums
+  // hold f32 accumulators too: fewer vectors.
   constexpr int kHomeRm = kMaxR <= 2 ? 4 : (kMaxR <= 4 ? 2 : 1);
   constexpr int kHome = kExpertMajor ? (kMaxR <= 2 ? 2 : 1) : kHomeRm;
   constexpr int kEm = 2;  // expert-major partials: vectors per lane per step (f32 sums)

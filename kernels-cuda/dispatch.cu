@@ -49,8 +49,8 @@ __device__ bool signal_and_wait(uint64_t* (*flags_of)(const Ws&, int), const Ws&
 }
 __device__ uint64_t* dispatch_flags(const Ws& ws, int r) { return ws.dispatch_done(r); }
 
-
-// Every row in w * f32 (the expert-major combine backward's scaled copies).
+// 8 bf16 values times w, in f32, rounded back to bf16 (the expert-major
+// combine backward's scaled rows).
 __device__ __forceinline__ int4 scale_v4(int4 v, float w) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
