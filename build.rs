@@ -8,7 +8,8 @@
 //! `.toolchain/` of the checkout. NCCL headers: `NCCL_INCLUDE_DIR`, then
 //! `NCCL_HOME/include`, then `.toolchain/`, then `/usr/include`.
 //! `MOE_EP_KERNEL_DEFINES="NAME=VALUE ..."` passes macros to every kernel
-//! (the tuning switches documented in kernels-cuda/intranode.cu).
+//! (the compile-time switches: `MOE_EP_PREFETCH`, documented in
+//! kernels-cuda/common.cuh).
 
 use std::env;
 use std::fmt::Write as _;
@@ -103,13 +104,6 @@ fn main() {
     writeln!(
         gen,
         "pub const NCCL_HEADERS_VERSION_CODE: i32 = {nccl_code};"
-    )
-    .unwrap();
-    writeln!(gen, "/// nvcc used for the embedded images.").unwrap();
-    writeln!(
-        gen,
-        "pub const NVCC_PATH: &str = {:?};",
-        nvcc.display().to_string()
     )
     .unwrap();
     writeln!(

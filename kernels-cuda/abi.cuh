@@ -24,15 +24,13 @@
 // routing per group of experts): its grid has ceil(E / SCAN_EXPERTS) such
 // blocks, then one per rank, then the check blocks.
 #define MOE_EP_SCAN_EXPERTS 4
-// Rank-major combine: one warp per block pushes partials with bulk copies
-// through a ring of shared buffers (MOE_EP_COMBINE_SMEM bytes of dynamic
-// shared memory, given by the launcher), one row piece of up to
+// Rank-major pushed combine: one warp per block pushes partials with bulk
+// copies through a ring of shared buffers (MOE_EP_COMBINE_SMEM bytes of
+// dynamic shared memory, given by the launcher), one row piece of up to
 // MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB) each; loads run half the
-// ring ahead of the stores.
+// ring ahead of the stores. (16 KiB copies beat 8 KiB and 4 KiB: BENCHMARKS.md.)
 #define MOE_EP_COMBINE_SMEM (128 * 1024)
-#ifndef MOE_EP_BULK_VECS
 #define MOE_EP_BULK_VECS 32
-#endif
 #define MOE_EP_BULK_BUFS (MOE_EP_COMBINE_SMEM / (MOE_EP_BULK_VECS * 512))
 #define MOE_EP_BULK_AHEAD (MOE_EP_BULK_BUFS / 2)
 // sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).
@@ -128,77 +126,87 @@ struct Workspace {
   uint64_t _pad;
 };
 
-struct LayoutParams {
-  const void* topk_idx;    // [T][K] int32 or int64
-  LayoutBufs bufs;
+// How received rows are laid out (RecvLayout on the Rust side).
+//   RankMajor    one row per (token, destination rank), grouped by source rank
+//   ExpertMajor  one row per (token, local expert), in per-expert blocks
+//                padded to OpCommon::alignment rows
+enum class LayoutKind : int32_t { RankMajor = 0, ExpertMajor = 1 };
+
+// What every op's parameters share: the group's resources (workspace, error
+// report), the handle's layout arrays, and the call's shape. Embedded first
+// in each kernel's parameter struct as `op`.
+struct OpCommon {
+  LayoutBufs bufs;              // the handle's arrays (local)
   char* ws[MOE_EP_MAX_RANKS];   // workspace base as mapped here, per rank (ws[rank] = local)
-  int32_t* meta[MOE_EP_MAX_RANKS];  // every rank's LayoutBufs::meta as mapped here
   Workspace w;
-  ErrorInfo* error;        // host-mapped
-  int32_t idx_is_i64;
-  int32_t rank, world, num_tokens, topk, num_experts, hidden;
-  int32_t layout;          // 0 rank-major, 1 expert-major
-  int32_t alignment;       // expert-major padding
-  int32_t recv_capacity;   // rows on every rank
-  uint64_t timeout_ns;
+  ErrorInfo* error;             // host-mapped
+  uint64_t timeout_ns;          // bound on every wait for another GPU
+  int32_t rank, world, num_tokens, hidden, topk, num_experts;
+  LayoutKind layout;
+  int32_t alignment;            // expert-major padding (1 for rank-major)
+  int32_t recv_capacity;        // rows on every rank
+  int32_t num_blocks;           // grid of the data kernels (dispatch, combine), the same on every rank
 };
 
-// dispatch (and combine backward, which is a dispatch of the gradient).
+// layout: moe_ep_layout_scan_{i32,i64}, _exchange, _meta (layout.cu).
+struct LayoutParams {
+  OpCommon op;
+  const void* topk_idx;    // [T][K] int32 (scan_i32) or int64 (scan_i64)
+  int32_t* meta[MOE_EP_MAX_RANKS];  // every rank's LayoutBufs::meta as mapped here
+};
+
+// dispatch, and combine backward, which is a dispatch of the gradient
+// (dispatch.cu).
 struct DispatchParams {
+  OpCommon op;
   const void* x;           // [T][H] bf16, local
   const float* topk_w;     // [T][K] or null (combine backward)
-  LayoutBufs bufs;
-  char* ws[MOE_EP_MAX_RANKS];
-  Workspace w;
+  const float* scale_w;    // expert-major combine backward: local [rows] weights, or null
   char* recv_x[MOE_EP_MAX_RANKS];   // [rows][H] bf16 on each rank
   float* recv_w[MOE_EP_MAX_RANKS];  // rank-major [rows][K], expert-major [rows]; may be null
   int32_t* recv_idx[MOE_EP_MAX_RANKS]; // same shape as recv_w, local expert ids; may be null
   int32_t* recv_src[MOE_EP_MAX_RANKS]; // [rows][2] (src rank, src token); may be null
-  const float* scale_w;    // expert-major combine backward: local [rows] weights, or null
-  ErrorInfo* error;
-  int32_t rank, world, num_tokens, hidden, topk, num_experts;
-  int32_t layout, alignment, recv_capacity, num_blocks;
-  uint64_t timeout_ns;
 };
 
-// combine (and dispatch backward, which is a combine of the gradient).
+// combine, and dispatch backward, which is a combine of the gradient
+// (combine_pull.cu, combine_push.cu). grad_w_in and grad_w_out are given
+// exactly to the dispatch_bwd kernels (the weight gradients travel home).
 struct CombineParams {
+  OpCommon op;
   const void* y;           // [rows][H] bf16 local, in the dispatch's layout
   const float* w_rows;     // expert-major weights per row (weighted combine), or null
   const float* grad_w_in;  // dispatch backward: rank-major [rows][K] / expert-major [rows], or null
-  LayoutBufs bufs;
-  char* ws[MOE_EP_MAX_RANKS];
-  Workspace w;
   void* out;               // [T][H] bf16 local
   float* grad_w_out;       // [T][K] local, or null
-  ErrorInfo* error;
-  int32_t rank, world, num_tokens, hidden, topk, num_experts;
-  int32_t layout, num_blocks, recv_capacity;
-  int32_t num_chunks;      // 1, 2, 4, 8 or 16 (MOE_EP_SUBCHUNKS / num_chunks sub-chunks each)
-  uint64_t timeout_ns;
-  // y as mapped here, per rank, when y (and grad_w_in, if given) is
-  // symmetric and the layout rank-major: the home reads partials (and weight
-  // gradients, gw_peers) in place (pull). Otherwise all null and partials
-  // are pushed through the stage.
+  // Pulled kernels only: y (and grad_w_in) as mapped here, per rank: the
+  // home reads partials (and weight gradients) in place. Null for the
+  // pushed ones, whose partials travel through the stage.
   const void* y_peers[MOE_EP_MAX_RANKS];
   const float* gw_peers[MOE_EP_MAX_RANKS];
+  int32_t num_chunks;      // pushed: 1, 2, 4, 8 or 16 (MOE_EP_SUBCHUNKS / num_chunks sub-chunks each)
+  int32_t _pad;
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
 static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
+static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
+static_assert(sizeof(OpCommon) == 240, "OpCommon");
 static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 520, "DispatchParams");
-static_assert(sizeof(CombineParams) == 408, "CombineParams");
+static_assert(sizeof(CombineParams) == 416, "CombineParams");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
-static_assert(offsetof(LayoutParams, ws) == 48 && offsetof(LayoutParams, w) == 176 &&
-                  offsetof(LayoutParams, error) == 256 && offsetof(LayoutParams, idx_is_i64) == 264 &&
-                  offsetof(LayoutParams, timeout_ns) == 304,
+static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
+                  offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&
+                  offsetof(OpCommon, rank) == 200 && offsetof(OpCommon, layout) == 224 &&
+                  offsetof(OpCommon, num_blocks) == 236,
+              "OpCommon offsets");
+static_assert(offsetof(LayoutParams, topk_idx) == 240 && offsetof(LayoutParams, meta) == 248,
               "LayoutParams offsets");
-static_assert(offsetof(DispatchParams, recv_x) == 200 && offsetof(DispatchParams, scale_w) == 456 &&
-                  offsetof(DispatchParams, rank) == 472 && offsetof(DispatchParams, timeout_ns) == 512,
+static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, scale_w) == 256 &&
+                  offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456,
               "DispatchParams offsets");
-static_assert(offsetof(CombineParams, out) == 208 && offsetof(CombineParams, rank) == 232 &&
-                  offsetof(CombineParams, timeout_ns) == 272 && offsetof(CombineParams, y_peers) == 280 &&
-                  offsetof(CombineParams, gw_peers) == 344,
+static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
+                  offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&
+                  offsetof(CombineParams, num_chunks) == 408,
               "CombineParams offsets");

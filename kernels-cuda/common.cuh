@@ -55,7 +55,12 @@ MOE_EP_DEVICE void st_na_v4(int4* p, int4 v) {
 
 // Asks L2 to fetch [p, p + bytes) now (bytes: a multiple of 16, p 16-byte
 // aligned); no registers held, no completion to wait for.
-// MOE_EP_PREFETCH=0 turns every such hint off (a tuning switch).
+// MOE_EP_PREFETCH=0 turns every such hint off: the one compile-time switch
+// kept (MOE_EP_KERNEL_DEFINES="MOE_EP_PREFETCH=0", see build.rs), because
+// its measurements disagree (BENCHMARKS.md: no clear change in the second
+// session; in the fourth, dispatch without it 204 / 214 / 199 µs against
+// 190 / 221 / 205 at 16 / 24 / 32 SMs), so the variant is still worth
+// building on other machines and sizes.
 #ifndef MOE_EP_PREFETCH
 #define MOE_EP_PREFETCH 1
 #endif

@@ -4,6 +4,9 @@
 // which every load/store-reachable peer's copy of the window is mapped into
 // this GPU's address space. The hot kernels then get plain pointers and never
 // include an NCCL header.
+//
+// Rust launcher: src/symm/mod.rs (on NCCL 2.28.x; newer NCCL answers on the
+// host). Tests: tests/gpu_symm.rs.
 #include <nccl.h>
 #include <nccl_device.h>
 

@@ -1,6 +1,11 @@
 // Small kernels for tests and the benchmark's baselines: a pattern writer and
-// checker (symmetric-memory tests), and the SM copy loop that measures the
-// peer-store ceiling (ep-bench).
+// checker (symmetric-memory tests), the SM copy loop that measures the
+// peer-store and peer-load ceilings and the bulk (TMA) copy loop that
+// measures the bulk-copy ceilings (ep-bench).
+//
+// Rust launchers: src/testkit/copy.rs (feature testkit). Tests:
+// tests/gpu_symm.rs (patterns through peers' memory), tests/gpu_bench.rs
+// (ep-bench's baselines).
 #include <stdint.h>
 
 #include "common.cuh"

@@ -7,24 +7,33 @@
 //! cubin + PTX and embedded in the crate; NVLink peers exchange data through
 //! NCCL symmetric memory (`symm`).
 //!
-//! Layers, each calling only the one below: [`sys`] (raw NCCL, loaded at run
+//! Layers, each calling only the one below: `sys` (raw NCCL, loaded at run
 //! time) → [`runtime`] (contexts, modules, communicator) → [`symm`] (the
 //! symmetric-memory pool) → [`ops`] (layout, dispatch, combine) → this file.
-//! [`reference`] is the CPU implementation everything is checked against.
+//! [`reference`](mod@reference) is the CPU implementation everything is checked against.
+//!
+//! Cargo features: `testkit` (seeded workloads and baseline copy kernels for
+//! the tests and ep-bench), `raw` (the raw layers for tools that measure
+//! beside the library: `sys`, `runtime::nccl_call`, `runtime::MappedHost`,
+//! `runtime::Module` / `Function` with their launches, and `UniqueId`'s
+//! inner `ncclUniqueId`), `multi-gpu` (the GPU tests).
 
 pub mod error;
-pub mod kernels;
+pub(crate) mod kernels;
 pub mod ops;
 pub mod reference;
 pub mod runtime;
 pub mod symm;
+#[cfg(feature = "raw")]
 pub mod sys;
+#[cfg(not(feature = "raw"))]
+#[allow(dead_code)] // bindings: what only the raw tools call is unused here
+pub(crate) mod sys;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
 pub use error::{Error, NcclVersion, Result};
-pub use ops::{DeviceRegion, EpGroup, GroupConfig, Handle, Mode};
-pub use reference::RecvLayout;
+pub use ops::{DeviceRegion, EpGroup, GroupConfig, Handle, Mode, RecvLayout};
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool};
 

@@ -77,6 +77,7 @@
 //! compares a bf16 result with an f64 one under a documented bound.
 
 use crate::error::{Error, Result};
+use crate::ops::RecvLayout;
 use half::bf16;
 
 /// Largest top-k accepted (`Shape::topk` must be in `1..=MAX_TOPK`).
@@ -147,32 +148,6 @@ impl Shape {
     /// The rank hosting a `topk_idx` entry, `None` for a masked (negative) one.
     fn rank_of_entry(&self, e: i64) -> Option<usize> {
         usize::try_from(e).ok().map(|e| self.rank_of_expert(e))
-    }
-}
-
-/// Where received rows land on the receiving rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RecvLayout {
-    /// One row per (token, rank), grouped by source rank, then token.
-    RankMajor,
-    /// One row per (token, local expert), in per-expert blocks padded with
-    /// zero rows to a multiple of `alignment` (>= 1) rows.
-    ExpertMajor {
-        /// Block granularity in rows (>= 1).
-        alignment: usize,
-    },
-}
-
-impl RecvLayout {
-    /// Checks `alignment >= 1` for [`RecvLayout::ExpertMajor`]; the error
-    /// names `alignment`.
-    pub fn validate(&self) -> Result<()> {
-        match *self {
-            RecvLayout::ExpertMajor { alignment: 0 } => {
-                Err(Error::arg("alignment", "at least 1 row", 0))
-            }
-            _ => Ok(()),
-        }
     }
 }
 

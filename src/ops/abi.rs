@@ -10,8 +10,8 @@ pub const MAX_BLOCKS: usize = 132;
 pub const MAX_TOPK: usize = 16;
 /// Threads per block of the data kernels (`MOE_EP_THREADS`).
 pub const THREADS: u32 = 512;
-/// Dynamic shared memory of the combine kernel (`MOE_EP_COMBINE_SMEM`): its
-/// bulk-copy buffers.
+/// Dynamic shared memory of the combine kernels (`MOE_EP_COMBINE_SMEM`): the
+/// rank-major pushed combine's bulk-copy ring.
 pub const COMBINE_SMEM: u32 = 128 * 1024;
 /// Sub-chunks of each rank's tokens that combine pipelines over
 /// (`MOE_EP_SUBCHUNKS`).
@@ -88,84 +88,90 @@ pub struct Workspace {
     pub _pad: u64,
 }
 
+/// How received rows are laid out (`LayoutKind` in abi.cuh); the kernels'
+/// view of [`RecvLayout`](super::RecvLayout).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LayoutKind {
+    /// One row per (token, destination rank).
+    #[default]
+    RankMajor = 0,
+    /// One row per (token, local expert), in padded per-expert blocks.
+    ExpertMajor = 1,
+}
+
+/// What every op's parameters share (`OpCommon` in abi.cuh): the group's
+/// resources, the handle's layout arrays and the call's shape.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct LayoutParams {
-    pub topk_idx: u64,
+pub struct OpCommon {
+    /// The handle's arrays (local).
     pub bufs: LayoutBufs,
+    /// Workspace base as mapped here, per rank.
     pub ws: [u64; MAX_RANKS],
-    pub meta: [u64; MAX_RANKS],
     pub w: Workspace,
+    /// Host-mapped [`ErrorInfo`].
     pub error: u64,
-    pub idx_is_i64: i32,
+    /// Bound on every wait for another GPU.
+    pub timeout_ns: u64,
     pub rank: i32,
     pub world: i32,
     pub num_tokens: i32,
+    pub hidden: i32,
     pub topk: i32,
     pub num_experts: i32,
-    pub hidden: i32,
-    pub layout: i32,
+    pub layout: LayoutKind,
+    /// Expert-major padding (1 for rank-major).
     pub alignment: i32,
+    /// Rows on every rank.
     pub recv_capacity: i32,
-    pub timeout_ns: u64,
+    /// Grid of the data kernels, the same on every rank.
+    pub num_blocks: i32,
 }
 
+/// `moe_ep_layout_scan_{i32,i64}`, `_exchange`, `_meta`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LayoutParams {
+    pub op: OpCommon,
+    pub topk_idx: u64,
+    /// Every rank's `LayoutBufs::meta` as mapped here (expert-major).
+    pub meta: [u64; MAX_RANKS],
+}
+
+/// Dispatch and combine backward (`dispatch.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DispatchParams {
+    pub op: OpCommon,
     pub x: u64,
     pub topk_w: u64,
-    pub bufs: LayoutBufs,
-    pub ws: [u64; MAX_RANKS],
-    pub w: Workspace,
+    pub scale_w: u64,
     pub recv_x: [u64; MAX_RANKS],
     pub recv_w: [u64; MAX_RANKS],
     pub recv_idx: [u64; MAX_RANKS],
     pub recv_src: [u64; MAX_RANKS],
-    pub scale_w: u64,
-    pub error: u64,
-    pub rank: i32,
-    pub world: i32,
-    pub num_tokens: i32,
-    pub hidden: i32,
-    pub topk: i32,
-    pub num_experts: i32,
-    pub layout: i32,
-    pub alignment: i32,
-    pub recv_capacity: i32,
-    pub num_blocks: i32,
-    pub timeout_ns: u64,
 }
 
+/// Combine and dispatch backward (`combine_pull.cu`, `combine_push.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CombineParams {
+    pub op: OpCommon,
     pub y: u64,
     pub w_rows: u64,
     pub grad_w_in: u64,
-    pub bufs: LayoutBufs,
-    pub ws: [u64; MAX_RANKS],
-    pub w: Workspace,
     pub out: u64,
     pub grad_w_out: u64,
-    pub error: u64,
-    pub rank: i32,
-    pub world: i32,
-    pub num_tokens: i32,
-    pub hidden: i32,
-    pub topk: i32,
-    pub num_experts: i32,
-    pub layout: i32,
-    pub num_blocks: i32,
-    pub recv_capacity: i32,
-    /// 1, 2, 4, 8 or 16: chunks combine pipelines its push and reduction over.
-    pub num_chunks: i32,
-    pub timeout_ns: u64,
-    /// `y` as mapped here, per rank, for the pull path (rank-major, symmetric
-    /// `y` and `grad_w_in`); all zero otherwise.
+    /// `y` as mapped here, per rank, for the pulled kernels; all zero for
+    /// the pushed ones.
     pub y_peers: [u64; MAX_RANKS],
-    /// `grad_w_in` as mapped here, per rank, for the pull path (when given).
+    /// `grad_w_in` as mapped here, per rank, for the pulled dispatch backward.
     pub gw_peers: [u64; MAX_RANKS],
+    /// Pushed kernels: 1, 2, 4, 8 or 16 chunks combine pipelines its push and
+    /// reduction over.
+    pub num_chunks: i32,
+    pub _pad: i32,
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -213,9 +219,11 @@ pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
 const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
+const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
+const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 520);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 408);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 416);
 
 #[cfg(test)]
 mod tests {
@@ -225,20 +233,24 @@ mod tests {
     /// Offsets worked out by hand from the C layout rules (8-byte pointers).
     #[test]
     fn param_offsets_match_the_c_layout() {
-        assert_eq!(offset_of!(LayoutParams, ws), 48);
-        assert_eq!(offset_of!(LayoutParams, w), 176);
-        assert_eq!(offset_of!(LayoutParams, error), 256);
-        assert_eq!(offset_of!(LayoutParams, idx_is_i64), 264);
-        assert_eq!(offset_of!(LayoutParams, timeout_ns), 304);
-        assert_eq!(offset_of!(DispatchParams, recv_x), 200);
-        assert_eq!(offset_of!(DispatchParams, scale_w), 456);
-        assert_eq!(offset_of!(DispatchParams, rank), 472);
-        assert_eq!(offset_of!(DispatchParams, timeout_ns), 512);
-        assert_eq!(offset_of!(CombineParams, out), 208);
-        assert_eq!(offset_of!(CombineParams, rank), 232);
-        assert_eq!(offset_of!(CombineParams, timeout_ns), 272);
+        assert_eq!(offset_of!(OpCommon, ws), 40);
+        assert_eq!(offset_of!(OpCommon, w), 104);
+        assert_eq!(offset_of!(OpCommon, error), 184);
+        assert_eq!(offset_of!(OpCommon, timeout_ns), 192);
+        assert_eq!(offset_of!(OpCommon, rank), 200);
+        assert_eq!(offset_of!(OpCommon, layout), 224);
+        assert_eq!(offset_of!(OpCommon, num_blocks), 236);
+        assert_eq!(offset_of!(LayoutParams, topk_idx), 240);
+        assert_eq!(offset_of!(LayoutParams, meta), 248);
+        assert_eq!(offset_of!(DispatchParams, x), 240);
+        assert_eq!(offset_of!(DispatchParams, scale_w), 256);
+        assert_eq!(offset_of!(DispatchParams, recv_x), 264);
+        assert_eq!(offset_of!(DispatchParams, recv_src), 456);
+        assert_eq!(offset_of!(CombineParams, y), 240);
+        assert_eq!(offset_of!(CombineParams, out), 264);
         assert_eq!(offset_of!(CombineParams, y_peers), 280);
         assert_eq!(offset_of!(CombineParams, gw_peers), 344);
+        assert_eq!(offset_of!(CombineParams, num_chunks), 408);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.
@@ -265,6 +277,10 @@ mod tests {
         assert_eq!(define("MOE_EP_SCAN_EXPERTS"), SCAN_EXPERTS.to_string());
         assert_eq!(define("MOE_EP_COMBINE_SMEM"), "(128 * 1024)");
         assert_eq!(COMBINE_SMEM, 128 * 1024);
+        let kinds = "enum class LayoutKind : int32_t { RankMajor = 0, ExpertMajor = 1 };";
+        assert!(text.contains(kinds), "abi.cuh: {kinds}");
+        assert_eq!(LayoutKind::RankMajor as i32, 0);
+        assert_eq!(LayoutKind::ExpertMajor as i32, 1);
     }
 
     #[test]

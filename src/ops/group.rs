@@ -1,5 +1,11 @@
 //! `EpGroup`: the collective object that owns the symmetric workspace, the
-//! kernels and the device error report of one expert-parallel group.
+//! kernels and the device error report of one expert-parallel group, and
+//! its configuration. The ops are in the files of their own (layout.rs,
+//! dispatch.rs, combine.rs).
+//!
+//! Tests: `tests/cpu_api.rs` (`GroupConfig::validate`),
+//! `tests/gpu_intranode.rs` (every op; a device error reported by the next
+//! call; a timeout leaves the group unusable).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -8,6 +14,7 @@ use std::time::Duration;
 use cudarc::driver::CudaStream;
 
 use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
+use super::layout::{exchange_smem, RecvLayout};
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, MappedHost, Module};
 use crate::symm::{SymmBuffer, SymmPool};
@@ -147,50 +154,136 @@ pub struct EpGroup {
     pub(crate) k: Kernels,
 }
 
-/// The kernels of a group.
+/// `NAME_r2`, `NAME_r4`, `NAME_r8`: a combine kernel per bound on the world.
+macro_rules! by_world {
+    ($name:literal) => {
+        [
+            concat!($name, "_r2"),
+            concat!($name, "_r4"),
+            concat!($name, "_r8"),
+        ]
+    };
+}
+
+// The entry points a group loads: [rank-major, expert-major] where there is
+// one per receive layout, [r2, r4, r8] where there is one per world bound.
+const LAYOUT_SCAN: [&str; 2] = ["moe_ep_layout_scan_i32", "moe_ep_layout_scan_i64"];
+const LAYOUT_EXCHANGE: &str = "moe_ep_layout_exchange";
+const LAYOUT_META: &str = "moe_ep_layout_meta";
+const DISPATCH: [&str; 2] = ["moe_ep_dispatch_rank_major", "moe_ep_dispatch_expert_major"];
+const COMBINE_BWD: [&str; 2] = [
+    "moe_ep_combine_bwd_rank_major",
+    "moe_ep_combine_bwd_expert_major",
+];
+const COMBINE_PULL: [&str; 3] = by_world!("moe_ep_combine_pull");
+const DISPATCH_BWD_PULL: [&str; 3] = by_world!("moe_ep_dispatch_bwd_pull");
+const COMBINE_PUSH: [[&str; 3]; 2] = [
+    by_world!("moe_ep_combine_push_rank_major"),
+    by_world!("moe_ep_combine_push_expert_major"),
+];
+const DISPATCH_BWD_PUSH: [[&str; 3]; 2] = [
+    by_world!("moe_ep_dispatch_bwd_push_rank_major"),
+    by_world!("moe_ep_dispatch_bwd_push_expert_major"),
+];
+
+/// One kernel per receive layout.
+pub(crate) struct ByLayout {
+    pub(crate) rank_major: Function,
+    pub(crate) expert_major: Function,
+}
+
+impl ByLayout {
+    fn load(
+        names: [&'static str; 2],
+        load: impl Fn(&'static str) -> Result<Function>,
+    ) -> Result<ByLayout> {
+        Ok(ByLayout {
+            rank_major: load(names[0])?,
+            expert_major: load(names[1])?,
+        })
+    }
+    /// The kernel of `layout`.
+    pub(crate) fn of(&self, layout: RecvLayout) -> &Function {
+        match layout {
+            RecvLayout::RankMajor => &self.rank_major,
+            RecvLayout::ExpertMajor { .. } => &self.expert_major,
+        }
+    }
+}
+
+/// The kernels of a group: one entry point per path (the launchers pick),
+/// each module loaded once per context.
 pub(crate) struct Kernels {
-    pub(crate) layout_scan: Function,
+    // layout.cu
+    pub(crate) layout_scan_i32: Function,
+    pub(crate) layout_scan_i64: Function,
     pub(crate) layout_exchange: Function,
     pub(crate) layout_meta: Function,
-    pub(crate) dispatch: Function,
-    /// The smallest compile-time world bound that fits (registers); its
-    /// bulk-copy buffers live in dynamic shared memory.
-    pub(crate) combine: Function,
+    // dispatch.cu
+    pub(crate) dispatch: ByLayout,
+    pub(crate) combine_bwd: ByLayout,
+    // combine_pull.cu and combine_push.cu: the smallest compile-time world
+    // bound that fits (registers); every one may take COMBINE_SMEM of
+    // dynamic shared memory (the pushed rank-major bulk-copy ring).
+    pub(crate) combine_pull: Function,
+    pub(crate) dispatch_bwd_pull: Function,
+    pub(crate) combine_push: ByLayout,
+    pub(crate) dispatch_bwd_push: ByLayout,
 }
 
 impl Kernels {
     pub(crate) fn load(comm: &Communicator) -> Result<Kernels> {
-        let m = Module::get(comm.context(), "intranode")?;
-        let combine = m.function(match comm.world() {
-            0..=2 => "moe_ep_combine_r2",
-            3..=4 => "moe_ep_combine_r4",
-            _ => "moe_ep_combine_r8",
-        })?;
-        combine.allow_dynamic_smem(abi::COMBINE_SMEM)?;
+        let ctx = comm.context();
+        let (layout, dispatch) = (Module::get(ctx, "layout")?, Module::get(ctx, "dispatch")?);
+        let (pull, push) = (
+            Module::get(ctx, "combine_pull")?,
+            Module::get(ctx, "combine_push")?,
+        );
+        let bound = match comm.world() {
+            0..=2 => 0,
+            3..=4 => 1,
+            _ => 2,
+        };
+        let pick = |names: [&'static str; 3]| names[bound];
+        let combine = |m: &Arc<Module>, name: &'static str| -> Result<Function> {
+            let f = m.function(name)?;
+            f.allow_dynamic_smem(abi::COMBINE_SMEM)?;
+            Ok(f)
+        };
         Ok(Kernels {
-            layout_scan: m.function("moe_ep_layout_scan")?,
-            layout_exchange: m.function("moe_ep_layout_exchange")?,
-            layout_meta: m.function("moe_ep_layout_meta")?,
-            dispatch: m.function("moe_ep_dispatch")?,
-            combine,
+            layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
+            layout_scan_i64: layout.function(LAYOUT_SCAN[1])?,
+            layout_exchange: layout.function(LAYOUT_EXCHANGE)?,
+            layout_meta: layout.function(LAYOUT_META)?,
+            dispatch: ByLayout::load(DISPATCH, |f| dispatch.function(f))?,
+            combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
+            combine_pull: combine(&pull, pick(COMBINE_PULL))?,
+            dispatch_bwd_pull: combine(&pull, pick(DISPATCH_BWD_PULL))?,
+            combine_push: ByLayout::load(COMBINE_PUSH.map(pick), |f| combine(&push, f))?,
+            dispatch_bwd_push: ByLayout::load(DISPATCH_BWD_PUSH.map(pick), |f| combine(&push, f))?,
         })
     }
 
     /// Every kernel with the dynamic shared memory its launches ask for.
     pub(crate) fn with_smem(&self, num_experts: usize) -> Vec<(&Function, u32)> {
+        let smem = abi::COMBINE_SMEM;
         vec![
-            (&self.layout_scan, 0),
+            (&self.layout_scan_i32, 0),
+            (&self.layout_scan_i64, 0),
             (&self.layout_exchange, exchange_smem(num_experts)),
             (&self.layout_meta, 0),
-            (&self.dispatch, 0),
-            (&self.combine, abi::COMBINE_SMEM),
+            (&self.dispatch.rank_major, 0),
+            (&self.dispatch.expert_major, 0),
+            (&self.combine_bwd.rank_major, 0),
+            (&self.combine_bwd.expert_major, 0),
+            (&self.combine_pull, smem),
+            (&self.dispatch_bwd_pull, smem),
+            (&self.combine_push.rank_major, smem),
+            (&self.combine_push.expert_major, smem),
+            (&self.dispatch_bwd_push.rank_major, smem),
+            (&self.dispatch_bwd_push.expert_major, smem),
         ]
     }
-}
-
-/// Dynamic shared memory of the layout exchange: two int32 per expert.
-pub(crate) fn exchange_smem(num_experts: usize) -> u32 {
-    (2 * num_experts * 4) as u32
 }
 
 impl EpGroup {
@@ -398,5 +491,41 @@ impl EpGroup {
             .context()
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every entry point `Kernels::load` looks up is in its module's PTX
+    /// (a misspelt name would otherwise show only on a GPU).
+    #[test]
+    fn every_entry_point_is_in_its_module() {
+        let per_world = |n: [[&'static str; 3]; 2]| n.concat();
+        let modules: [(&str, Vec<&str>); 4] = [
+            (
+                "layout",
+                [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE, LAYOUT_META]].concat(),
+            ),
+            ("dispatch", [DISPATCH, COMBINE_BWD].concat()),
+            ("combine_pull", [COMBINE_PULL, DISPATCH_BWD_PULL].concat()),
+            (
+                "combine_push",
+                [per_world(COMBINE_PUSH), per_world(DISPATCH_BWD_PUSH)].concat(),
+            ),
+        ];
+        for (module, entries) in modules {
+            let (_, _, ptx) = crate::kernels::MODULES
+                .iter()
+                .find(|m| m.0 == module)
+                .unwrap_or_else(|| panic!("module {module} is not embedded"));
+            let ptx = std::str::from_utf8(&ptx[..ptx.len() - 1]).unwrap();
+            let found = ptx.matches(".entry ").count();
+            assert_eq!(found, entries.len(), "{module}: entry points");
+            for f in entries {
+                assert!(ptx.contains(&format!(".entry {f}(")), "{module}: no {f}");
+            }
+        }
     }
 }

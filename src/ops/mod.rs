@@ -1,5 +1,15 @@
 //! Layout, dispatch, combine and their backward passes on the NVLink path.
 //!
+//! One file per op, each naming its kernel file and its tests:
+//! [`layout`](EpGroup::layout) in `layout.rs` (`kernels-cuda/layout.cu`),
+//! [`dispatch`](EpGroup::dispatch) and the combine backward in
+//! `dispatch.rs` (`dispatch.cu`), [`combine`](EpGroup::combine) and the
+//! dispatch backward in `combine.rs` (`combine_pull.cu`, `combine_push.cu`);
+//! the group and its kernels in `group.rs`, [`Handle`] in `handle.rs`, the
+//! buffer types in `buffers.rs`, the parameter structs the kernels see in
+//! [`abi`] (mirrors of `kernels-cuda/abi.cuh`), the residency check in
+//! `residency.rs`.
+//!
 //! ```ignore
 //! let group = EpGroup::new(&comm, GroupConfig::new(256, 7168, 4096))?;     // collective
 //! let handle = group.layout(&stream, TopkIdx::I64(&topk_idx), 8, RecvLayout::RankMajor)?;
@@ -12,69 +22,19 @@
 //! host, except [`Handle::host_counts`]. Problems only the device can see
 //! (receive capacity exceeded, an expert id out of range, a peer that never
 //! answers) are recorded in host-mapped memory by the kernels and reported as
-//! an [`Error`] by the next call on the group (or by [`EpGroup::check`]).
+//! an [`Error`](crate::Error) by the next call on the group (or by [`EpGroup::check`]).
 
 pub mod abi;
+mod buffers;
+mod combine;
+mod dispatch;
 mod group;
-mod launch;
+mod handle;
+mod layout;
 mod residency;
 
+pub use buffers::{DeviceRegion, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 pub use group::{EpGroup, GroupConfig, Mode};
-pub use launch::{DispatchOut, Dispatched, Handle, HostCounts, RecvBuf, TopkIdx};
+pub use handle::{Handle, HostCounts};
+pub use layout::RecvLayout;
 pub use residency::{residency, Residency};
-
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceSlice};
-
-use crate::symm::SymmBuffer;
-
-/// A region of device memory holding `len()` elements of `T`: a cudarc slice
-/// or view, or a [`SymmBuffer`]. Ops take their device arguments through it.
-pub trait DeviceRegion<T> {
-    /// Device address of the first element.
-    fn device_ptr(&self) -> u64;
-    /// Number of elements.
-    fn len(&self) -> usize;
-    /// True when empty.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl<T> DeviceRegion<T> for SymmBuffer<T> {
-    fn device_ptr(&self) -> u64 {
-        SymmBuffer::device_ptr(self)
-    }
-    fn len(&self) -> usize {
-        SymmBuffer::len(self)
-    }
-}
-
-impl<T> DeviceRegion<T> for CudaSlice<T> {
-    fn device_ptr(&self) -> u64 {
-        let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
-        p
-    }
-    fn len(&self) -> usize {
-        CudaSlice::len(self)
-    }
-}
-
-impl<T> DeviceRegion<T> for CudaView<'_, T> {
-    fn device_ptr(&self) -> u64 {
-        let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
-        p
-    }
-    fn len(&self) -> usize {
-        CudaView::len(self)
-    }
-}
-
-impl<T> DeviceRegion<T> for CudaViewMut<'_, T> {
-    fn device_ptr(&self) -> u64 {
-        let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
-        p
-    }
-    fn len(&self) -> usize {
-        CudaViewMut::len(self)
-    }
-}

@@ -76,7 +76,9 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
         .map_err(Error::cuda("cuCtxSetCurrent"))?;
     let sms = comm
         .context()
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
         .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
         .max(0) as usize;
     let mut least: Option<(usize, &'static str)> = None;
@@ -112,7 +114,7 @@ mod tests {
         Residency {
             sms: 132,
             blocks_per_sm: bps,
-            kernel: "moe_ep_combine_r8",
+            kernel: "moe_ep_combine_push_rank_major_r8",
             ranks_per_gpu: ranks,
         }
     }
@@ -134,7 +136,10 @@ mod tests {
                 assert_eq!(got, "17");
                 assert!(expected.contains("at most 16"), "{expected}");
                 assert!(expected.contains("8 x 17 = 136"), "{expected}");
-                assert!(expected.contains("moe_ep_combine_r8"), "{expected}");
+                assert!(
+                    expected.contains("moe_ep_combine_push_rank_major_r8"),
+                    "{expected}"
+                );
             }
             other => panic!("{other:?}"),
         }

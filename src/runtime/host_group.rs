@@ -168,7 +168,10 @@ impl HostGroup {
             if let Some((missing, why)) = &st.broken {
                 return Err(self.error(collective, missing.clone(), why.clone()));
             }
-            let round = st.rounds.get_mut(&n).expect("a round lives until all have read it");
+            let round = st
+                .rounds
+                .get_mut(&n)
+                .expect("a round lives until all have read it");
             let missing: Vec<usize> = (0..world).filter(|&r| round.values[r].is_none()).collect();
             if missing.is_empty() {
                 let mut out = Vec::with_capacity(world);
@@ -316,7 +319,12 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
         for r in &res {
             match r {
-                Err(Error::CollectiveFailed { missing, reason, collective, .. }) => {
+                Err(Error::CollectiveFailed {
+                    missing,
+                    reason,
+                    collective,
+                    ..
+                }) => {
                     assert_eq!(missing, &vec![2]);
                     assert_eq!(*collective, "barrier");
                     assert!(reason.contains("rank 2 did not arrive"), "{reason}");
@@ -366,9 +374,14 @@ mod tests {
         });
         for r in &res {
             let e = r.as_ref().unwrap_err().to_string();
-            assert!(e.contains("barrier") && e.contains("segment allocation"), "{e}");
+            assert!(
+                e.contains("barrier") && e.contains("segment allocation"),
+                "{e}"
+            );
         }
-        let res = run(2, 2000, |g| g.all_gather("x", &vec![0u32; 1 + g.rank()]).map(drop));
+        let res = run(2, 2000, |g| {
+            g.all_gather("x", &vec![0u32; 1 + g.rank()]).map(drop)
+        });
         assert!(res.iter().all(|r| r.is_err()), "{res:?}");
         let e = res[0].as_ref().unwrap_err().to_string();
         assert!(e.contains("elements"), "{e}");

@@ -16,6 +16,7 @@ pub struct Module {
     name: &'static str,
     raw: sys::CUmodule,
     /// Which image loaded: "sm_90a cubin" or "compute_90 PTX".
+    #[cfg_attr(not(feature = "raw"), allow(dead_code))] // read by the raw tools only
     pub image: &'static str,
     funcs: Mutex<HashMap<&'static str, sys::CUfunction>>,
     ctx: Arc<CudaContext>,

@@ -430,12 +430,23 @@ pub unsafe fn peer_device_pointer(
     Ok(Some(p))
 }
 
-/// A communicator id that can travel between processes as 256 hex characters.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct UniqueId(pub ncclUniqueId);
+/// Declares [`UniqueId`], its inner `ncclUniqueId` visible as `$vis`.
+macro_rules! unique_id {
+    ($vis:vis) => {
+        /// A communicator id that can travel between processes as 256 hex
+        /// characters. The inner `ncclUniqueId` is public with the Cargo
+        /// feature `raw`.
+        #[derive(Clone, Copy, PartialEq, Eq)]
+        pub struct UniqueId($vis ncclUniqueId);
+    };
+}
+#[cfg(feature = "raw")]
+unique_id!(pub);
+#[cfg(not(feature = "raw"))]
+unique_id!(pub(crate));
 
 impl UniqueId {
-    /// A fresh id ([`get_unique_id`]).
+    /// A fresh id (`ncclGetUniqueId`).
     pub fn generate() -> Result<UniqueId> {
         get_unique_id().map(UniqueId)
     }

@@ -225,7 +225,10 @@ impl Segment {
         if let Some(r) = (0..comm.world()).find(|&r| all[2 * r + 1] != size as u64) {
             return Err(Error::arg(
                 "buffer",
-                format!("{size} bytes on every rank (the size rank {} gave)", comm.rank()),
+                format!(
+                    "{size} bytes on every rank (the size rank {} gave)",
+                    comm.rank()
+                ),
                 format!("{} bytes on rank {r}", all[2 * r + 1]),
             ));
         }

@@ -1,0 +1,321 @@
+// Dispatch of the NVLink (intra-node) path, and the combine backward (a
+// dispatch of the output gradient), one entry point per receive layout:
+//
+//   moe_ep_dispatch_rank_major       rows grouped by source rank, with [K]
+//       weights and local expert ids per row
+//   moe_ep_dispatch_expert_major     one row per (token, local expert), grouped
+//       by expert and padded; the token crosses NVLink once per rank and the
+//       receiver writes its extra rows
+//   moe_ep_combine_bwd_rank_major / _expert_major   the same bodies for the
+//       gradient (no weights or metadata; expert-major rows optionally scaled)
+//
+// Each warp claims a token at a time (ItemClaims), reads its row once and
+// stores it into the receive buffer of every rank that hosts one of the
+// token's experts (rank-major: row u; expert-major: the row of its first
+// local expert there, the receiver copies the others; on the sender's own
+// rank the sender writes every row). The warp's next item is claimed, its
+// routing loaded and its row fetched into L2 while the current one moves.
+// Then one flag per (me, block) on every rank, a bounded wait for everyone's
+// flags, and (expert-major) the receiver's local copies.
+//
+// Rust launchers: src/ops/dispatch.rs (dispatch, combine_backward). Tests:
+// tests/gpu_intranode.rs (every routing case bit for bit against the CPU
+// reference, zero copy, capacity, pipelined handles, CUDA graphs).
+#include "intranode.cuh"
+
+namespace {
+
+constexpr int kUnroll = 8;  // receiver: 16-byte vectors in flight per lane per row chunk
+
+// Signals every rank that this block's stores are done, then waits until
+// every (rank, block) has signalled this op. Returns false on timeout/error.
+__device__ bool signal_and_wait(uint64_t* (*flags_of)(const Ws&, int), const Ws& ws, int rank,
+                                int world, int num_blocks, uint64_t seq, uint64_t timeout_ns,
+                                const ErrSink& err, int counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    for (int d = 0; d < world; ++d) {
+      st_release_sys_u64(flags_of(ws, d) + rank * MOE_EP_MAX_BLOCKS + blockIdx.x, seq);
+    }
+  }
+  bool ok = true;
+  const uint64_t* mine = flags_of(ws, rank);
+  for (int i = threadIdx.x; i < world * num_blocks; i += blockDim.x) {
+    const int s = i / num_blocks, b = i % num_blocks;
+    ok &= wait_at_least(mine + s * MOE_EP_MAX_BLOCKS + b, seq, timeout_ns, err, rank, s, counter);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+__device__ uint64_t* dispatch_flags(const Ws& ws, int r) { return ws.dispatch_done(r); }
+
+// 8 bf16 values times w, in f32, rounded back to bf16 (the expert-major
+// combine backward's scaled rows).
+__device__ __forceinline__ int4 scale_v4(int4 v, float w) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] = __fmul_rn(w, f.x);
+    acc[2 * i + 1] = __fmul_rn(w, f.y);
+  }
+  return pack_v4(acc);
+}
+
+// Copies a row of n16 vectors, `per` (<= kPiece) per lane per pass, from
+// local `src` to every rank in `dmask` (row pointer dst[r]) and, with
+// kLocal, to the rows lrow[k] of `local` for k in `lmask` (scaled by lw[k]
+// when `scaled`). One warp; the row is read once.
+template <bool kLocal>
+__device__ __forceinline__ void copy_row(const int4* src, int4* const (&dst)[MOE_EP_MAX_RANKS],
+                                         unsigned dmask, int4* local, unsigned lmask,
+                                         const int (&lrow)[MOE_EP_MAX_TOPK],
+                                         const float (&lw)[MOE_EP_MAX_TOPK], bool scaled, int n16,
+                                         int per, int lane) {
+  for (int base = 0; base < n16; base += 32 * per) {
+    int4 v[kPiece];
+#pragma unroll
+    for (int i = 0; i < kPiece; ++i) {
+      const int idx = base + i * 32 + lane;
+      if (i < per && idx < n16) v[i] = ld_nc_v4(src + idx);
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_EP_MAX_RANKS; ++r) {
+      if (!((dmask >> r) & 1u)) continue;
+#pragma unroll
+      for (int i = 0; i < kPiece; ++i) {
+        const int idx = base + i * 32 + lane;
+        if (i < per && idx < n16) st_na_v4(dst[r] + idx, v[i]);
+      }
+    }
+    if constexpr (kLocal) {
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        if (!((lmask >> k) & 1u)) continue;
+        int4* row = local + (size_t)lrow[k] * n16;
+#pragma unroll
+        for (int i = 0; i < kPiece; ++i) {
+          const int idx = base + i * 32 + lane;
+          if (i < per && idx < n16) st_na_v4(row + idx, scaled ? scale_v4(v[i], lw[k]) : v[i]);
+        }
+      }
+    }
+  }
+}
+
+// One token's routing as this lane sees it (lane < R: rank d = lane; lane < K: slot k = lane).
+struct TokRoute {
+  int pos;   // position in my stream to rank `lane`, -1 if not sent
+  int e;     // expert of slot `lane`, -1 masked
+  int epos;  // position of (t, slot) in my stream to expert e (expert-major)
+  float wt;  // top-k weight of slot `lane`
+};
+__device__ __forceinline__ TokRoute load_route(const DispatchParams& p, int t, int R, int K,
+                                               bool expert_major, int lane) {
+  TokRoute r;
+  r.pos = lane < R ? p.op.bufs.rank_pos[(size_t)t * R + lane] : -1;
+  r.e = lane < K ? p.op.bufs.topk[(size_t)t * K + lane] : -1;
+  r.epos = (expert_major && lane < K) ? p.op.bufs.expert_pos[(size_t)t * K + lane] : 0;
+  r.wt = (lane < K && p.topk_w != nullptr) ? p.topk_w[(size_t)t * K + lane] : 0.f;
+  return r;
+}
+}  // namespace
+
+template <bool kExpertMajor>
+__device__ void dispatch_body(const DispatchParams& p) {
+  const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
+  const int n16 = p.op.hidden / 8;
+  const Ws ws = ws_of(p.op);
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int32_t* info = p.op.bufs.info;
+  constexpr bool expert_major = kExpertMajor;
+  const bool scaled = p.scale_w != nullptr;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  const uint64_t seq = next_seq(ws, 1, me);
+  const ErrSink err = ws.err(p.op.error, me);
+
+  // NOTE: every rank derived rows_needed from the same matrix: if one rank
+  // would overflow, every rank skips the data and only keeps the flags in step.
+  bool overflow = false;
+  for (int d = 0; d < R; ++d) overflow |= info[o.rows_needed + d] > p.op.recv_capacity;
+
+  int4* rx = reinterpret_cast<int4*>(p.recv_x[me]);
+  if (expert_major && !overflow) {
+    // Zero padding rows at the tail of each local expert's block (only this
+    // rank writes them, so before the wait). Padding row i of expert j goes
+    // to warp (j * (alignment - 1) + i) mod nw: every expert's padding
+    // starts on another warp, so all warps share the zeros (with a fixed
+    // start, every expert's padding fell on the first alignment - 1 warps:
+    // for alignment 16, one SM wrote them all). The lanes read 32 experts'
+    // bounds at once.
+    const int4 zero = make_int4(0, 0, 0, 0);
+    const long pad_max = p.op.alignment > 1 ? p.op.alignment - 1 : 1;
+    for (int j0 = 0; j0 < El; j0 += 32) {
+      const int j = j0 + lane;
+      const int first_l = j < El ? info[o.expert_start + j] + info[o.expert_count + j] : 0;
+      const int end_l = j < El ? info[o.expert_start + j + 1] : 0;
+      const int i0_l = (int)(((gw - (long)j * pad_max) % nw + nw) % nw);  // this warp's first row
+      unsigned mine = __ballot_sync(0xffffffffu, first_l + i0_l < end_l);
+      while (mine != 0u) {
+        const int l = __ffs(mine) - 1;
+        mine &= mine - 1u;
+        const int first = __shfl_sync(0xffffffffu, first_l + i0_l, l);
+        const int end = __shfl_sync(0xffffffffu, end_l, l);
+        for (int row = first; row < end; row += nw) {
+          for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
+          if (lane == 0) {
+            if (p.recv_w[me]) p.recv_w[me][row] = 0.f;
+            if (p.recv_idx[me]) p.recv_idx[me][row] = -1;
+            if (p.recv_src[me]) {
+              p.recv_src[me][(size_t)row * 2] = -1;
+              p.recv_src[me][(size_t)row * 2 + 1] = -1;
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // ---- sender ----
+  const int4* x = reinterpret_cast<const int4*>(p.x);
+  const int u_off = lane < R ? info[o.dst_u_off + lane] : 0;  // my first row on rank `lane`
+  // Items are whole rows (row pieces were slower: BENCHMARKS.md), moved
+  // `per` vectors per lane per pass (the piece size of pieces_of).
+  const int per = pieces_of(n16).per;
+  const int n_items = overflow ? 0 : p.op.num_tokens;
+  const ItemClaims claims(ws, 1, me, seq);
+  TokRoute cur{-1, -1, 0, 0.f};
+  int t = n_items > 0 ? claims.next(lane) : n_items;
+  if (t < n_items) cur = load_route(p, t, R, K, expert_major, lane);
+  while (t < n_items) {
+    // Claims only grow, so the next token is another one: its routing now,
+    // its row into L2.
+    const int t_next = claims.next(lane);
+    TokRoute next = cur;
+    if (t_next < n_items) {
+      next = load_route(p, t_next, R, K, expert_major, lane);
+      if (lane == 0) prefetch_l2(x + (size_t)t_next * n16, (uint32_t)n16 * 16);
+    }
+
+    const int u = cur.pos >= 0 ? u_off + cur.pos : -1;
+    const int e = cur.e;
+    const int dk = e >= 0 ? e / El : -1;
+    const int erow = (expert_major && e >= 0) ? info[o.erow_base + e] + cur.epos : -1;
+    unsigned dmask = __ballot_sync(0xffffffffu, u >= 0);
+    int4* dst[MOE_EP_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+      dst[d] = nullptr;
+      if (d < R) {
+        const int ud = __shfl_sync(0xffffffffu, u, d);
+        // Expert-major: the token's first (lowest) row on d.
+        int row = ud;
+        if (expert_major) {
+          int cand = dk == d ? erow : 0x7fffffff;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffffu, cand, off));
+          row = ud >= 0 ? cand : -1;
+        }
+        if (row >= 0) dst[d] = reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)row * n16;
+      }
+    }
+    // Expert-major rows on my own rank: every one written here (slot k's
+    // row lrow[k]), none left for the receiver pass.
+    int lrow[MOE_EP_MAX_TOPK];
+    float lw[MOE_EP_MAX_TOPK];
+    if (!expert_major) {
+      copy_row<false>(x + (size_t)t * n16, dst, dmask, nullptr, 0u, lrow, lw, false, n16, per,
+                      lane);
+    } else {
+      const unsigned lmask = __ballot_sync(0xffffffffu, dk == me);
+      const float my_w = (scaled && dk == me) ? p.scale_w[erow] : 1.f;
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        lrow[k] = __shfl_sync(0xffffffffu, erow, k);
+        lw[k] = __shfl_sync(0xffffffffu, my_w, k);
+      }
+      copy_row<true>(x + (size_t)t * n16, dst, dmask & ~(1u << me), rx, lmask, lrow, lw, scaled,
+                     n16, per, lane);
+    }
+
+    // Metadata: top-k weights, local expert ids, source.
+    if (!expert_major) {
+      for (int d = 0; d < R; ++d) {
+        const int ud = __shfl_sync(0xffffffffu, u, d);
+        if (ud < 0) continue;
+        if (lane < K) {
+          if (p.recv_w[d]) p.recv_w[d][(size_t)ud * K + lane] = dk == d ? cur.wt : 0.f;
+          if (p.recv_idx[d]) p.recv_idx[d][(size_t)ud * K + lane] = dk == d ? e - d * El : -1;
+        }
+        if (lane == 0 && p.recv_src[d]) {
+          p.recv_src[d][(size_t)ud * 2] = me;
+          p.recv_src[d][(size_t)ud * 2 + 1] = t;
+        }
+      }
+    } else if (lane < K && e >= 0) {
+      if (p.recv_w[dk]) p.recv_w[dk][erow] = cur.wt;
+      if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
+      if (p.recv_src[dk]) {
+        p.recv_src[dk][(size_t)erow * 2] = me;
+        p.recv_src[dk][(size_t)erow * 2 + 1] = t;
+      }
+    }
+    cur = next;
+    t = t_next;
+  }
+
+  if (!signal_and_wait(dispatch_flags, ws, me, R, p.op.num_blocks, seq, p.op.timeout_ns, err,
+                       MOE_EP_CTR_DISPATCH_DONE) ||
+      overflow || !expert_major) {
+    return;
+  }
+
+  // ---- receiver (expert-major): extra copies of each token from other ranks ----
+  const int self_lo = info[o.src_u_off + me], self_hi = info[o.src_u_off + me + 1];
+  const int u_count = info[o.src_u_off + R] - (self_hi - self_lo);
+  for (int i = gw; i < u_count; i += nw) {
+    const int u = i < self_lo ? i : i + (self_hi - self_lo);
+    const int row_k = lane < K ? p.op.bufs.meta[(size_t)u * K + lane] : -1;
+    int primary = row_k >= 0 ? row_k : 0x7fffffff;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) primary = min(primary, __shfl_xor_sync(0xffffffffu, primary, off));
+    const unsigned rows_mask = __ballot_sync(0xffffffffu, row_k >= 0);
+    const float wk = (scaled && row_k >= 0) ? p.scale_w[row_k] : 1.f;
+    // NOTE: rows/weights gathered with full-warp shuffles before the chunk
+    // loop, where lanes may leave early when n16 is not a multiple of 32.
+    int rows[MOE_EP_MAX_TOPK];
+    float wrow[MOE_EP_MAX_TOPK];
+#pragma unroll
+    for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+      rows[k] = __shfl_sync(0xffffffffu, row_k, k);
+      wrow[k] = __shfl_sync(0xffffffffu, wk, k);
+    }
+    for (int base = 0; base < n16; base += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const int c = base + i * 32 + lane;
+        if (c < n16) v[i] = ld_v4(rx + (size_t)primary * n16 + c);
+      }
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        if (!((rows_mask >> k) & 1u) || (rows[k] == primary && !scaled)) continue;
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const int c = base + i * 32 + lane;
+          if (c < n16) st_na_v4(rx + (size_t)rows[k] * n16 + c, scaled ? scale_v4(v[i], wrow[k]) : v[i]);
+        }
+      }
+    }
+  }
+}
+
+MOE_EP_ENTRY(moe_ep_dispatch_rank_major, DispatchParams, dispatch_body<false>)
+MOE_EP_ENTRY(moe_ep_dispatch_expert_major, DispatchParams, dispatch_body<true>)
+// Combine backward: the output gradient dispatched like tokens (no weights,
+// no metadata; expert-major rows scaled by scale_w when given). The same
+// bodies, named for the profile.
+MOE_EP_ENTRY(moe_ep_combine_bwd_rank_major, DispatchParams, dispatch_body<false>)
+MOE_EP_ENTRY(moe_ep_combine_bwd_expert_major, DispatchParams, dispatch_body<true>)

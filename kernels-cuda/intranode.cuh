@@ -1,0 +1,178 @@
+// Device helpers the NVLink (intra-node) kernels share: the workspace as
+// mapped here (Ws), the per-op sequence counters and work-item claims, row
+// pieces, bf16 <-> f32 on 16-byte vectors, the one reduction order of every
+// combine, and the macros that stamp an entry point per path.
+//
+// Included by layout.cu, dispatch.cu, combine_pull.cu and combine_push.cu
+// (one module each); everything here has internal linkage.
+#pragma once
+#include <cuda_bf16.h>
+
+#include "abi.cuh"
+#include "common.cuh"
+
+// One entry point NAME (grid-constant PARAMS p) that runs BODY(p); BODY may
+// be a template with its arguments (the last macro argument takes commas).
+#define MOE_EP_ENTRY(NAME, PARAMS, ...)                                              \
+  extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)                       \
+      NAME(const __grid_constant__ PARAMS p) {                                       \
+    __VA_ARGS__(p);                                                                  \
+  }
+// NAME_r2, NAME_r4, NAME_r8: BODY<bound on the world, ARGS...> (the launcher
+// picks the smallest bound that fits, so the home's loads of every rank's
+// partial stay in registers).
+#define MOE_EP_ENTRIES_BY_WORLD(NAME, PARAMS, BODY, ...)  \
+  MOE_EP_ENTRY(NAME##_r2, PARAMS, BODY<2, __VA_ARGS__>)   \
+  MOE_EP_ENTRY(NAME##_r4, PARAMS, BODY<4, __VA_ARGS__>)   \
+  MOE_EP_ENTRY(NAME##_r8, PARAMS, BODY<8, __VA_ARGS__>)
+
+namespace {
+
+constexpr int kWarps = MOE_EP_THREADS / 32;
+
+// Work items of dispatch and combine are (row, piece): a piece is up to
+// kPiece 16-byte vectors per lane (registers in flight), every piece of a
+// row the same size. (4, 6 and 8 measured alike: BENCHMARKS.md.)
+constexpr int kPiece = 8;
+
+// A row of n16 vectors cut into `n` pieces of `per` (<= max_per) vectors
+// per lane.
+struct Pieces {
+  int n, per;
+};
+__device__ __forceinline__ Pieces pieces_of(int n16, int max_per = kPiece) {
+  Pieces pc;
+  pc.n = (n16 + 32 * max_per - 1) / (32 * max_per);
+  pc.per = (n16 + 32 * pc.n - 1) / (32 * pc.n);
+  return pc;
+}
+
+// Workspace regions as mapped here for rank `r`.
+struct Ws {
+  const Workspace& w;
+  char* const* base;
+  int R, E;
+  __device__ int32_t* counts(int r, int parity) const {
+    return reinterpret_cast<int32_t*>(base[r] + w.counts_off) + parity * R * count_row(R, E);
+  }
+  __device__ uint64_t* count_flag(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.count_flag_off);
+  }
+  __device__ uint64_t* dispatch_done(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.dispatch_done_off);
+  }
+  __device__ uint64_t* combine_done(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.combine_done_off);
+  }
+  __device__ uint64_t* pull_flag(int r) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.pull_flag_off);
+  }
+  __device__ int4* stage(int r, int parity, int hidden) const {
+    return reinterpret_cast<int4*>(base[r] + w.stage_off) +
+           (size_t)parity * w.stage_rows * (hidden / 8);
+  }
+  __device__ float* stage_w(int r, int parity) const {
+    return reinterpret_cast<float*>(base[r] + w.stage_w_off) +
+           (size_t)parity * w.stage_rows * MOE_EP_MAX_TOPK;
+  }
+  // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per
+  // block. [3][0] is the error claim word (see ErrSink), [3][1..4] the
+  // item counters (claims).
+  __device__ uint64_t* seq(int which, int me) const {
+    return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
+  }
+  __device__ ErrSink err(ErrorInfo* host, int me) const {
+    return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
+  }
+  // Work-item counters of op `which` (1 dispatch, 2 combine): [3][1..4],
+  // two per op, alternating with the op's sequence number (see ItemClaims).
+  __device__ unsigned long long* claims(int which, int me, uint64_t call) const {
+    return reinterpret_cast<unsigned long long*>(seq(3, me)) + 1 + 2 * (which - 1) + (call & 1);
+  }
+};
+// The workspace of an op's call.
+__device__ __forceinline__ Ws ws_of(const OpCommon& op) {
+  return Ws{op.w, op.ws, op.world, op.num_experts};
+}
+
+// Work items handed to warps one at a time from a counter, so a warp that
+// finishes early takes the next item and no SM is left with a tail. (On
+// 2 x H200 this moved dispatch at 20-32 SMs from 204-225 to 182-185 µs:
+// fixed strides left the slowest warps the last items; BENCHMARKS.md. The
+// pulled combine claims only in the dispatch backward: see combine_pull.cu.)
+// Op call `seq` counts on claims(which, me, seq); next_seq clears the
+// other counter for call seq + 1 in every call of the op, whichever path it
+// takes (call seq - 1, its last user, has finished: one stream).
+struct ItemClaims {
+  unsigned long long* ctr;
+  __device__ ItemClaims(const Ws& ws, int which, int me, uint64_t seq)
+      : ctr(ws.claims(which, me, seq)) {}
+  // The warp's next item (warp-uniform; every lane calls).
+  __device__ int next(int lane) const {
+    int v = 0;
+    if (lane == 0) v = (int)atomicAdd(ctr, 1ull);
+    return __shfl_sync(0xffffffffu, v, 0);
+  }
+};
+
+// Bumps this block's sequence counter for op `which` (0 layout, 1 dispatch,
+// 2 combine) and returns the new value; block 0 clears the op's item counter
+// for the next call (ItemClaims).
+// NOTE: every rank launches the same number of blocks per op, so all the
+// counters of all ranks move in lockstep and one block's value is everyone's.
+__device__ uint64_t next_seq(const Ws& ws, int which, int me) {
+  __shared__ uint64_t s_seq;
+  if (threadIdx.x == 0) {
+    uint64_t* seq_local = ws.seq(which, me);
+    s_seq = seq_local[blockIdx.x] + 1;
+    seq_local[blockIdx.x] = s_seq;
+    if (which > 0 && blockIdx.x == 0) *ws.claims(which, me, s_seq + 1) = 0ull;
+  }
+  __syncthreads();
+  return s_seq;
+}
+
+// ---- bf16 <-> f32 on 16-byte vectors of 8 values ----
+__device__ __forceinline__ void acc_v4(float (&acc)[8], int4 v, float w, bool weighted) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    if (weighted) {
+      acc[2 * i] = __fmaf_rn(w, f.x, acc[2 * i]);
+      acc[2 * i + 1] = __fmaf_rn(w, f.y, acc[2 * i + 1]);
+    } else {
+      acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+    }
+  }
+}
+__device__ __forceinline__ int4 pack_v4(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return v;
+}
+
+// Row t's vectors base + j * 32 + lane (< lim): every present rank's vector
+// j of v (rank d present when have[d] >= 0) summed in f32 in ascending rank
+// order, stored as bf16. The one reduction order of every combine path
+// (pulled and pushed give the same bits).
+template <int kMaxR, int kV>
+__device__ __forceinline__ void sum_ranks_store(const int4 (&v)[kMaxR][kV],
+                                                const int (&have)[kMaxR], int R, int4* out, int t,
+                                                int n16, int base, int lim, int lane) {
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int d = 0; d < kMaxR; ++d) {
+      if (d < R && have[d] >= 0) acc_v4(acc, v[d][j], 1.f, false);
+    }
+    const int x = base + j * 32 + lane;
+    if (x < lim) st_na_v4(out + (size_t)t * n16 + x, pack_v4(acc));
+  }
+}
+
+}  // namespace

@@ -1,0 +1,342 @@
+// Layout of the NVLink (intra-node) path: where every token goes.
+//
+//   moe_ep_layout_scan_i32 / _i64  this rank's positions of every (token,
+//       expert) and (token, rank) in its outgoing streams, and its row of the
+//       count matrix (topk_idx as int32 / int64)
+//   moe_ep_layout_exchange  the count matrix through symmetric memory (one
+//       block), every offset the data kernels need, the capacity check
+//   moe_ep_layout_meta      expert-major only: each receiver learns, per token
+//       it will get, the rows of the token's experts there
+//
+// The layout runs cold between a model's other kernels, so its code is kept
+// small (error reports out of unrolled loops, the slot search rolled).
+//
+// Rust launcher: src/ops/layout.rs. Tests: tests/gpu_intranode.rs (every
+// case runs the layout; host_counts against the CPU reference), and the
+// bad-id and capacity tests there.
+#include "intranode.cuh"
+
+// ============================================================================
+// Layout, kernel 1: local scan. Grid: ceil(E / kExpertsPerBlock) expert-group
+// blocks, R rank blocks, then check blocks (one token per thread). Positions
+// of every (token, expert) and (token, rank) in this rank's outgoing streams,
+// and this rank's row of the count matrix.
+// ============================================================================
+constexpr int kExpertsPerBlock = MOE_EP_SCAN_EXPERTS;
+__device__ __forceinline__ int expert_groups(int E) {
+  return (E + kExpertsPerBlock - 1) / kExpertsPerBlock;
+}
+// A warp takes kRounds rounds of 32 consecutive tokens (lane = token), so a
+// load instruction reads 32 neighbouring tokens' ids; one block-wide scan
+// per blockDim.x * kRounds tokens.
+constexpr int kRounds = 8;
+
+// Positions in token order of the tokens that hit each of kBins bins: bin g
+// holds the values [lo + g * width, lo + (g + 1) * width), g < nbins; a
+// token's slot in bin g is its first slot k with a value there. For every
+// token t and bin g, emit(t, g, k, pos): k the slot (0xff: none), pos the
+// number of earlier tokens in bin g. Adds the bins' totals to running.
+// Per round, ballots give each lane its place within the warp; one scan of
+// the warps' totals (16-bit fields of a u64: at most blockDim.x * kRounds =
+// 4096 per field per scan) places the warps.
+template <int kBins, typename Idx, typename Emit>
+__device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int nbins,
+                          int (&running)[kBins], Emit emit) {
+  static_assert(kBins * 16 <= 64 && kBins * 8 <= 32, "fields");
+  __shared__ uint64_t scratch[33];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  for (int t0 = 0; t0 < T; t0 += blockDim.x * kRounds) {
+    const int tw = t0 + warp * 32 * kRounds;
+    uint32_t slots[kRounds];  // byte g: the token's slot in bin g (0xff: none)
+    uint32_t hits[kRounds][kBins];
+    uint64_t mine = 0;        // the warp's hits per bin, lane 0's copy counted
+#pragma unroll
+    for (int j = 0; j < kRounds; ++j) {
+      const int t = tw + j * 32 + lane;
+      uint32_t sl = 0xffffffffu;
+      if (t < T) {
+        // Kept rolled: unrolled, this loop made the scan kernel's code 182 KB
+        // instead of 104 KB, and cold code (other work fills the L2 between
+        // layouts) costs more than the rolled loop.
+#pragma unroll 1
+        for (int k = K - 1; k >= 0; --k) {  // first matching slot wins
+          const long v = (long)idx[(size_t)t * K + k] - lo;
+          if (v >= 0 && v < width * nbins) {
+            // 0 <= v < width * nbins <= E: 32-bit arithmetic (a 64-bit
+            // division is a long software routine).
+            const int g = kBins == 1 ? 0 : (width == 1 ? (int)v : (int)v / (int)width);
+            sl = (sl & ~(0xffu << (8 * g))) | ((uint32_t)k << (8 * g));
+          }
+        }
+      }
+      slots[j] = sl;
+#pragma unroll
+      for (int g = 0; g < kBins; ++g) {
+        hits[j][g] = __ballot_sync(0xffffffffu, ((sl >> (8 * g)) & 0xffu) != 0xffu);
+        if (lane == 0) mine += (uint64_t)__popc(hits[j][g]) << (16 * g);
+      }
+    }
+    uint64_t total;
+    const uint64_t before = __shfl_sync(0xffffffffu, block_exclusive_scan(mine, scratch, &total), 0);
+    int pos[kBins];
+#pragma unroll
+    for (int g = 0; g < kBins; ++g) pos[g] = running[g] + (int)((before >> (16 * g)) & 0xffffu);
+#pragma unroll
+    for (int j = 0; j < kRounds; ++j) {
+      const int t = tw + j * 32 + lane;
+#pragma unroll
+      for (int g = 0; g < kBins; ++g) {
+        if (t < T && g < nbins) {
+          emit(t, g, (slots[j] >> (8 * g)) & 0xffu, pos[g] + __popc(hits[j][g] & below));
+        }
+        pos[g] += __popc(hits[j][g]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kBins; ++g) running[g] += (int)((total >> (16 * g)) & 0xffffu);
+  }
+}
+
+template <typename Idx>
+__device__ void layout_scan_body(const LayoutParams& p) {
+  const Idx* idx = reinterpret_cast<const Idx*>(p.topk_idx);
+  const int T = p.op.num_tokens, K = p.op.topk, E = p.op.num_experts, R = p.op.world;
+  const int El = E / R, nG = expert_groups(E);
+  const int b = blockIdx.x;
+  int32_t* my_counts = p.op.bufs.info + info_offsets(R, E, El).counts + p.op.rank * count_row(R, E);
+  const ErrSink err = ws_of(p.op).err(p.op.error, p.op.rank);
+
+  if (b < nG) {
+    // Experts [e0, e0 + ng): their (token, slot) positions, counts at [e].
+    const int e0 = b * kExpertsPerBlock, ng = min(kExpertsPerBlock, E - e0);
+    int running[kExpertsPerBlock] = {};
+    scan_bins<kExpertsPerBlock>(idx, T, K, e0, 1, ng, running,
+                                [&](int t, int, uint32_t k, int pos) {
+                                  if (k != 0xffu) p.op.bufs.expert_pos[(size_t)t * K + k] = pos;
+                                });
+    if (threadIdx.x == 0) {
+      for (int g = 0; g < ng; ++g) my_counts[e0 + g] = running[g];
+    }
+    return;
+  }
+  if (b < nG + R) {
+    // Rank d: every token's position (-1: not sent), count at [E + d], and
+    // the sub-chunk starts: tokens for d before token floor(j * T / SUBCHUNKS).
+    const int d = b - nG;
+    int running[1] = {0};
+    scan_bins<1>(idx, T, K, (long)d * El, El, 1, running, [&](int t, int, uint32_t k, int pos) {
+      p.op.bufs.rank_pos[(size_t)t * R + d] = k != 0xffu ? pos : -1;
+      for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
+        if ((int)((long)j * T / MOE_EP_SUBCHUNKS) == t) {
+          my_counts[E + R + d * (MOE_EP_SUBCHUNKS - 1) + j - 1] = pos;
+        }
+      }
+    });
+    if (threadIdx.x == 0) {
+      my_counts[E + d] = running[0];
+      if (T == 0) {
+        for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
+          my_counts[E + R + d * (MOE_EP_SUBCHUNKS - 1) + j - 1] = 0;
+        }
+      }
+    }
+    return;
+  }
+
+  // Check blocks (the rest of the grid): normalise to int32, mask what the
+  // scans did not count. One token per thread, its K ids in registers.
+  const int nchk = gridDim.x - (nG + R);
+  for (int t = (b - (nG + R)) * blockDim.x + threadIdx.x; t < T; t += nchk * blockDim.x) {
+    long v[MOE_EP_MAX_TOPK];
+#pragma unroll
+    for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) v[k] = k < K ? (long)idx[(size_t)t * K + k] : -1;
+    // The token's first bad entry is reported once, after the loop (one
+    // inlined report instead of one per unrolled comparison).
+    int bad_code = 0, bad_k = 0;
+#pragma unroll
+    for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+      if (k >= K) break;
+      int norm = (int)v[k];
+      int code = 0;
+      if (v[k] < -1 || v[k] >= E) {
+        code = MOE_EP_ERR_BAD_EXPERT;
+      } else if (v[k] >= 0) {
+#pragma unroll
+        for (int k2 = 0; k2 < k; ++k2) {
+          if (v[k2] == v[k]) code = MOE_EP_ERR_DUP_EXPERT;
+        }
+      }
+      if (code != 0) {
+        norm = -1;
+        if (bad_code == 0) bad_code = code, bad_k = k;
+      }
+      p.op.bufs.topk[(size_t)t * K + k] = norm;
+      if (norm < 0) p.op.bufs.expert_pos[(size_t)t * K + k] = -1;
+    }
+    if (bad_code != 0) {
+      long bad_v = v[0];
+#pragma unroll
+      for (int k = 1; k < MOE_EP_MAX_TOPK; ++k) {
+        if (k == bad_k) bad_v = v[k];
+      }
+      const bool range = bad_code == MOE_EP_ERR_BAD_EXPERT;
+      report_error(err, bad_code, p.op.rank, -1, 0, range ? (uint64_t)E : 0, (uint64_t)bad_v, t,
+                   bad_k);
+    }
+  }
+}
+
+// One entry point per index type of topk_idx.
+MOE_EP_ENTRY(moe_ep_layout_scan_i32, LayoutParams, layout_scan_body<int>)
+MOE_EP_ENTRY(moe_ep_layout_scan_i64, LayoutParams, layout_scan_body<long long>)
+
+// ============================================================================
+// Layout, kernel 2: exchange (one block). Sends this rank's count row to every
+// rank, waits for all rows, derives every offset the data kernels need, and
+// checks every rank's receive capacity (all ranks see the same matrix, so all
+// skip the data movement together when one would overflow).
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_layout_exchange(const __grid_constant__ LayoutParams p) {
+  const int R = p.op.world, E = p.op.num_experts, El = E / R, n = count_row(R, E), me = p.op.rank;
+  const Ws ws = ws_of(p.op);
+  const InfoOffsets o = info_offsets(R, E, El);
+  int32_t* info = p.op.bufs.info;
+  const uint64_t seq = next_seq(ws, 0, me);
+  const int parity = (int)(seq & 1);
+  const ErrSink err = ws.err(p.op.error, me);
+
+  // Phase 1: my row to every rank, then one release flag each.
+  const int32_t* row = info + o.counts + me * n;
+  for (int d = 0; d < R; ++d) {
+    int32_t* dst = ws.counts(d, parity) + me * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, row[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    for (int d = 0; d < R; ++d) st_release_sys_u64(ws.count_flag(d) + me, seq);
+  }
+  // Phase 2: wait for every row.
+  bool ok = true;
+  if (threadIdx.x < R) {
+    ok = wait_at_least(ws.count_flag(me) + threadIdx.x, seq, p.op.timeout_ns, err, me,
+                       threadIdx.x, MOE_EP_CTR_LAYOUT_COUNTS);
+  }
+  if (!__syncthreads_and(ok)) return;
+  const int32_t* all = ws.counts(me, parity);
+  for (int i = threadIdx.x; i < R * n; i += blockDim.x) info[o.counts + i] = ld_relaxed_sys_s32(all + i);
+  __syncthreads();
+
+  // Phase 3: offsets. C(s, e) expert counts, N(s, d) rank counts.
+  const int32_t* C = info + o.counts;
+  auto N = [&](int s, int d) { return C[s * n + E + d]; };
+  extern __shared__ int32_t smem[];  // [E] expert totals, then [E] padded block starts
+  int32_t* tot = smem;
+  int32_t* start = smem + E;
+  const bool expert_major = p.op.layout == LayoutKind::ExpertMajor;
+  const int align = p.op.alignment > 0 ? p.op.alignment : 1;
+  // Every expert's padded block start within its rank d = e / El: one
+  // block-wide exclusive scan over all E padded totals (tiles of
+  // blockDim.x), then each rank's segment rebased to 0.
+  __shared__ int32_t s_scan[33];
+  __shared__ int32_t s_seg[MOE_EP_MAX_RANKS + 1];  // scan value at e = d * El; [R]: the sum
+  int carry = 0;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    int padded = 0;
+    if (e < E) {
+      int s_sum = 0;
+      for (int s = 0; s < R; ++s) s_sum += C[s * n + e];
+      tot[e] = s_sum;
+      padded = (s_sum + align - 1) / align * align;
+    }
+    int tile;
+    const int ex = block_exclusive_scan(padded, s_scan, &tile);
+    if (e < E) start[e] = carry + ex;
+    carry += tile;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) s_seg[threadIdx.x] = start[threadIdx.x * El];
+  if (threadIdx.x == 0) s_seg[R] = carry;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) start[e] -= s_seg[e / El];
+  __syncthreads();
+  if (threadIdx.x < R) {
+    const int d = threadIdx.x;
+    const int acc = s_seg[d + 1] - s_seg[d];  // rank d's padded expert-major rows
+    int rows = 0, before_me = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s < me) before_me += N(s, d);
+      rows += N(s, d);
+    }
+    info[o.dst_u_off + d] = before_me;
+    info[o.rows_needed + d] = expert_major ? acc : rows;
+    if (d == me) info[o.expert_start + El] = acc;
+    int slot = 0;
+    for (int d2 = 0; d2 < me; ++d2) slot += N(d, d2);
+    info[o.my_slot_on + d] = slot;
+  }
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      info[o.src_u_off + s] = acc;
+      acc += N(s, me);
+    }
+    info[o.src_u_off + R] = acc;
+    acc = 0;
+    for (int d = 0; d < R; ++d) {
+      info[o.home_slot + d] = acc;
+      acc += N(me, d);
+    }
+    info[o.home_slot + R] = acc;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int before_me = 0;
+    for (int s = 0; s < me; ++s) before_me += C[s * n + e];
+    info[o.erow_base + e] = start[e] + before_me;
+  }
+  for (int j = threadIdx.x; j < El; j += blockDim.x) {
+    info[o.expert_start + j] = start[me * El + j];
+    info[o.expert_count + j] = tot[me * El + j];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int d = 0; d < R; ++d) {
+      const int need = info[o.rows_needed + d];
+      if (need > p.op.recv_capacity) {
+        report_error(err, MOE_EP_ERR_CAPACITY, me, d, 0, 0, 0, need, p.op.recv_capacity);
+        break;
+      }
+    }
+  }
+}
+
+// ============================================================================
+// Layout, kernel 3 (expert-major only): tell every receiver, for each token
+// it will get from me, the rows of the token's experts there (LayoutBufs::meta).
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
+    moe_ep_layout_meta(const __grid_constant__ LayoutParams p) {
+  const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int32_t* info = p.op.bufs.info;
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  for (int t = gw; t < p.op.num_tokens; t += nw) {
+    const int pos = lane < R ? p.op.bufs.rank_pos[(size_t)t * R + lane] : -1;
+    const int u = pos >= 0 ? info[o.dst_u_off + lane] + pos : -1;
+    const int e = lane < K ? p.op.bufs.topk[(size_t)t * K + lane] : -1;
+    const int erow = e >= 0 ? info[o.erow_base + e] + p.op.bufs.expert_pos[(size_t)t * K + lane] : -1;
+    const int dk = e >= 0 ? e / El : -1;
+    for (int d = 0; d < R; ++d) {
+      const int ud = __shfl_sync(0xffffffffu, u, d);
+      if (ud < 0) continue;
+      if (lane < K) st_relaxed_sys_s32(p.meta[d] + (size_t)ud * K + lane, dk == d ? erow : -1);
+    }
+  }
+  (void)me;
+  fence_acq_rel_sys();
+}

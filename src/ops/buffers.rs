@@ -1,0 +1,197 @@
+//! The device buffers the ops take and return: [`DeviceRegion`] (any cudarc
+//! slice or view, or a [`SymmBuffer`]), the routing ([`TopkIdx`]), the
+//! receive buffers of a dispatch ([`DispatchOut`], [`Dispatched`],
+//! [`RecvBuf`]), and the host-side checks of their lengths and of their
+//! peers' mappings.
+//!
+//! Tests: `tests/gpu_intranode.rs` (zero copy into caller buffers, a plain
+//! buffer refused with `Error::NotSymmetric`); `tests/gpu_symm.rs` (pool
+//! buffers as regions).
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceSlice};
+use half::bf16;
+
+use super::abi::MAX_RANKS;
+use super::group::EpGroup;
+use crate::error::{Error, Result};
+use crate::symm::SymmBuffer;
+
+/// A region of device memory holding `len()` elements of `T`: a cudarc slice
+/// or view, or a [`SymmBuffer`]. Ops take their device arguments through it.
+pub trait DeviceRegion<T> {
+    /// Device address of the first element.
+    fn device_ptr(&self) -> u64;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<T> DeviceRegion<T> for SymmBuffer<T> {
+    fn device_ptr(&self) -> u64 {
+        SymmBuffer::device_ptr(self)
+    }
+    fn len(&self) -> usize {
+        SymmBuffer::len(self)
+    }
+}
+
+impl<T> DeviceRegion<T> for CudaSlice<T> {
+    fn device_ptr(&self) -> u64 {
+        let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
+        p
+    }
+    fn len(&self) -> usize {
+        CudaSlice::len(self)
+    }
+}
+
+impl<T> DeviceRegion<T> for CudaView<'_, T> {
+    fn device_ptr(&self) -> u64 {
+        let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
+        p
+    }
+    fn len(&self) -> usize {
+        CudaView::len(self)
+    }
+}
+
+impl<T> DeviceRegion<T> for CudaViewMut<'_, T> {
+    fn device_ptr(&self) -> u64 {
+        let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
+        p
+    }
+    fn len(&self) -> usize {
+        CudaViewMut::len(self)
+    }
+}
+
+/// `topk_idx [T, K]` on the device, i32 or i64; -1 = not routed.
+pub enum TopkIdx<'a> {
+    I32(&'a dyn DeviceRegion<i32>),
+    I64(&'a dyn DeviceRegion<i64>),
+}
+
+impl TopkIdx<'_> {
+    /// Device address and length in elements.
+    pub(crate) fn ptr_len(&self) -> (u64, usize) {
+        match self {
+            TopkIdx::I32(r) => (r.device_ptr(), r.len()),
+            TopkIdx::I64(r) => (r.device_ptr(), r.len()),
+        }
+    }
+}
+
+/// A receive buffer: the caller's (borrowed; symmetric memory of the group's
+/// communicator) or one the pool gave this call.
+pub enum RecvBuf<'a, T> {
+    Caller(&'a dyn DeviceRegion<T>),
+    Pool(SymmBuffer<T>),
+}
+
+impl<T> DeviceRegion<T> for RecvBuf<'_, T> {
+    fn device_ptr(&self) -> u64 {
+        match self {
+            RecvBuf::Caller(b) => b.device_ptr(),
+            RecvBuf::Pool(b) => b.device_ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            RecvBuf::Caller(b) => b.len(),
+            RecvBuf::Pool(b) => b.len(),
+        }
+    }
+}
+
+impl<T> RecvBuf<'_, T> {
+    /// True when this is the caller's buffer (zero copy into it).
+    pub fn is_callers(&self) -> bool {
+        matches!(self, RecvBuf::Caller(_))
+    }
+}
+
+/// Optional caller-supplied receive buffers (symmetric: from the group's pool
+/// or a wrapped window, allocated collectively). `None` takes them from the pool.
+#[derive(Default)]
+pub struct DispatchOut<'a> {
+    /// `[recv_capacity, H]` bf16.
+    pub recv_tokens: Option<&'a dyn DeviceRegion<bf16>>,
+    /// Rank-major `[recv_capacity, K]`, expert-major `[recv_capacity]` f32.
+    pub recv_topk_weights: Option<&'a dyn DeviceRegion<f32>>,
+}
+
+/// What dispatch returns. Rows past the handle's `recv_rows` are untouched.
+pub struct Dispatched<'a> {
+    /// `[rows, H]` received tokens in the handle's layout.
+    pub tokens: RecvBuf<'a, bf16>,
+    /// Rank-major `[rows, K]` (0 for experts not on this rank), expert-major `[rows]`.
+    pub topk_weights: RecvBuf<'a, f32>,
+    /// Local expert ids, same shape as the weights; -1 = not here / padding.
+    pub topk_idx: SymmBuffer<i32>,
+    /// `[rows, 2]` (source rank, source token); (-1, -1) on padding.
+    pub src: SymmBuffer<i32>,
+}
+
+/// One device address per rank (the same buffer as mapped here).
+pub(crate) type Peers = [u64; MAX_RANKS];
+
+/// Refuses a buffer shorter than `want` elements, naming `arg` and `what`
+/// it should hold.
+pub(crate) fn check_len(arg: &'static str, got: usize, want: usize, what: &str) -> Result<()> {
+    if got < want {
+        return Err(Error::arg(
+            arg,
+            format!("at least {want} elements ({what})"),
+            format!("{got} elements"),
+        ));
+    }
+    Ok(())
+}
+
+impl EpGroup {
+    /// A receive buffer for `rows` rows of `per_row` elements: the caller's
+    /// (checked to be long enough, as `arg` holding `what`) or a new one
+    /// from the pool.
+    pub(crate) fn recv_buf<'a, T: Copy>(
+        &self,
+        callers: Option<&'a dyn DeviceRegion<T>>,
+        arg: &'static str,
+        per_row: usize,
+        what: &str,
+    ) -> Result<RecvBuf<'a, T>> {
+        let want = self.recv_capacity * per_row;
+        match callers {
+            Some(b) => {
+                check_len(arg, b.len(), want, what)?;
+                Ok(RecvBuf::Caller(b))
+            }
+            None => Ok(RecvBuf::Pool(self.pool.alloc(want)?)),
+        }
+    }
+
+    /// Every rank's address of `buf`, which must lie in a registered window
+    /// of this communicator (same offset on every rank, by the collective
+    /// allocation contract); `Error::NotSymmetric` naming `arg` otherwise.
+    pub(crate) fn peers_of<T>(
+        &self,
+        buf: &dyn DeviceRegion<T>,
+        arg: &'static str,
+    ) -> Result<Peers> {
+        let (ptr, bytes) = (buf.device_ptr(), buf.len() * std::mem::size_of::<T>());
+        let seg = self
+            .comm
+            .segment_of(ptr, bytes)
+            .ok_or(Error::NotSymmetric { what: arg })?;
+        let mut out = [0u64; MAX_RANKS];
+        for (rank, p) in out.iter_mut().enumerate().take(self.comm.world()) {
+            *p = seg
+                .peer_base(rank)
+                .ok_or(Error::NotSymmetric { what: arg })?
+                + (ptr - seg.base());
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,227 @@
+//! Combine ([`EpGroup::combine`]) and the dispatch backward
+//! ([`EpGroup::dispatch_backward`], a combine of the received tokens'
+//! gradient): argument checks, the choice between reading the partials in
+//! place (pulled) and pushing them through the group's stage, and the
+//! launch of the kernel of that path.
+//!
+//! Kernels: `kernels-cuda/combine_pull.cu` (`moe_ep_combine_pull_r*`,
+//! `moe_ep_dispatch_bwd_pull_r*`) and `kernels-cuda/combine_push.cu`
+//! (`moe_ep_combine_push_rank_major_r*` / `_expert_major_r*`,
+//! `moe_ep_dispatch_bwd_push_rank_major_r*` / `_expert_major_r*`). Tests:
+//! `tests/gpu_intranode.rs` (both paths of every case against the CPU
+//! reference and bit-identical across runs, every chunk count, weighted
+//! expert-major, weight gradients, mixed buffer kinds timing out).
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use half::bf16;
+
+use super::abi::{CombineParams, COMBINE_SMEM, THREADS};
+use super::buffers::{check_len, DeviceRegion, Peers};
+use super::group::EpGroup;
+use super::handle::Handle;
+use super::layout::RecvLayout;
+use crate::error::{Error, Result};
+
+/// Every rank's expert outputs (and weight gradients, when they travel) as
+/// mapped here: the home reads them in place (the pulled kernels).
+struct PullPeers {
+    y: Peers,
+    grad_w: Option<Peers>,
+}
+
+/// One combine-kernel launch: device addresses, local.
+struct CombineCall {
+    /// `[recv_capacity, H]` bf16 partial rows in the handle's layout.
+    y: u64,
+    /// `[T, H]` bf16.
+    out: u64,
+    /// Expert-major weighted combine: `[recv_capacity]` f32 per row.
+    w_rows: Option<u64>,
+    /// Dispatch backward with weight gradients: the received rows'
+    /// (`grad_w_in`, rank-major `[rows, K]` / expert-major `[rows]`) and the
+    /// tokens' (`grad_w_out`, `[T, K]`).
+    grad_w: Option<(u64, u64)>,
+    /// `Some` when the partials are read in place.
+    pull: Option<PullPeers>,
+}
+
+impl EpGroup {
+    /// Peer mappings for the pulled path: rank-major, `y` (and `grad_w`,
+    /// when given) symmetric. Otherwise `None`: the partials are pushed.
+    fn pull_peers(
+        &self,
+        handle: &Handle,
+        y: &dyn DeviceRegion<bf16>,
+        grad_w: Option<&dyn DeviceRegion<f32>>,
+    ) -> Option<PullPeers> {
+        if !matches!(handle.layout, RecvLayout::RankMajor) {
+            return None;
+        }
+        let y = self.peers_of(y, "expert_out").ok()?;
+        let grad_w = match grad_w {
+            None => None,
+            Some(g) => Some(self.peers_of(g, "grad_recv_topk_weights").ok()?),
+        };
+        Some(PullPeers { y, grad_w })
+    }
+
+    /// Launches the combine kernel of the call's path: pulled or pushed,
+    /// with or without weight gradients, in the handle's layout.
+    fn launch_combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        call: CombineCall,
+    ) -> Result<()> {
+        let k = &self.k;
+        let f = match (&call.pull, call.grad_w.is_some()) {
+            (Some(_), false) => &k.combine_pull,
+            (Some(_), true) => &k.dispatch_bwd_pull,
+            (None, false) => k.combine_push.of(handle.layout),
+            (None, true) => k.dispatch_bwd_push.of(handle.layout),
+        };
+        let (grad_w_in, grad_w_out) = call.grad_w.unwrap_or((0, 0));
+        let p = CombineParams {
+            op: self.op_common(handle),
+            y: call.y,
+            w_rows: call.w_rows.unwrap_or(0),
+            grad_w_in,
+            out: call.out,
+            grad_w_out,
+            y_peers: call.pull.as_ref().map(|q| q.y).unwrap_or_default(),
+            gw_peers: call
+                .pull
+                .as_ref()
+                .and_then(|q| q.grad_w)
+                .unwrap_or_default(),
+            num_chunks: self.cfg.combine_chunks as i32,
+            _pad: 0,
+        };
+        // NOTE: every combine kernel launches with the pushed rank-major
+        // ring's shared memory, as the one combine kernel did before the
+        // paths had entry points of their own: the L1 / shared split, and so
+        // the measured times, stay as they were (BENCHMARKS.md).
+        // SAFETY: p mirrors CombineParams; sizes were validated by callers.
+        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, COMBINE_SMEM, &p) }
+    }
+
+    /// Brings expert outputs home and sums them per token in f32, in a fixed
+    /// order (ascending rank; inside a rank ascending row), so the result is
+    /// the same bits on every run. `expert_out` is `[recv_capacity, H]` in the
+    /// handle's layout; `weights` (expert-major only) scales each row; `out`
+    /// is `[T, H]`.
+    ///
+    /// Rank-major with `expert_out` in symmetric memory (the dispatch's
+    /// receive buffer, a pool buffer, a registered window), each home rank
+    /// reads its tokens' rows in place over NVLink: no staging. Any other
+    /// device memory (and expert-major) is read locally and pushed home
+    /// through the group's stage. Every rank must pass the same kind of
+    /// buffer (symmetric buffers are collective anyway); a rank that does not
+    /// makes the others stop with [`Error::PeerTimeout`].
+    pub fn combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        expert_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &dyn DeviceRegion<bf16>,
+    ) -> Result<()> {
+        let _range = self.enter("moe_ep::combine", stream, handle)?;
+        let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
+        check_len(
+            "expert_out",
+            expert_out.len(),
+            cap * h,
+            "[recv_capacity, hidden] bf16",
+        )?;
+        check_len("out", out.len(), t * h, "[T, hidden] bf16")?;
+        let w_rows = match (weights, handle.layout) {
+            (None, _) => None,
+            (Some(_), RecvLayout::RankMajor) => {
+                return Err(Error::arg("weights", "None for a rank-major handle (a rank-major row already stands for all of the token's experts on that rank: weight them before combine)", "Some"))
+            }
+            (Some(w), RecvLayout::ExpertMajor { .. }) => {
+                check_len("weights", w.len(), cap, "[recv_capacity] f32")?;
+                Some(w.device_ptr())
+            }
+        };
+        let pull = self.pull_peers(handle, expert_out, None);
+        self.launch_combine(
+            stream,
+            handle,
+            CombineCall {
+                y: expert_out.device_ptr(),
+                out: out.device_ptr(),
+                w_rows,
+                grad_w: None,
+                pull,
+            },
+        )
+    }
+
+    /// Backward of dispatch: the gradient of the received tokens is combined
+    /// home (unweighted), and the gradient of the received top-k weights is
+    /// routed back to `[T, K]` (`grad_topk_weights`, when given). As in
+    /// [`EpGroup::combine`], rank-major gradients in symmetric memory (both of
+    /// them, when weights are given) are read in place by their home ranks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dispatch_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_recv_tokens: &dyn DeviceRegion<bf16>,
+        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
+        grad_tokens: &dyn DeviceRegion<bf16>,
+        grad_topk_weights: Option<&dyn DeviceRegion<f32>>,
+    ) -> Result<()> {
+        let _range = self.enter("moe_ep::dispatch_backward", stream, handle)?;
+        let (t, k, h, cap) = (
+            handle.num_tokens,
+            handle.topk,
+            self.cfg.hidden,
+            self.recv_capacity,
+        );
+        let wpr = handle.layout.weights_per_row(k);
+        check_len(
+            "grad_recv_tokens",
+            grad_recv_tokens.len(),
+            cap * h,
+            "[recv_capacity, hidden] bf16",
+        )?;
+        check_len("grad_tokens", grad_tokens.len(), t * h, "[T, hidden] bf16")?;
+        let grad_w = match (grad_recv_topk_weights, grad_topk_weights) {
+            (Some(a), Some(b)) => {
+                check_len(
+                    "grad_recv_topk_weights",
+                    a.len(),
+                    cap * wpr,
+                    "recv_capacity rows of weights",
+                )?;
+                check_len("grad_topk_weights", b.len(), t * k, "[T, K] f32")?;
+                Some((a.device_ptr(), b.device_ptr()))
+            }
+            (None, None) => None,
+            _ => {
+                return Err(Error::arg(
+                    "grad_topk_weights",
+                    "given together with grad_recv_topk_weights",
+                    "only one of the two",
+                ))
+            }
+        };
+        let pull = self.pull_peers(handle, grad_recv_tokens, grad_recv_topk_weights);
+        self.launch_combine(
+            stream,
+            handle,
+            CombineCall {
+                y: grad_recv_tokens.device_ptr(),
+                out: grad_tokens.device_ptr(),
+                w_rows: None,
+                grad_w,
+                pull,
+            },
+        )
+    }
+}

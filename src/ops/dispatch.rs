@@ -1,0 +1,181 @@
+//! Dispatch ([`EpGroup::dispatch`]) and the combine backward
+//! ([`EpGroup::combine_backward`], a dispatch of the output gradient):
+//! argument checks, receive buffers, and the launch of one kernel per
+//! receive layout.
+//!
+//! Kernels: `kernels-cuda/dispatch.cu` (`moe_ep_dispatch_rank_major` /
+//! `_expert_major`, `moe_ep_combine_bwd_rank_major` / `_expert_major`).
+//! Tests: `tests/gpu_intranode.rs` (every routing case bit for bit against
+//! the CPU reference, zero copy, capacity, CUDA graphs; the combine
+//! backward weighted and not).
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use half::bf16;
+
+use super::abi::{DispatchParams, MAX_RANKS, THREADS};
+use super::buffers::{check_len, DeviceRegion, DispatchOut, Dispatched, Peers, RecvBuf};
+use super::group::EpGroup;
+use super::handle::Handle;
+use super::layout::RecvLayout;
+use crate::error::{Error, Result};
+use crate::symm::SymmBuffer;
+
+/// What one dispatch-kernel launch moves, besides the rows.
+enum Rows {
+    /// Dispatch: the top-k weights `[T, K]` travel with the rows, and every
+    /// receiver gets its rows' weights, local expert ids and sources.
+    Tokens {
+        topk_w: u64,
+        recv_w: Peers,
+        recv_idx: Peers,
+        recv_src: Peers,
+    },
+    /// Combine backward: the output gradient alone, expert-major rows scaled
+    /// by their combine weights when given (`[recv_capacity]` f32, local).
+    Gradient { scale_w: Option<u64> },
+}
+
+impl EpGroup {
+    /// Launches the dispatch kernel of `handle`'s layout that `rows` asks
+    /// for: `x` (`[T, H]` bf16, local) into `recv_x` on every rank.
+    fn launch_dispatch(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        x: u64,
+        recv_x: Peers,
+        rows: Rows,
+    ) -> Result<()> {
+        let none = [0u64; MAX_RANKS];
+        let (f, topk_w, scale_w, recv_w, recv_idx, recv_src) = match rows {
+            Rows::Tokens {
+                topk_w,
+                recv_w,
+                recv_idx,
+                recv_src,
+            } => (&self.k.dispatch, topk_w, 0, recv_w, recv_idx, recv_src),
+            Rows::Gradient { scale_w } => (
+                &self.k.combine_bwd,
+                0,
+                scale_w.unwrap_or(0),
+                none,
+                none,
+                none,
+            ),
+        };
+        let p = DispatchParams {
+            op: self.op_common(handle),
+            x,
+            topk_w,
+            scale_w,
+            recv_x,
+            recv_w,
+            recv_idx,
+            recv_src,
+        };
+        // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
+        unsafe {
+            f.of(handle.layout)
+                .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)
+        }
+    }
+
+    /// Sends every token to the ranks of its experts, writing straight into
+    /// each receiver's buffers (zero copy). `x` is `[T, H]` bf16,
+    /// `topk_weights` `[T, K]` f32, matching the handle's routing.
+    pub fn dispatch<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        x: &dyn DeviceRegion<bf16>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOut<'a>,
+    ) -> Result<Dispatched<'a>> {
+        let _range = self.enter("moe_ep::dispatch", stream, handle)?;
+        let (t, k, h, cap) = (
+            handle.num_tokens,
+            handle.topk,
+            self.cfg.hidden,
+            self.recv_capacity,
+        );
+        check_len("x", x.len(), t * h, "[T, hidden] bf16")?;
+        check_len("topk_weights", topk_weights.len(), t * k, "[T, K] f32")?;
+        let wpr = handle.layout.weights_per_row(k);
+        let tokens = self.recv_buf(
+            out.recv_tokens,
+            "recv_tokens",
+            h,
+            "[recv_capacity, hidden] bf16",
+        )?;
+        let weights = self.recv_buf(
+            out.recv_topk_weights,
+            "recv_topk_weights",
+            wpr,
+            "recv_capacity rows of weights",
+        )?;
+        let idx: SymmBuffer<i32> = self.pool.alloc(cap * wpr)?;
+        let src: SymmBuffer<i32> = self.pool.alloc(cap * 2)?;
+        let recv_x = self.peers_of(&tokens, "recv_tokens")?;
+        let rows = Rows::Tokens {
+            topk_w: topk_weights.device_ptr(),
+            recv_w: self.peers_of(&weights, "recv_topk_weights")?,
+            recv_idx: self.peers_of(&idx, "recv_topk_idx")?,
+            recv_src: self.peers_of(&src, "recv_src")?,
+        };
+        self.launch_dispatch(stream, handle, x.device_ptr(), recv_x, rows)?;
+        Ok(Dispatched {
+            tokens,
+            topk_weights: weights,
+            topk_idx: idx,
+            src,
+        })
+    }
+
+    /// Backward of combine: the gradient of the output `[T, H]` is dispatched
+    /// (no layout work) into `[recv_capacity, H]` rows in the handle's layout;
+    /// padding rows are zero. With `weights` (expert-major, as given to
+    /// combine), each row is scaled by its weight.
+    pub fn combine_backward<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        grad_expert_out: Option<&'a dyn DeviceRegion<bf16>>,
+    ) -> Result<RecvBuf<'a, bf16>> {
+        let _range = self.enter("moe_ep::combine_backward", stream, handle)?;
+        let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
+        check_len("grad_out", grad_out.len(), t * h, "[T, hidden] bf16")?;
+        let scale_w = match (weights, handle.layout) {
+            (None, _) => None,
+            (Some(_), RecvLayout::RankMajor) => {
+                return Err(Error::arg(
+                    "weights",
+                    "None for a rank-major handle",
+                    "Some",
+                ))
+            }
+            (Some(w), _) => {
+                check_len("weights", w.len(), cap, "[recv_capacity] f32")?;
+                Some(w.device_ptr())
+            }
+        };
+        let out = self.recv_buf(
+            grad_expert_out,
+            "grad_expert_out",
+            h,
+            "[recv_capacity, hidden] bf16",
+        )?;
+        let recv_x = self.peers_of(&out, "grad_expert_out")?;
+        self.launch_dispatch(
+            stream,
+            handle,
+            grad_out.device_ptr(),
+            recv_x,
+            Rows::Gradient { scale_w },
+        )?;
+        Ok(out)
+    }
+}

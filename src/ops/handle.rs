@@ -1,0 +1,210 @@
+//! [`Handle`]: the routing of one batch, computed by [`EpGroup::layout`]
+//! and reused by its dispatch, combine and both backward passes; the
+//! device arrays it owns (one arena per layout, plus the expert-major
+//! receivers' `meta` in symmetric memory), [`HostCounts`], and the
+//! [`OpCommon`] every kernel's parameters start with.
+//!
+//! Tests: `tests/gpu_intranode.rs` (`host_counts` against the CPU
+//! reference in every case; pipelined handles; a handle of another group
+//! refused).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+
+use super::abi::{count_row, info_offsets, LayoutBufs, OpCommon};
+use super::buffers::DeviceRegion;
+use super::group::EpGroup;
+use super::layout::RecvLayout;
+use crate::error::{Error, Result};
+use crate::runtime::nvtx::{self, Range};
+use crate::symm::SymmBuffer;
+
+/// The routing of one batch, computed by [`EpGroup::layout`] and reused by
+/// its dispatch, combine and both backward passes.
+pub struct Handle {
+    pub(crate) layout: RecvLayout,
+    pub(crate) num_tokens: usize,
+    pub(crate) topk: usize,
+    /// One stream-ordered allocation (one alloc, one memset per layout):
+    /// the normalised routing `[T, K]`, rank positions `[T, R]`, expert
+    /// positions `[T, K]` and the info words, at `arena_at`.
+    pub(crate) arena: CudaSlice<i32>,
+    pub(crate) arena_at: ArenaOffsets,
+    /// Expert-major: per received token, the rows of its experts here
+    /// (`[R * max_tokens, K]`, written by the senders, so symmetric).
+    pub(crate) meta: Option<SymmBuffer<i32>>,
+    pub(crate) world: usize,
+    pub(crate) experts: usize,
+}
+
+/// Where each of a handle's arrays starts in its arena (i32 elements, each
+/// start a multiple of 64 elements).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ArenaOffsets {
+    topk_norm: usize,
+    rank_pos: usize,
+    expert_pos: usize,
+    info: usize,
+    info_len: usize,
+    pub(crate) total: usize,
+}
+
+impl ArenaOffsets {
+    pub(crate) fn new(t: usize, k: usize, r: usize, info_len: usize) -> ArenaOffsets {
+        let up = |n: usize| n.max(1).div_ceil(64) * 64;
+        let rank_pos = up(t * k);
+        let expert_pos = rank_pos + up(t * r);
+        let info = expert_pos + up(t * k);
+        ArenaOffsets {
+            topk_norm: 0,
+            rank_pos,
+            expert_pos,
+            info,
+            info_len,
+            total: info + up(info_len),
+        }
+    }
+}
+
+/// The count matrix of a handle, copied to the host on request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostCounts {
+    /// Rows received here in the handle's layout (expert-major: padded).
+    pub recv_rows: usize,
+    /// Tokens received here (one per (source token, this rank)).
+    pub recv_tokens: usize,
+    /// (token, expert) pairs per local expert, unpadded.
+    pub tokens_per_local_expert: Vec<usize>,
+    /// `rank_counts[s * R + d]`: tokens rank s sends to rank d.
+    pub rank_counts: Vec<u32>,
+    /// `expert_counts[s * E + e]`: tokens rank s sends to expert e.
+    pub expert_counts: Vec<u32>,
+}
+
+impl Handle {
+    /// The receive layout this handle was computed for.
+    pub fn layout(&self) -> RecvLayout {
+        self.layout
+    }
+    /// Tokens of this rank.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    /// Top-k.
+    pub fn topk(&self) -> usize {
+        self.topk
+    }
+    /// Unpadded (token, expert) rows per local expert, on the device (i32).
+    pub fn tokens_per_local_expert(&self) -> CudaView<'_, i32> {
+        let el = self.experts / self.world;
+        let o = info_offsets(self.world, self.experts, el);
+        let at = self.arena_at.info;
+        self.arena
+            .slice(at + o.expert_count..at + o.expert_count + el)
+    }
+    fn info(&self) -> CudaView<'_, i32> {
+        let a = self.arena_at;
+        self.arena.slice(a.info..a.info + a.info_len)
+    }
+    /// Copies the counts to the host (synchronises `stream`).
+    pub fn host_counts(&self, stream: &Arc<CudaStream>) -> Result<HostCounts> {
+        let info: Vec<i32> = stream
+            .clone_dtoh(&self.info())
+            .map_err(Error::cuda("cuMemcpyDtoH"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        let (r, e) = (self.world, self.experts);
+        let el = e / r;
+        let o = info_offsets(r, e, el);
+        let n = count_row(r, e);
+        let mut rank_counts = vec![0u32; r * r];
+        let mut expert_counts = vec![0u32; r * e];
+        for s in 0..r {
+            for d in 0..r {
+                rank_counts[s * r + d] = info[o.counts + s * n + e + d] as u32;
+            }
+            for x in 0..e {
+                expert_counts[s * e + x] = info[o.counts + s * n + x] as u32;
+            }
+        }
+        let recv_tokens = info[o.src_u_off + r] as usize;
+        let recv_rows = match self.layout {
+            RecvLayout::RankMajor => recv_tokens,
+            RecvLayout::ExpertMajor { .. } => info[o.expert_start + el] as usize,
+        };
+        Ok(HostCounts {
+            recv_rows,
+            recv_tokens,
+            tokens_per_local_expert: (0..el).map(|j| info[o.expert_count + j] as usize).collect(),
+            rank_counts,
+            expert_counts,
+        })
+    }
+    /// The device addresses of the handle's arrays, as the kernels see them.
+    fn bufs(&self) -> LayoutBufs {
+        let (base, a) = (self.arena.device_ptr(), self.arena_at);
+        let at = |off: usize| base + (off * std::mem::size_of::<i32>()) as u64;
+        LayoutBufs {
+            topk: at(a.topk_norm),
+            rank_pos: at(a.rank_pos),
+            expert_pos: at(a.expert_pos),
+            info: at(a.info),
+            meta: self.meta.as_ref().map_or(0, |m| m.device_ptr()),
+        }
+    }
+}
+
+impl EpGroup {
+    /// The start of every op on a handle: its NVTX range `name` (held by the
+    /// caller for the op), the error an earlier call left, the stream's
+    /// context, the handle's group.
+    pub(crate) fn enter(
+        &self,
+        name: &'static str,
+        stream: &CudaStream,
+        handle: &Handle,
+    ) -> Result<Range> {
+        let range = nvtx::range(name);
+        self.check()?;
+        self.bind(stream)?;
+        self.check_handle(handle)?;
+        Ok(range)
+    }
+
+    /// Refuses a handle that another group's layout made.
+    fn check_handle(&self, handle: &Handle) -> Result<()> {
+        if handle.world != self.comm.world() || handle.experts != self.cfg.num_experts {
+            return Err(Error::arg(
+                "handle",
+                "a handle made by this group's layout",
+                "a handle of another group",
+            ));
+        }
+        Ok(())
+    }
+
+    /// What every kernel of an op on `handle` is told: the group's
+    /// workspace and error report, the handle's arrays and the call's shape.
+    pub(crate) fn op_common(&self, handle: &Handle) -> OpCommon {
+        let (layout, alignment) = handle.layout.kind();
+        OpCommon {
+            bufs: handle.bufs(),
+            ws: self.ws_peers,
+            w: self.w,
+            error: self.error.device_ptr(),
+            timeout_ns: self.timeout_ns(),
+            rank: self.comm.rank() as i32,
+            world: self.comm.world() as i32,
+            num_tokens: handle.num_tokens as i32,
+            hidden: self.cfg.hidden as i32,
+            topk: handle.topk as i32,
+            num_experts: self.cfg.num_experts as i32,
+            layout,
+            alignment,
+            recv_capacity: self.recv_capacity as i32,
+            num_blocks: self.cfg.num_sms as i32,
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The layout op ([`EpGroup::layout`]): from a batch's routing, every
+//! token's row on every receiver and the count matrix of all ranks, kept in
+//! a [`Handle`]. Also [`RecvLayout`], the receive layouts every op and the
+//! CPU reference share.
+//!
+//! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`,
+//! `moe_ep_layout_exchange`, `moe_ep_layout_meta`). Tests:
+//! `tests/gpu_intranode.rs` (every case runs the layout and checks
+//! `Handle::host_counts` against the reference; bad and duplicate expert
+//! ids; capacity exceeded; 1024 experts).
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::abi::{
+    info_offsets, LayoutKind, LayoutParams, MAX_RANKS, MAX_TOPK, SCAN_EXPERTS, THREADS,
+};
+use super::buffers::{Peers, TopkIdx};
+use super::group::EpGroup;
+use super::handle::{ArenaOffsets, Handle};
+use crate::error::{Error, Result};
+
+/// Where received rows land on the receiving rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvLayout {
+    /// One row per (token, rank), grouped by source rank, then token.
+    RankMajor,
+    /// One row per (token, local expert), in per-expert blocks padded with
+    /// zero rows to a multiple of `alignment` (>= 1) rows.
+    ExpertMajor {
+        /// Block granularity in rows (>= 1).
+        alignment: usize,
+    },
+}
+
+/// Largest expert-major alignment the kernels take.
+const MAX_ALIGNMENT: usize = 4096;
+
+impl RecvLayout {
+    /// Checks `alignment >= 1` for [`RecvLayout::ExpertMajor`]; the error
+    /// names `alignment`.
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            RecvLayout::ExpertMajor { alignment: 0 } => {
+                Err(Error::arg("alignment", "at least 1 row", 0))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Weights (and local expert ids) per received row: `k` rank-major, 1
+    /// expert-major.
+    pub(crate) fn weights_per_row(self, k: usize) -> usize {
+        match self {
+            RecvLayout::RankMajor => k,
+            RecvLayout::ExpertMajor { .. } => 1,
+        }
+    }
+
+    /// The kernels' view: the layout kind and the alignment in rows (1 for
+    /// rank-major). Handles are made by [`EpGroup::layout`], which checked
+    /// the alignment ([`RecvLayout::check_for_kernels`]).
+    pub(crate) fn kind(self) -> (LayoutKind, i32) {
+        match self {
+            RecvLayout::RankMajor => (LayoutKind::RankMajor, 1),
+            RecvLayout::ExpertMajor { alignment } => (LayoutKind::ExpertMajor, alignment as i32),
+        }
+    }
+
+    /// Refuses an alignment the kernels cannot take, naming `layout`.
+    fn check_for_kernels(self) -> Result<()> {
+        match self {
+            RecvLayout::ExpertMajor { alignment }
+                if alignment == 0 || alignment > MAX_ALIGNMENT =>
+            {
+                Err(Error::arg(
+                    "layout",
+                    format!("ExpertMajor alignment in 1..={MAX_ALIGNMENT}"),
+                    alignment,
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Dynamic shared memory of the layout exchange: two int32 per expert.
+pub(crate) fn exchange_smem(num_experts: usize) -> u32 {
+    (2 * num_experts * 4) as u32
+}
+
+impl EpGroup {
+    /// Computes the routing layout (collective): tokens per rank and expert,
+    /// every token's row on every receiver, and the count matrix of all
+    /// ranks. `topk_idx` is `[T, topk]` with `T <= max_tokens_per_rank`.
+    pub fn layout(
+        &self,
+        stream: &Arc<CudaStream>,
+        topk_idx: TopkIdx<'_>,
+        topk: usize,
+        layout: RecvLayout,
+    ) -> Result<Handle> {
+        let _range = crate::runtime::nvtx::range("moe_ep::layout");
+        self.check()?;
+        self.bind(stream)?;
+        let (idx_ptr, idx_len) = topk_idx.ptr_len();
+        if topk == 0 || topk > MAX_TOPK || topk > self.cfg.num_experts {
+            return Err(Error::arg(
+                "topk",
+                format!("1..={} (and at most num_experts)", MAX_TOPK),
+                topk,
+            ));
+        }
+        if idx_len % topk != 0 {
+            return Err(Error::arg(
+                "topk_idx",
+                format!("[T, {topk}] (a multiple of {topk} elements)"),
+                format!("{idx_len} elements"),
+            ));
+        }
+        let t = idx_len / topk;
+        if t > self.cfg.max_tokens_per_rank {
+            return Err(Error::arg(
+                "topk_idx",
+                format!(
+                    "at most max_tokens_per_rank = {} tokens",
+                    self.cfg.max_tokens_per_rank
+                ),
+                format!("{t} tokens"),
+            ));
+        }
+        layout.check_for_kernels()?;
+        let (r, e) = (self.comm.world(), self.cfg.num_experts);
+        let el = e / r;
+        let arena_at = ArenaOffsets::new(t, topk, r, info_offsets(r, e, el).total);
+        let arena = stream
+            .alloc_zeros::<i32>(arena_at.total)
+            .map_err(Error::cuda("cuMemAlloc"))?;
+        // Expert-major receivers need, per received token, its rows here:
+        // written by the senders, so symmetric. Collective allocation.
+        let meta = match layout {
+            RecvLayout::ExpertMajor { .. } => Some(
+                self.pool
+                    .alloc::<i32>(r * self.cfg.max_tokens_per_rank * topk)?,
+            ),
+            RecvLayout::RankMajor => None,
+        };
+        let handle = Handle {
+            layout,
+            num_tokens: t,
+            topk,
+            arena,
+            arena_at,
+            meta,
+            world: r,
+            experts: e,
+        };
+        // Every rank's meta as mapped here (the senders write them).
+        let metas: Option<Peers> = match &handle.meta {
+            Some(m) => {
+                let mut peers = [0u64; MAX_RANKS];
+                for (rank, p) in peers.iter_mut().enumerate().take(r) {
+                    *p = m.peer_ptr(rank).ok_or_else(|| {
+                        Error::InvalidState(format!("meta buffer of rank {rank} not reachable"))
+                    })?;
+                }
+                Some(peers)
+            }
+            None => None,
+        };
+        let p = LayoutParams {
+            op: self.op_common(&handle),
+            topk_idx: idx_ptr,
+            meta: metas.unwrap_or_default(),
+        };
+        let scan = match topk_idx {
+            TopkIdx::I32(_) => &self.k.layout_scan_i32,
+            TopkIdx::I64(_) => &self.k.layout_scan_i64,
+        };
+        // SAFETY: p mirrors LayoutParams; every buffer lives in `handle` or
+        // the group, both outliving the enqueued work (the handle's arrays are
+        // stream-ordered allocations freed in stream order).
+        unsafe {
+            // Expert-group blocks, R rank blocks, then one token per thread
+            // of the check blocks.
+            let check_blocks = t.div_ceil(THREADS as usize).max(1);
+            let groups = e.div_ceil(SCAN_EXPERTS);
+            scan.launch(stream, (groups + r + check_blocks) as u32, THREADS, 0, &p)?;
+            self.k
+                .layout_exchange
+                .launch(stream, 1, THREADS, exchange_smem(e), &p)?;
+            if handle.meta.is_some() {
+                self.k
+                    .layout_meta
+                    .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)?;
+            }
+        }
+        Ok(handle)
+    }
+}
