@@ -28,6 +28,7 @@
 //! Every rank uses device `local_rank` of its visible devices;
 //! `CUDA_VISIBLE_DEVICES` is never changed here.
 
+use std::ffi::{OsStr, OsString};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::Path;
@@ -115,7 +116,6 @@ pub struct RankEnv {
 
 impl RankEnv {
     /// CUDA device index to use (= `local_rank`).
-    #[allow(dead_code)] // offered to gpu.rs, which may not use it
     pub fn device(&self) -> usize {
         self.local_rank
     }
@@ -129,7 +129,6 @@ impl RankEnv {
     /// the one in the environment (`make_id` is not called); otherwise rank 0
     /// calls `make_id` (e.g. `ncclGetUniqueId`) and serves the result to the
     /// others over TCP ([`rendezvous`], bounded by 60 s).
-    #[allow(dead_code)] // offered to gpu.rs, which may not use it
     pub fn unique_id(
         &self,
         make_id: impl FnOnce() -> Result<[u8; UNIQUE_ID_BYTES], String>,
@@ -216,6 +215,7 @@ fn opt_num(
     }
 }
 
+/// A port number 1..=65535 from variable `key`.
 fn parse_port(key: &str, v: &str, who: &str) -> Result<u16, String> {
     match v.trim().parse::<u16>() {
         Ok(p) if p > 0 => Ok(p),
@@ -225,6 +225,7 @@ fn parse_port(key: &str, v: &str, who: &str) -> Result<u16, String> {
     }
 }
 
+/// `rank` and `local_rank` below a non-zero `world`.
 fn check_ranks(rank: usize, world: usize, local_rank: usize, who: &str) -> Result<(), String> {
     if world == 0 {
         return Err(format!("{who} environment: world size is 0"));
@@ -256,6 +257,7 @@ fn rdzv_override(
     Ok((addr, port))
 }
 
+/// The variables an ep-bench parent sets on the ranks it spawns.
 fn own_child(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "ep-bench child";
     let rank = need_num(get, ENV_RANK, who)?;
@@ -275,6 +277,7 @@ fn own_child(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
+/// torchrun's variables.
 fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "torchrun";
     let rank = need_num(get, "RANK", who)?;
@@ -311,6 +314,7 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
+/// Open MPI's variables.
 fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "Open MPI";
     let rank = need_num(get, "OMPI_COMM_WORLD_RANK", who)?;
@@ -354,6 +358,7 @@ fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
+/// Slurm's variables (inside a job step).
 fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "Slurm";
     let rank = need_num(get, "SLURM_PROCID", who)?;
@@ -452,7 +457,6 @@ pub fn rendezvous(
 }
 
 /// [`rendezvous`] with an explicit total timeout.
-#[allow(dead_code)] // offered to gpu.rs, which may not use it
 pub fn rendezvous_with_timeout(
     rank: usize,
     world: usize,
@@ -515,6 +519,7 @@ fn bind_addr(addr: &str, port: u16) -> Result<SocketAddr, String> {
     Ok(SocketAddr::new(any, port))
 }
 
+/// Rank 0 of [`rendezvous`]: makes the id and serves it to every other rank.
 fn serve_id(
     world: usize,
     addr: &str,
@@ -636,6 +641,7 @@ fn answer_hello(
     }
 }
 
+/// The other ranks of [`rendezvous`]: fetch the id from rank 0, retrying until the deadline.
 fn fetch_id(
     rank: usize,
     world: usize,
@@ -666,11 +672,15 @@ fn fetch_id(
     }
 }
 
+/// Why one fetch attempt failed.
 enum Attempt {
+    /// Worth another try (rank 0 not listening yet, a dropped connection).
     Retry(String),
+    /// Rank 0 rejected this rank: give up.
     Fatal(String),
 }
 
+/// One connection to rank 0: hello, then the id.
 fn try_fetch(
     rank: usize,
     world: usize,
@@ -737,7 +747,7 @@ fn try_fetch(
 pub fn spawn_ranks(
     n: usize,
     unique_id: [u8; UNIQUE_ID_BYTES],
-    args: &[String],
+    args: &[OsString],
 ) -> Result<i32, String> {
     let exe = std::env::current_exe()
         .map_err(|e| format!("cannot find the ep-bench executable to spawn ranks: {e}"))?;
@@ -745,11 +755,11 @@ pub fn spawn_ranks(
 }
 
 /// [`spawn_ranks`] for an arbitrary program (tests).
-pub fn spawn_program(
+pub fn spawn_program<A: AsRef<OsStr>>(
     program: &Path,
     n: usize,
     unique_id: [u8; UNIQUE_ID_BYTES],
-    args: &[String],
+    args: &[A],
 ) -> Result<i32, String> {
     if n == 0 {
         return Err("cannot spawn 0 ranks".to_string());
@@ -819,6 +829,7 @@ fn kill_all(children: &mut [Option<Child>]) {
     }
 }
 
+/// A child's exit code, 128 + the signal that killed it, or 1.
 fn exit_code(status: &std::process::ExitStatus) -> i32 {
     if let Some(c) = status.code() {
         return c;
@@ -1203,7 +1214,8 @@ mod tests {
         let t = Instant::now();
         assert_eq!(spawn_program(sh, 3, id, &args).unwrap(), 7);
         assert!(t.elapsed() < Duration::from_secs(20));
-        assert!(spawn_program(Path::new("/nonexistent/ep-bench"), 2, id, &[]).is_err());
-        assert!(spawn_program(sh, 0, id, &[]).is_err());
+        let none: &[&str] = &[];
+        assert!(spawn_program(Path::new("/nonexistent/ep-bench"), 2, id, none).is_err());
+        assert!(spawn_program(sh, 0, id, none).is_err());
     }
 }
