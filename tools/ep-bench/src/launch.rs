@@ -36,6 +36,9 @@ use std::process::{Child, Command};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use moe_ep::sys::nccl::ncclUniqueId;
+use moe_ep::UniqueId;
+
 /// Size in bytes of an NCCL unique id (`ncclUniqueId`).
 pub const UNIQUE_ID_BYTES: usize = 128;
 /// Env var set on spawned ranks: global rank.
@@ -384,49 +387,17 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
-/// Lowercase hex of `bytes` (two chars per byte).
-pub fn to_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 15)] as char);
-    }
-    s
+/// The id as 256 lowercase hex characters (the library's [`UniqueId::to_hex`]).
+pub fn to_hex(id: &[u8; UNIQUE_ID_BYTES]) -> String {
+    UniqueId(ncclUniqueId { internal: *id }).to_hex()
 }
 
-/// Parses a unique id from exactly 256 hex chars (either case).
+/// Parses an id from exactly 256 hex characters, either case
+/// ([`UniqueId::from_hex`]).
 pub fn id_from_hex(s: &str) -> Result<[u8; UNIQUE_ID_BYTES], String> {
-    let s = s.trim();
-    if s.len() != 2 * UNIQUE_ID_BYTES {
-        return Err(format!(
-            "expected {} hex characters, got {}",
-            2 * UNIQUE_ID_BYTES,
-            s.len()
-        ));
-    }
-    fn nibble(c: u8) -> Option<u8> {
-        match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            b'A'..=b'F' => Some(c - b'A' + 10),
-            _ => None,
-        }
-    }
-    let mut out = [0u8; UNIQUE_ID_BYTES];
-    for (i, pair) in s.as_bytes().chunks(2).enumerate() {
-        match (nibble(pair[0]), nibble(pair[1])) {
-            (Some(h), Some(l)) => out[i] = (h << 4) | l,
-            _ => {
-                return Err(format!(
-                    "'{}' at position {} is not hex",
-                    String::from_utf8_lossy(pair),
-                    2 * i
-                ))
-            }
-        }
-    }
-    Ok(out)
+    UniqueId::from_hex(s)
+        .map(|id| id.0.internal)
+        .map_err(|e| e.to_string())
 }
 
 /// Wire magic of the rendezvous protocol (hello and reply).
@@ -889,7 +860,7 @@ mod tests {
         assert_eq!(id_from_hex(&hex.to_uppercase()).unwrap(), id);
         assert!(id_from_hex("abc").unwrap_err().contains("256"));
         let bad = format!("zz{}", &hex[2..]);
-        assert!(id_from_hex(&bad).unwrap_err().contains("not hex"));
+        assert!(id_from_hex(&bad).unwrap_err().contains("position 0"));
         // Multi-byte characters must not panic.
         let uni = "é".repeat(128);
         assert!(id_from_hex(&uni).is_err());

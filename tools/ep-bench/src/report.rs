@@ -199,7 +199,7 @@ impl CaseResult {
     }
 }
 
-/// The case columns of the table and CSV, in their order.
+/// The case fields of the table columns, the title and the plot legend, in order.
 const CASE_FIELDS: [&str; 6] = ["tokens", "hidden", "topk", "experts", "layout", "sms"];
 
 /// The value of case column `i` of [`CASE_FIELDS`].
