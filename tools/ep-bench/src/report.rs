@@ -278,8 +278,8 @@ fn render_columns(header: &[String], right: &[bool], rows: &[Vec<String>]) -> St
 /// Human-readable table: for virtual ranks a line saying so, a title line
 /// (ranks, GPU name, fixed settings), then one row per (case, op) with the
 /// case columns that vary in the sweep, op, median/min/max µs (slowest
-/// rank), NVLink GB/s, logical GB/s, vs NCCL, vs peers, vs ceiling (and
-/// `check` when `--check` ran).
+/// rank), NVLink GB/s, logical GB/s, vs NCCL, vs peers, vs ceiling (not for
+/// virtual ranks, which have no baselines) and `check` when `--check` ran.
 pub fn table(results: &[CaseResult]) -> String {
     let Some(first) = results.first() else {
         return "ep-bench: no results\n".to_string();
@@ -313,21 +313,28 @@ pub fn table(results: &[CaseResult]) -> String {
     let mut header: Vec<String> = varying.iter().map(|&i| CASE_FIELDS[i].into()).collect();
     // Every case column is a number but the layout.
     let mut right: Vec<bool> = varying.iter().map(|&i| i != 4).collect();
+    // Virtual ranks have no baselines: no ratio columns.
+    let ratios: &[&str] = match first.ranks {
+        Ranks::Nccl => &[NCCL_ALLTOALL, NCCL_PEERS, PEER_STORE_CEILING],
+        Ranks::Virtual => &[],
+    };
     let columns = [
-        ("op", false),
-        ("median µs", true),
-        ("min µs", true),
-        ("max µs", true),
-        ("NVLink GB/s", true),
-        ("logical GB/s", true),
-        ("vs NCCL", true),
-        ("vs peers", true),
-        ("vs ceiling", true),
-        ("check", false),
+        "op",
+        "median µs",
+        "min µs",
+        "max µs",
+        "NVLink GB/s",
+        "logical GB/s",
+        "vs NCCL",
+        "vs peers",
+        "vs ceiling",
     ];
-    for (h, r) in &columns[..columns.len() - usize::from(!with_check)] {
+    let columns = columns[..6 + ratios.len()]
+        .iter()
+        .chain(with_check.then_some(&"check"));
+    for h in columns {
         header.push(h.to_string());
-        right.push(*r);
+        right.push(!matches!(*h, "op" | "check"));
     }
     let mut rows = Vec::new();
     for res in results {
@@ -355,10 +362,8 @@ pub fn table(results: &[CaseResult]) -> String {
                 fmt_num(st.max_us, 2),
                 bw(op.row_nvlink_bytes(), op.nvlink_gbps()),
                 bw(op.row_logical_bytes(), op.logical_gbps()),
-                ratio(NCCL_ALLTOALL),
-                ratio(NCCL_PEERS),
-                ratio(PEER_STORE_CEILING),
             ]);
+            row.extend(ratios.iter().map(|b| ratio(b)));
             if with_check {
                 row.push(check_word(res.check, "ok", "FAILED", "-").into());
             }
@@ -777,6 +782,7 @@ pub(crate) mod tests {
             lines[1]
         );
         assert!(!lines[1].contains(" x "), "{}", lines[1]);
+        assert!(lines[2].ends_with("logical GB/s  check"), "{}", lines[2]);
         let doc: serde_json::Value = serde_json::from_str(&json(&[virtual_sample(1024)])).unwrap();
         assert_eq!(doc["results"][0]["ranks"], "virtual");
         let text = csv(&[virtual_sample(1024)]);
