@@ -247,6 +247,7 @@ fn up<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits>(
     if v.is_empty() {
         return s.alloc_zeros::<T>(1).map_err(Error::cuda("alloc"));
     }
+    drain(s)?;
     s.clone_htod(v).map_err(Error::cuda("htod"))
 }
 
@@ -269,6 +270,7 @@ fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
     if n == 0 {
         return Ok(host);
     }
+    drain(s)?;
     // SAFETY: ptr holds at least n elements (checked by callers' sizing).
     unsafe {
         moe_ep::cuda::result::memcpy_dtoh_async(&mut host, ptr.device_ptr(), s.cu_stream())
@@ -276,6 +278,14 @@ fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
     }
     s.synchronize().map_err(Error::cuda("sync"))?;
     Ok(host)
+}
+
+/// Waits for the stream's work before a copy from or to pageable memory:
+/// the driver moves pageable copies of all threads through shared staging
+/// buffers, so a copy queued behind this rank's kernels (which wait for the
+/// other ranks) would hold up the other virtual ranks' copies and launches.
+fn drain(s: &Arc<CudaStream>) -> Result<()> {
+    s.synchronize().map_err(Error::cuda("sync"))
 }
 
 fn bits(v: &[bf16]) -> Vec<u16> {
@@ -512,6 +522,7 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
             (DeviceRegion::device_ptr(&grad_w), t * k * 4),
         ] {
             if bytes > 0 {
+                drain(s)?;
                 // SAFETY: the buffers hold at least `bytes` bytes.
                 unsafe {
                     moe_ep::cuda::result::memcpy_htod_async(ptr, &poison(bytes), s.cu_stream())
@@ -698,6 +709,7 @@ fn over_capacity_is_reported_and_writes_nothing() {
         let pattern: Vec<bf16> = (0..total)
             .map(|i| bf16::from_bits(0x3C00 ^ (i as u16 & 0x0FFF)))
             .collect();
+        drain(s)?;
         // SAFETY: buf holds `total` elements.
         unsafe {
             moe_ep::cuda::result::memcpy_htod_async(buf.device_ptr(), &pattern, s.cu_stream())
@@ -970,6 +982,7 @@ fn cuda_graph_capture_and_replay() {
         // before any rank's replay waits for the others (virtual ranks).
         r.comm.barrier(s)?;
         for replay in 0..5 {
+            drain(s)?;
             // SAFETY: out holds tokens*hidden bf16.
             unsafe {
                 moe_ep::cuda::result::memcpy_htod_async(

@@ -109,6 +109,14 @@ impl Handle {
     }
     /// Copies the counts to the host (synchronises `stream`).
     pub fn host_counts(&self, stream: &Arc<CudaStream>) -> Result<HostCounts> {
+        // NOTE: the stream is drained before the copy into pageable memory:
+        // the driver moves pageable copies of all threads through shared
+        // staging buffers, so a copy waiting here behind this rank's kernels
+        // (which wait for the other ranks) would hold up a virtual sibling's
+        // own copies, and with them its next launch.
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
         let info: Vec<i32> = stream
             .clone_dtoh(&self.info())
             .map_err(Error::cuda("cuMemcpyDtoH"))?;

@@ -121,7 +121,13 @@ impl Communicator {
     /// - a rank must not call what waits for the whole GPU (`cuCtxSynchronize`,
     ///   `cuMemFree`, pinned host allocation, graph instantiation) while its
     ///   siblings' kernels may wait for its next launch: do it before a
-    ///   barrier;
+    ///   barrier; the crate loads every kernel when a group is created (not
+    ///   lazily at its first launch, which can wait for the whole GPU);
+    /// - synchronize a rank's stream before a copy from or to pageable host
+    ///   memory: the driver moves pageable copies of all threads through
+    ///   shared staging buffers, so a copy queued behind this rank's waiting
+    ///   kernels holds up its siblings' copies, and with them their launches
+    ///   (the crate's own host copies do so);
     /// - run one virtual world per GPU at a time.
     pub fn virtual_world(ctx: &Arc<CudaContext>, world: usize) -> Result<Vec<Arc<Self>>> {
         Self::virtual_world_with_timeout(ctx, world, VIRTUAL_HOST_TIMEOUT)
@@ -258,6 +264,10 @@ impl Communicator {
         };
         let bytes: &[u8] = bytemuck::cast_slice(value);
         let n = bytes.len().max(1);
+        // Drained before the pageable copies (see `Handle::host_counts`).
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
         let mut send = stream
             .alloc_zeros::<u8>(n)
             .map_err(Error::cuda("cuMemAlloc"))?;

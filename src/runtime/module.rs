@@ -95,6 +95,18 @@ impl Module {
                         detail: format!("no entry point {func}: {e}"),
                     }
                 })?;
+                // Loaded now, not at its first launch: with lazy loading (the
+                // CUDA default) a first launch may wait for the whole GPU,
+                // where other ranks' kernels on it (virtual ranks) can be
+                // waiting for this rank's next launch.
+                // SAFETY: f is a function of a live module.
+                let rc = unsafe { sys::cuFuncLoad(f) };
+                if rc != sys::CUresult::CUDA_SUCCESS {
+                    return Err(Error::Module {
+                        module: self.name,
+                        detail: format!("loading {func}: {:?}", result::DriverError(rc)),
+                    });
+                }
                 funcs.insert(func, f);
                 f
             }

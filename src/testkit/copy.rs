@@ -58,6 +58,10 @@ pub fn pattern_mismatches(
     ];
     // SAFETY: matches moe_ep_check_pattern(const u32*, u64, u32, u64*).
     unsafe { f.launch_raw(stream, grid_for(n, 256, 1024), 256, 0, &mut args)? };
+    // Drained before the pageable copy (see `Handle::host_counts`).
+    stream
+        .synchronize()
+        .map_err(Error::cuda("cuStreamSynchronize"))?;
     let v = stream
         .clone_dtoh(&counter)
         .map_err(Error::cuda("cuMemcpyDtoH"))?;

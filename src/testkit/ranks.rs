@@ -299,6 +299,14 @@ where
                 .0;
         }
     });
+    if let Ranks::Virtual = world.ranks {
+        // Kernels that a failed rank left waiting run until their timeout:
+        // the next world needs the whole GPU.
+        let ctx = crate::context(0).expect("context of GPU 0");
+        if let Err(e) = ctx.synchronize() {
+            say(format!("  {world}: GPU 0 after the world: {e}"));
+        }
+    }
     let results = state.0.into_inner().unwrap();
     let errors: Vec<String> = results
         .into_iter()

@@ -28,12 +28,16 @@
 //! Every rank uses device `local_rank` of its visible devices;
 //! `CUDA_VISIBLE_DEVICES` is never changed here.
 
+use std::ffi::{OsStr, OsString};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::Path;
 use std::process::{Child, Command};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use moe_ep::sys::nccl::ncclUniqueId;
+use moe_ep::UniqueId;
 
 /// Size in bytes of an NCCL unique id (`ncclUniqueId`).
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -115,7 +119,6 @@ pub struct RankEnv {
 
 impl RankEnv {
     /// CUDA device index to use (= `local_rank`).
-    #[allow(dead_code)] // offered to gpu.rs, which may not use it
     pub fn device(&self) -> usize {
         self.local_rank
     }
@@ -129,7 +132,6 @@ impl RankEnv {
     /// the one in the environment (`make_id` is not called); otherwise rank 0
     /// calls `make_id` (e.g. `ncclGetUniqueId`) and serves the result to the
     /// others over TCP ([`rendezvous`], bounded by 60 s).
-    #[allow(dead_code)] // offered to gpu.rs, which may not use it
     pub fn unique_id(
         &self,
         make_id: impl FnOnce() -> Result<[u8; UNIQUE_ID_BYTES], String>,
@@ -216,6 +218,7 @@ fn opt_num(
     }
 }
 
+/// A port number 1..=65535 from variable `key`.
 fn parse_port(key: &str, v: &str, who: &str) -> Result<u16, String> {
     match v.trim().parse::<u16>() {
         Ok(p) if p > 0 => Ok(p),
@@ -225,6 +228,7 @@ fn parse_port(key: &str, v: &str, who: &str) -> Result<u16, String> {
     }
 }
 
+/// `rank` and `local_rank` below a non-zero `world`.
 fn check_ranks(rank: usize, world: usize, local_rank: usize, who: &str) -> Result<(), String> {
     if world == 0 {
         return Err(format!("{who} environment: world size is 0"));
@@ -256,6 +260,7 @@ fn rdzv_override(
     Ok((addr, port))
 }
 
+/// The variables an ep-bench parent sets on the ranks it spawns.
 fn own_child(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "ep-bench child";
     let rank = need_num(get, ENV_RANK, who)?;
@@ -275,6 +280,7 @@ fn own_child(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
+/// torchrun's variables.
 fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "torchrun";
     let rank = need_num(get, "RANK", who)?;
@@ -311,6 +317,7 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
+/// Open MPI's variables.
 fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "Open MPI";
     let rank = need_num(get, "OMPI_COMM_WORLD_RANK", who)?;
@@ -354,6 +361,7 @@ fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
+/// Slurm's variables (inside a job step).
 fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     let who = "Slurm";
     let rank = need_num(get, "SLURM_PROCID", who)?;
@@ -379,49 +387,17 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
     })
 }
 
-/// Lowercase hex of `bytes` (two chars per byte).
-pub fn to_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 15)] as char);
-    }
-    s
+/// The id as 256 lowercase hex characters (the library's [`UniqueId::to_hex`]).
+pub fn to_hex(id: &[u8; UNIQUE_ID_BYTES]) -> String {
+    UniqueId(ncclUniqueId { internal: *id }).to_hex()
 }
 
-/// Parses a unique id from exactly 256 hex chars (either case).
+/// Parses an id from exactly 256 hex characters, either case
+/// ([`UniqueId::from_hex`]).
 pub fn id_from_hex(s: &str) -> Result<[u8; UNIQUE_ID_BYTES], String> {
-    let s = s.trim();
-    if s.len() != 2 * UNIQUE_ID_BYTES {
-        return Err(format!(
-            "expected {} hex characters, got {}",
-            2 * UNIQUE_ID_BYTES,
-            s.len()
-        ));
-    }
-    fn nibble(c: u8) -> Option<u8> {
-        match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            b'A'..=b'F' => Some(c - b'A' + 10),
-            _ => None,
-        }
-    }
-    let mut out = [0u8; UNIQUE_ID_BYTES];
-    for (i, pair) in s.as_bytes().chunks(2).enumerate() {
-        match (nibble(pair[0]), nibble(pair[1])) {
-            (Some(h), Some(l)) => out[i] = (h << 4) | l,
-            _ => {
-                return Err(format!(
-                    "'{}' at position {} is not hex",
-                    String::from_utf8_lossy(pair),
-                    2 * i
-                ))
-            }
-        }
-    }
-    Ok(out)
+    UniqueId::from_hex(s)
+        .map(|id| id.0.internal)
+        .map_err(|e| e.to_string())
 }
 
 /// Wire magic of the rendezvous protocol (hello and reply).
@@ -452,7 +428,6 @@ pub fn rendezvous(
 }
 
 /// [`rendezvous`] with an explicit total timeout.
-#[allow(dead_code)] // offered to gpu.rs, which may not use it
 pub fn rendezvous_with_timeout(
     rank: usize,
     world: usize,
@@ -515,6 +490,7 @@ fn bind_addr(addr: &str, port: u16) -> Result<SocketAddr, String> {
     Ok(SocketAddr::new(any, port))
 }
 
+/// Rank 0 of [`rendezvous`]: makes the id and serves it to every other rank.
 fn serve_id(
     world: usize,
     addr: &str,
@@ -636,6 +612,7 @@ fn answer_hello(
     }
 }
 
+/// The other ranks of [`rendezvous`]: fetch the id from rank 0, retrying until the deadline.
 fn fetch_id(
     rank: usize,
     world: usize,
@@ -666,11 +643,15 @@ fn fetch_id(
     }
 }
 
+/// Why one fetch attempt failed.
 enum Attempt {
+    /// Worth another try (rank 0 not listening yet, a dropped connection).
     Retry(String),
+    /// Rank 0 rejected this rank: give up.
     Fatal(String),
 }
 
+/// One connection to rank 0: hello, then the id.
 fn try_fetch(
     rank: usize,
     world: usize,
@@ -737,7 +718,7 @@ fn try_fetch(
 pub fn spawn_ranks(
     n: usize,
     unique_id: [u8; UNIQUE_ID_BYTES],
-    args: &[String],
+    args: &[OsString],
 ) -> Result<i32, String> {
     let exe = std::env::current_exe()
         .map_err(|e| format!("cannot find the ep-bench executable to spawn ranks: {e}"))?;
@@ -745,11 +726,11 @@ pub fn spawn_ranks(
 }
 
 /// [`spawn_ranks`] for an arbitrary program (tests).
-pub fn spawn_program(
+pub fn spawn_program<A: AsRef<OsStr>>(
     program: &Path,
     n: usize,
     unique_id: [u8; UNIQUE_ID_BYTES],
-    args: &[String],
+    args: &[A],
 ) -> Result<i32, String> {
     if n == 0 {
         return Err("cannot spawn 0 ranks".to_string());
@@ -819,6 +800,7 @@ fn kill_all(children: &mut [Option<Child>]) {
     }
 }
 
+/// A child's exit code, 128 + the signal that killed it, or 1.
 fn exit_code(status: &std::process::ExitStatus) -> i32 {
     if let Some(c) = status.code() {
         return c;
@@ -878,7 +860,7 @@ mod tests {
         assert_eq!(id_from_hex(&hex.to_uppercase()).unwrap(), id);
         assert!(id_from_hex("abc").unwrap_err().contains("256"));
         let bad = format!("zz{}", &hex[2..]);
-        assert!(id_from_hex(&bad).unwrap_err().contains("not hex"));
+        assert!(id_from_hex(&bad).unwrap_err().contains("position 0"));
         // Multi-byte characters must not panic.
         let uni = "é".repeat(128);
         assert!(id_from_hex(&uni).is_err());
@@ -1203,7 +1185,8 @@ mod tests {
         let t = Instant::now();
         assert_eq!(spawn_program(sh, 3, id, &args).unwrap(), 7);
         assert!(t.elapsed() < Duration::from_secs(20));
-        assert!(spawn_program(Path::new("/nonexistent/ep-bench"), 2, id, &[]).is_err());
-        assert!(spawn_program(sh, 0, id, &[]).is_err());
+        let none: &[&str] = &[];
+        assert!(spawn_program(Path::new("/nonexistent/ep-bench"), 2, id, none).is_err());
+        assert!(spawn_program(sh, 0, id, none).is_err());
     }
 }

@@ -1,17 +1,23 @@
-//! The GPU half of ep-bench: one rank's measurements.
+//! The GPU half of ep-bench: one rank's measurements, on its own GPU (an
+//! NCCL communicator; [`run_rank`]) or as one of the threads of
+//! `--virtual-ranks` on GPU 0 ([`run_virtual`]).
 //!
 //! For each case every rank builds its routing (the same generators as the
 //! tests, seeded per rank, so every rank can rebuild every other rank's
 //! routing for `--check` and for sizing), creates an `EpGroup`, and times each
 //! op with CUDA events around it: warm-up runs first, then `--iters` timed
 //! runs, each after an L2 flush and a host barrier, then (`--start gpu`, the
-//! default) a gate and a one-word NCCL all-reduce that line the GPUs up.
+//! default) a gate that the stream waits on while the host enqueues the run:
+//! NCCL ranks leave a one-word NCCL all-reduce together behind it; virtual
+//! ranks, which have no NCCL, meet at the host barrier once every rank has
+//! enqueued, then each opens its own gate.
 //! The baselines move the same bytes in the same run: NCCL grouped
 //! send/recv (with every rank, this one included: the all-to-all; and with
 //! the peers only), an SM copy loop storing into the peer's symmetric buffer (the
 //! peer-store ceiling), the same with the SMs' bulk-copy units (the
-//! bulk-copy ceiling) and the copy engine's peer copy. Rank 0 gathers every
-//! rank's statistics and returns them.
+//! bulk-copy ceiling) and the copy engine's peer copy. Virtual ranks cross
+//! no NVLink, so they measure none of them. Rank 0 gathers every rank's
+//! statistics and returns them.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -24,14 +30,16 @@ use moe_ep::runtime::MappedHost;
 use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
 
-use crate::cli::{Case, Layout, Op, Opts, Routing};
+use crate::cli::{Case, Op, Opts, Routing, DEFAULT_NUM_SMS};
 use crate::launch::RankEnv;
-use crate::report::{self, CaseResult, OpResult, Progress, Stat};
+use crate::report::{self, CaseResult, OpResult, Ranks, Stat};
 
+/// Errors travel as one line of text up to `main`.
 type R<T> = Result<T, String>;
 /// One op's samples on this rank: (name, per-iteration µs, NVLink bytes, logical bytes).
 type Measured = (String, Vec<f64>, u64, u64);
 
+/// An error as its message (for `map_err`).
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -46,12 +54,16 @@ pub fn nccl_unique_id() -> R<[u8; 128]> {
     Ok(UniqueId::generate().map_err(s)?.0.internal)
 }
 
+/// The CUDA events around one timed run.
 struct Timer {
+    /// Recorded before the run.
     start: CudaEvent,
+    /// Recorded after it.
     end: CudaEvent,
 }
 
 impl Timer {
+    /// Two timing events of `ctx`.
     fn new(ctx: &Arc<CudaContext>) -> R<Timer> {
         let timing = Some(moe_ep::cuda::sys::CUevent_flags::CU_EVENT_DEFAULT);
         Ok(Timer {
@@ -61,12 +73,35 @@ impl Timer {
     }
 }
 
-struct Ctx<'a> {
-    opts: &'a Opts,
-    stream: Arc<CudaStream>,
+/// One rank's GPU handles.
+struct Rank {
+    /// The context of the rank's GPU.
+    ctx: Arc<CudaContext>,
+    /// Its communicator (NCCL or virtual).
     comm: Arc<Communicator>,
+    /// The stream every op and baseline runs on.
+    stream: Arc<CudaStream>,
+    /// Virtual ranks under `--start gpu`: an idle stream for the host
+    /// barrier that lines the ranks up while `stream` waits at its gate
+    /// (the barrier first synchronises the stream it is given).
+    idle: Option<Arc<CudaStream>>,
+}
+
+/// What one rank measures with, for all its cases.
+struct Ctx<'a> {
+    /// The options.
+    opts: &'a Opts,
+    /// The rank's stream ([`Rank::stream`]).
+    stream: Arc<CudaStream>,
+    /// [`Rank::idle`].
+    idle: Option<Arc<CudaStream>>,
+    /// The rank's communicator.
+    comm: Arc<Communicator>,
+    /// 256 MiB written before each timed run, to flush L2.
     flush: CudaSlice<u8>,
+    /// The events around each timed run.
     timer: Timer,
+    /// `--start gpu`'s gate.
     start: GpuStart,
 }
 
@@ -74,15 +109,20 @@ struct Ctx<'a> {
 /// host has enqueued the whole timed run, then all ranks' GPUs pass a
 /// one-word NCCL all-reduce, which they leave together, and the timer starts.
 /// Host skew and host enqueue time stay out of the timing, for our ops and
-/// the baselines alike.
+/// the baselines alike. Virtual ranks have no NCCL all-reduce: they meet at
+/// the host barrier once all have enqueued, then each opens its own gate.
 struct GpuStart {
+    /// The host-mapped word the stream waits on.
     gate: MappedHost<u32>,
+    /// Gates opened so far (the value the last one waited for).
     opened: std::cell::Cell<u32>,
+    /// The NCCL all-reduce's one word.
     word: CudaSlice<u32>,
 }
 
 impl GpuStart {
-    /// Enqueues the gate (closed until [`GpuStart::open`]) and the all-reduce.
+    /// Enqueues the gate (closed until [`GpuStart::open`]) and, on NCCL
+    /// ranks, the all-reduce.
     fn enqueue(&self, c: &Ctx<'_>) -> R<()> {
         let next = self.opened.get().wrapping_add(1);
         // SAFETY: the gate is a live mapped allocation; flags 0 = wait until
@@ -98,6 +138,9 @@ impl GpuStart {
         if rc != moe_ep::cuda::sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuStreamWaitValue32: {rc:?}"));
         }
+        let Some(raw) = c.comm.raw() else {
+            return Ok(());
+        };
         let w = DeviceRegion::device_ptr(&self.word) as *mut c_void;
         // SAFETY: one u32 in place, on this rank's stream and communicator.
         unsafe {
@@ -107,7 +150,7 @@ impl GpuStart {
                 1,
                 moe_ep::sys::nccl::ncclUint32,
                 moe_ep::sys::nccl::ncclSum,
-                c.comm.raw().ok_or("NCCL baselines need an NCCL communicator")?,
+                raw,
                 c.stream.cu_stream() as *mut c_void,
             )
         }
@@ -127,14 +170,15 @@ impl Ctx<'_> {
     /// time `f` took to enqueue its work (inside the timed span: the stream
     /// is empty when the start event is recorded).
     fn time(&self, what: &str, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
-        for _ in 0..self.opts.warmup {
+        let (iters, gpu_start) = (self.opts.iters(), self.opts.gpu_start());
+        for _ in 0..self.opts.warmup() {
             f()?;
         }
         self.stream.synchronize().map_err(s)?;
-        let mut out = Vec::with_capacity(self.opts.iters);
-        let mut enqueue = Vec::with_capacity(self.opts.iters);
-        for _ in 0..self.opts.iters {
-            if self.opts.flush_l2 {
+        let mut out = Vec::with_capacity(iters);
+        let mut enqueue = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            if self.opts.flush_l2() {
                 // SAFETY: flush is a live allocation of its length.
                 unsafe {
                     cu::memset_d8_async(
@@ -147,7 +191,7 @@ impl Ctx<'_> {
                 .map_err(s)?;
             }
             self.comm.barrier(&self.stream).map_err(s)?;
-            if self.opts.gpu_start {
+            if gpu_start {
                 if let Err(e) = self.start.enqueue(self) {
                     self.start.open();
                     return Err(e);
@@ -163,10 +207,15 @@ impl Ctx<'_> {
                 .and_then(|_| f())
                 .and_then(|_| self.timer.end.record(&self.stream).map_err(s));
             enqueue.push(t0.elapsed().as_secs_f64() * 1e6);
-            if self.opts.gpu_start {
+            let mut lined_up = Ok(());
+            if gpu_start {
+                if let Some(idle) = &self.idle {
+                    lined_up = self.comm.barrier(idle).map_err(s);
+                }
                 self.start.open();
             }
             ran?;
+            lined_up?;
             self.timer.end.synchronize().map_err(s)?;
             out.push(self.timer.start.elapsed_ms(&self.timer.end).map_err(s)? as f64 * 1e3);
         }
@@ -180,13 +229,6 @@ impl Ctx<'_> {
             );
         }
         Ok(out)
-    }
-}
-
-fn recv_layout(l: Layout) -> RecvLayout {
-    match l {
-        Layout::RankMajor => RecvLayout::RankMajor,
-        Layout::ExpertMajor { alignment } => RecvLayout::ExpertMajor { alignment },
     }
 }
 
@@ -208,20 +250,12 @@ fn routings(case: &Case, shape: &Shape, seed: u64, world: usize) -> R<Vec<Vec<i6
                     }
                     Ok(v[..need].to_vec())
                 }),
-            other => {
-                let routing = match other {
-                    Routing::Uniform => workload::Routing::Uniform,
-                    Routing::Skewed(h) => workload::Routing::Skewed { hot_share: *h },
-                    Routing::Masked(m) => workload::Routing::Masked { masked_share: *m },
-                    Routing::File(_) => unreachable!(),
-                };
-                Ok(workload::topk_idx(
-                    &mut Rng::new(workload::rank_seed(seed, r)),
-                    case.tokens,
-                    shape,
-                    routing,
-                ))
-            }
+            Routing::Generated(routing) => Ok(workload::topk_idx(
+                &mut Rng::new(workload::rank_seed(seed, r)),
+                case.tokens,
+                shape,
+                *routing,
+            )),
         })
         .collect()
 }
@@ -237,7 +271,8 @@ fn rank_input(case: &Case, seed: u64, rank: usize, topk_idx: Vec<i64>) -> RankIn
     }
 }
 
-/// Measures every case on this rank; rank 0 returns the gathered results.
+/// One NCCL rank of a launcher's (or our own spawned) world: measures every
+/// case; rank 0 returns the gathered results, the others an empty `Vec`.
 pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>> {
     let id = env.unique_id(nccl_unique_id)?;
     let uid = UniqueId(moe_ep::sys::nccl::ncclUniqueId { internal: id });
@@ -245,6 +280,102 @@ pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>
     let comm = Communicator::init(&ctx, &uid, env.rank, env.world)
         .map_err(|e| format!("NCCL init: {e}"))?;
     let stream = ctx.new_stream().map_err(s)?;
+    let rank = Rank {
+        ctx,
+        comm,
+        stream,
+        idle: None,
+    };
+    measure(opts, cases, rank)
+}
+
+/// `--virtual-ranks`: `world` ranks as threads of this process on GPU 0
+/// (`Communicator::virtual_world`); returns rank 0's gathered results. The
+/// ranks' streams are created one after another here, before the threads
+/// start (the driver spreads consecutive streams over its hardware queues).
+/// Errors name the failing ranks, ranks that failed alike together.
+pub fn run_virtual(opts: &Opts, cases: &[Case], world: usize) -> R<Vec<CaseResult>> {
+    let ctx = moe_ep::context(0).map_err(s)?;
+    let comms = Communicator::virtual_world(&ctx, world).map_err(s)?;
+    let new_streams = || {
+        (0..world)
+            .map(|_| ctx.new_stream().map_err(s))
+            .collect::<R<Vec<_>>>()
+    };
+    let streams = new_streams()?;
+    let idle = if opts.gpu_start() {
+        new_streams()?.into_iter().map(Some).collect()
+    } else {
+        vec![None; world]
+    };
+    let ranks = comms.into_iter().zip(streams).zip(idle);
+    let outcomes: Vec<R<Vec<CaseResult>>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = ranks
+            .map(|((comm, stream), idle)| {
+                let ctx = ctx.clone();
+                scope.spawn(move || {
+                    ctx.bind_to_thread().map_err(s)?;
+                    measure(
+                        opts,
+                        cases,
+                        Rank {
+                            ctx,
+                            comm,
+                            stream,
+                            idle,
+                        },
+                    )
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join().unwrap_or_else(|p| {
+                    let msg = p.downcast_ref::<String>().cloned();
+                    let msg = msg.or_else(|| p.downcast_ref::<&str>().map(|m| m.to_string()));
+                    Err(format!("panicked: {}", msg.unwrap_or_default()))
+                })
+            })
+            .collect()
+    });
+    let mut failed: Vec<(Vec<usize>, String)> = Vec::new();
+    let mut root = Vec::new();
+    for (r, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Ok(results) if r == 0 => root = results,
+            Ok(_) => {}
+            Err(e) => match failed.iter_mut().find(|(_, m)| *m == e) {
+                Some((who, _)) => who.push(r),
+                None => failed.push((vec![r], e)),
+            },
+        }
+    }
+    if failed.is_empty() {
+        return Ok(root);
+    }
+    let lines: Vec<String> = failed
+        .iter()
+        .map(|(who, e)| {
+            let who: Vec<String> = who.iter().map(|r| r.to_string()).collect();
+            let noun = if who.len() == 1 { "rank" } else { "ranks" };
+            format!("virtual {noun} {} of {world}: {e}", who.join(", "))
+        })
+        .collect();
+    Err(lines.join("\n"))
+}
+
+/// Measures every case on one rank; rank 0 returns the gathered results.
+/// Without `--num-sms`, virtual ranks run each case with min(24, what fits
+/// all ranks on the GPU) SMs, and rank 0 says so (once per value).
+fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
+    let Rank {
+        ctx,
+        comm,
+        stream,
+        idle,
+    } = rank;
+    let root = comm.rank() == 0;
     let flush = stream.alloc_zeros::<u8>(256 << 20).map_err(s)?;
     let start = GpuStart {
         gate: MappedHost::new(&ctx, 0u32).map_err(s)?,
@@ -255,28 +386,57 @@ pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>
         opts,
         timer: Timer::new(&ctx)?,
         stream,
+        idle,
         comm,
         flush,
         start,
     };
+    let world = c.comm.world();
+    let ranks = if c.comm.is_virtual() {
+        Ranks::Virtual
+    } else {
+        Ranks::Nccl
+    };
     let gpu_name = ctx.name().unwrap_or_else(|_| "GPU".into());
-    let mut progress = Progress::new(cases.len(), env.is_root() && !opts.quiet);
+    let bar = report::progress(cases.len(), root && !opts.quiet);
+    let mut said = None;
     let mut results = Vec::new();
     for case in cases {
-        progress.start_case(case);
-        let r = run_case(&c, case, env.world).map_err(|e| format!("{}: {e}", case.label()))?;
+        let mut case = case.clone();
+        if opts.auto_num_sms() {
+            let fit = moe_ep::ops::residency(&c.comm, case.experts)
+                .map_err(s)?
+                .max_blocks_per_rank();
+            case.num_sms = DEFAULT_NUM_SMS.min(fit);
+            if root && said != Some(case.num_sms) {
+                said = Some(case.num_sms);
+                bar.suspend(|| {
+                    eprintln!(
+                        "ep-bench: --num-sms not given: {} SMs per rank = min({DEFAULT_NUM_SMS}, {fit}), \
+                         {fit} being the most whose blocks fit when {world} virtual ranks share one GPU",
+                        case.num_sms
+                    )
+                });
+            }
+        }
+        bar.set_message(case.label());
+        let r = run_case(&c, &case, world).map_err(|e| format!("{}: {e}", case.label()))?;
+        bar.inc(1);
         results.push(CaseResult {
-            case: case.clone(),
+            case,
             ops: r.0,
-            world: env.world,
+            world,
+            ranks,
             gpu_name: gpu_name.clone(),
             check: r.1,
         });
     }
-    progress.finish();
-    Ok(if env.is_root() { results } else { Vec::new() })
+    bar.finish_and_clear();
+    Ok(if root { results } else { Vec::new() })
 }
 
+/// One case on one rank: our ops (and, on NCCL ranks, the baselines), all
+/// ranks' statistics gathered, and the `--check` outcome when asked for.
 fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<bool>)> {
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
@@ -287,7 +447,7 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
         topk: case.topk,
     };
     shape.validate().map_err(s)?;
-    let layout = recv_layout(case.layout);
+    let layout = case.layout;
     let routing = routings(case, &shape, opts.seed, world)?;
     let layouts: Vec<refr::Layout> = routing
         .iter()
@@ -360,8 +520,9 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     let handle = group
         .layout(s_, TopkIdx::I64(&idxv), k, layout)
         .map_err(s)?;
-    let eb = case.elem_bytes();
-    let bytes = |op: Op| crate::accounting::op_bytes(op, &counts.rank, world, rank, h, eb);
+    let eb = case.dtype.elem_bytes();
+    let traffic = crate::accounting::Traffic::new(&counts.rank, world, h, eb);
+    let bytes = |op: Op| traffic.op(op, rank);
     let mut mine: Vec<Measured> = Vec::new();
 
     // --check: dispatch and combine against the CPU reference, once.
@@ -435,7 +596,8 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     }
     group.check().map_err(s)?;
 
-    if opts.baselines && world > 1 {
+    // Virtual ranks share one GPU: no NVLink to measure.
+    if !opts.no_baselines && world > 1 && !c.comm.is_virtual() {
         let nv = bytes(Op::Dispatch).nvlink;
         mine.extend(baselines(
             c,
@@ -496,22 +658,26 @@ fn baselines(
     let len = (nv / 16 * 16).min(recv.len() as u64);
     // SAFETY: len bytes fit both buffers.
     let store = c.time("peer-store", || unsafe {
-        moe_ep::testkit::copy::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::sm_copy(&c.stream, send.device_ptr(), dst, len, sms as u32)
+            .map_err(s)
     })?;
     // The same copy the other way: SM loads of the peer's buffer (what a
     // combine that reads its partials in place does), local stores.
     let src = send.peer_ptr(peer).ok_or("peer not reachable")?;
     // SAFETY: as above.
     let load = c.time("peer-load", || unsafe {
-        moe_ep::testkit::copy::sm_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::sm_copy(&c.stream, src, recv.device_ptr(), len, sms as u32)
+            .map_err(s)
     })?;
     // SAFETY: as above.
     let bulk = c.time("bulk-copy", || unsafe {
-        moe_ep::testkit::copy::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::bulk_copy(&c.stream, send.device_ptr(), dst, len, sms as u32)
+            .map_err(s)
     })?;
     // SAFETY: as above.
     let bulk_load = c.time("bulk-load", || unsafe {
-        moe_ep::testkit::copy::bulk_copy(&c.stream, src, recv.device_ptr(), len, sms as u32).map_err(s)
+        moe_ep::testkit::copy::bulk_copy(&c.stream, src, recv.device_ptr(), len, sms as u32)
+            .map_err(s)
     })?;
     let ce = c.time("copy-engine", || unsafe {
         cu::memcpy_dtod_async(dst, send.device_ptr(), len as usize, c.stream.cu_stream()).map_err(s)
@@ -541,7 +707,11 @@ fn nccl_exchange(
     with_self: bool,
 ) -> R<()> {
     let (rank, world) = (c.comm.rank(), c.comm.world());
-    let cs = c.stream.cu_stream() as *mut c_void;
+    let raw = (c.comm.raw()).ok_or("NCCL baselines need an NCCL communicator")?;
+    let (cs, u8t) = (
+        c.stream.cu_stream() as *mut c_void,
+        moe_ep::sys::nccl::ncclUint8,
+    );
     nc::group_start().map_err(s)?;
     let mut off = 0usize;
     for d in 0..world {
@@ -550,27 +720,12 @@ fn nccl_exchange(
             counts[d * world + rank] as usize * row,
         );
         if d != rank || with_self {
+            let at = |b: &moe_ep::SymmBuffer<u8>| b.device_ptr() as usize + off;
             // SAFETY: both ranges lie inside send/recv (sized by the caller
             // to the sum over d of max(ns, nr)).
             unsafe {
-                nc::send(
-                    (send.device_ptr() as usize + off) as *const c_void,
-                    ns,
-                    moe_ep::sys::nccl::ncclUint8,
-                    d,
-                    c.comm.raw().ok_or("NCCL baselines need an NCCL communicator")?,
-                    cs,
-                )
-                .map_err(s)?;
-                nc::recv(
-                    (recv.device_ptr() as usize + off) as *mut c_void,
-                    nr,
-                    moe_ep::sys::nccl::ncclUint8,
-                    d,
-                    c.comm.raw().ok_or("NCCL baselines need an NCCL communicator")?,
-                    cs,
-                )
-                .map_err(s)?;
+                nc::send(at(send) as *const c_void, ns, u8t, d, raw, cs).map_err(s)?;
+                nc::recv(at(recv) as *mut c_void, nr, u8t, d, raw, cs).map_err(s)?;
             }
         }
         off += ns.max(nr);
@@ -644,6 +799,10 @@ fn check_case(
     let mut got = vec![bf16::ZERO; want.num_rows * h];
     let t = inputs[rank].topk_idx.len() / shape.topk;
     let mut comb = vec![bf16::ZERO; t * h];
+    // Drained first: pageable copies of all threads share the driver's
+    // staging buffers, so a copy waiting behind this rank's kernels would
+    // hold up a virtual sibling's copies and launches.
+    s_.synchronize().map_err(s)?;
     // SAFETY: both buffers hold at least these many elements.
     unsafe {
         if !got.is_empty() {

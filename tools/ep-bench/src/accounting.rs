@@ -1,0 +1,200 @@
+//! Byte accounting for one routing: how many bytes each rank moves.
+//!
+//! Everything derives from the rank count matrix that every rank learns
+//! during the layout step: `counts` is `R x R`, row-major, with
+//! `counts[src * R + dst]` = tokens that rank `src` sends to rank `dst`.
+//! A token counts once per destination *rank* (two of its top-k experts on
+//! the same rank are one row on the wire); the diagonal entry is the tokens a
+//! rank keeps locally.
+//!
+//! Only token payload rows are counted (`hidden * elem_bytes` bytes each):
+//! top-k indices, weights, scales and other metadata are **not** included,
+//! so GB/s figures are payload bandwidth.
+//!
+//! Two conventions are reported:
+//! * **NVLink bytes** ([`Traffic::dispatch_nvlink`], [`Traffic::combine_nvlink`]):
+//!   the rows that actually cross NVLink from this rank (self entry excluded).
+//! * **Logical bytes** ([`Traffic::logical`]): DeepEP's convention for its "NVL"
+//!   GB/s: every token row this rank receives in dispatch (and sends back in
+//!   combine), the locally kept ones included.
+//!
+//! Malformed inputs (matrix of the wrong length, `rank >= R`) never panic:
+//! missing entries count as 0, and products saturate.
+
+use crate::cli::Op;
+
+/// NVLink and logical bytes of one op on one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpBytes {
+    /// Bytes (B) this rank pushes across NVLink.
+    pub nvlink: u64,
+    /// DeepEP-convention bytes (B), local rows included.
+    pub logical: u64,
+}
+
+/// The rows of one routing and their size.
+#[derive(Clone, Copy, Debug)]
+pub struct Traffic<'a> {
+    /// The `world x world` count matrix.
+    counts: &'a [u32],
+    /// Number of ranks.
+    world: usize,
+    /// Bytes of one payload row (`hidden * elem_bytes`, saturating).
+    row: u64,
+}
+
+impl<'a> Traffic<'a> {
+    /// The traffic of `counts` (`world x world`) with rows of `hidden`
+    /// elements of `elem_bytes` bytes.
+    pub fn new(counts: &'a [u32], world: usize, hidden: usize, elem_bytes: usize) -> Self {
+        let row = (hidden as u64).saturating_mul(elem_bytes as u64);
+        Traffic { counts, world, row }
+    }
+
+    /// Entry `[src][dst]`, 0 when out of range.
+    fn at(&self, src: usize, dst: usize) -> u64 {
+        if src >= self.world || dst >= self.world {
+            return 0;
+        }
+        (src.checked_mul(self.world))
+            .and_then(|i| i.checked_add(dst))
+            .and_then(|i| self.counts.get(i))
+            .map_or(0, |&c| u64::from(c))
+    }
+
+    /// Bytes of the rows between `rank` and every rank `other` that `keep`
+    /// accepts: `sent` rows go from `rank` to `other`, else from `other` to
+    /// `rank`.
+    fn bytes(&self, rank: usize, sent: bool, keep: impl Fn(usize) -> bool) -> u64 {
+        let rows: u64 = (0..self.world)
+            .filter(|&o| keep(o))
+            .map(|o| {
+                if sent {
+                    self.at(rank, o)
+                } else {
+                    self.at(o, rank)
+                }
+            })
+            .sum();
+        rows.saturating_mul(self.row)
+    }
+
+    /// Bytes (B) that `rank` pushes across NVLink in dispatch:
+    /// `sum over d != rank of counts[rank][d] * row`.
+    pub fn dispatch_nvlink(&self, rank: usize) -> u64 {
+        self.bytes(rank, true, |d| d != rank)
+    }
+
+    /// Bytes (B) that `rank` pushes back across NVLink in combine (the
+    /// partial rows of tokens it received from other ranks):
+    /// `sum over s != rank of counts[s][rank] * row`.
+    pub fn combine_nvlink(&self, rank: usize) -> u64 {
+        self.bytes(rank, false, |s| s != rank)
+    }
+
+    /// DeepEP-convention bytes (B) of `rank`: every token row it receives in
+    /// dispatch, the locally kept ones included (`sum over all s of
+    /// counts[s][rank] * row`); the same figure for combine (the rows sent
+    /// back).
+    pub fn logical(&self, rank: usize) -> u64 {
+        self.bytes(rank, false, |_| true)
+    }
+
+    /// Bytes of one of our ops on `rank`: dispatch and combine-bwd move data
+    /// like dispatch, combine and dispatch-bwd like combine; layout moves no
+    /// payload (0 bytes).
+    pub fn op(&self, op: Op, rank: usize) -> OpBytes {
+        let nvlink = match op {
+            Op::Layout => {
+                return OpBytes {
+                    nvlink: 0,
+                    logical: 0,
+                }
+            }
+            Op::Dispatch | Op::CombineBwd => self.dispatch_nvlink(rank),
+            Op::Combine | Op::CombinePush | Op::DispatchBwd => self.combine_nvlink(rank),
+        };
+        OpBytes {
+            nvlink,
+            logical: self.logical(rank),
+        }
+    }
+}
+
+/// Bandwidth in GB/s (1 GB = 1e9 B) of `bytes` moved in `us` microseconds:
+/// `bytes / us / 1e3`. Returns 0.0 when `us` is not a positive finite number.
+pub fn gbps(bytes: u64, us: f64) -> f64 {
+    if us.is_finite() && us > 0.0 {
+        bytes as f64 / us / 1e3
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_ranks_by_hand() {
+        // counts = [[3, 5],
+        //           [2, 4]]   hidden 8, bf16 (2 B) -> 16 B per row.
+        // dispatch NVLink: r0 sends 5 rows to r1 -> 5*16 = 80 B
+        //                  r1 sends 2 rows to r0 -> 2*16 = 32 B
+        // combine NVLink:  r0 returns the 2 rows it got from r1 -> 32 B
+        //                  r1 returns the 5 rows it got from r0 -> 80 B
+        // logical:         r0 receives 3 + 2 = 5 rows -> 80 B
+        //                  r1 receives 5 + 4 = 9 rows -> 144 B
+        let t = Traffic::new(&[3, 5, 2, 4], 2, 8, 2);
+        assert_eq!((t.dispatch_nvlink(0), t.dispatch_nvlink(1)), (80, 32));
+        assert_eq!((t.combine_nvlink(0), t.combine_nvlink(1)), (32, 80));
+        assert_eq!((t.logical(0), t.logical(1)), (80, 144));
+    }
+
+    #[test]
+    fn three_ranks_by_hand() {
+        // counts = [[1, 2, 3],
+        //           [4, 5, 6],
+        //           [7, 8, 9]]   hidden 16, 2 B -> 32 B per row.
+        // dispatch: r0 2+3 = 5 rows -> 160; r1 4+6 = 10 -> 320; r2 7+8 = 15 -> 480
+        // combine:  r0 4+7 = 11 -> 352;     r1 2+8 = 10 -> 320; r2 3+6 = 9 -> 288
+        // logical:  r0 1+4+7 = 12 -> 384;   r1 2+5+8 = 15 -> 480; r2 3+6+9 = 18 -> 576
+        let t = Traffic::new(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 16, 2);
+        let d: Vec<u64> = (0..3).map(|r| t.dispatch_nvlink(r)).collect();
+        let k: Vec<u64> = (0..3).map(|r| t.combine_nvlink(r)).collect();
+        let l: Vec<u64> = (0..3).map(|r| t.logical(r)).collect();
+        assert_eq!(d, vec![160, 320, 480]);
+        assert_eq!(k, vec![352, 320, 288]);
+        assert_eq!(l, vec![384, 480, 576]);
+        // Conservation: what everybody sends equals what everybody returns.
+        assert_eq!(d.iter().sum::<u64>(), k.iter().sum::<u64>());
+        // op maps ops to the right pattern.
+        let both = |nvlink, logical| OpBytes { nvlink, logical };
+        assert_eq!(t.op(Op::Dispatch, 1), both(320, 480));
+        assert_eq!(t.op(Op::CombineBwd, 1), both(320, 480));
+        assert_eq!(t.op(Op::Combine, 1), both(320, 480));
+        assert_eq!(t.op(Op::Combine, 0).nvlink, 352);
+        assert_eq!(t.op(Op::DispatchBwd, 0).nvlink, 352);
+        assert_eq!(t.op(Op::CombinePush, 2), both(288, 576));
+        assert_eq!(t.op(Op::Layout, 1), both(0, 0));
+    }
+
+    #[test]
+    fn bad_input_does_not_panic() {
+        assert_eq!(Traffic::new(&[1, 2, 3], 2, 8, 2).dispatch_nvlink(0), 32);
+        assert_eq!(Traffic::new(&[1, 2, 3, 4], 2, 8, 2).dispatch_nvlink(5), 0);
+        assert_eq!(Traffic::new(&[], 4, 8, 2).logical(0), 0);
+        let huge = Traffic::new(&[0, u32::MAX, 0, 0], 2, usize::MAX, 2);
+        assert_eq!(huge.dispatch_nvlink(0), u64::MAX);
+    }
+
+    #[test]
+    fn gbps_units() {
+        // 1e9 B in 1e6 us (1 s) = 1 GB/s; 80 B in 0.5 us = 160e6 B/s = 0.16 GB/s.
+        assert!((gbps(1_000_000_000, 1e6) - 1.0).abs() < 1e-12);
+        assert!((gbps(80, 0.5) - 0.16).abs() < 1e-12);
+        assert_eq!(gbps(100, 0.0), 0.0);
+        assert_eq!(gbps(100, f64::NAN), 0.0);
+        assert_eq!(gbps(100, -1.0), 0.0);
+    }
+}

@@ -1,0 +1,932 @@
+//! Command-line options of `ep-bench` (clap derive), the checks that need no
+//! GPU, and the case list.
+//!
+//! Every check that can be made before any GPU work happens here and fails
+//! with one line naming the option (`main` prints it as
+//! `ep-bench: error: ...` and exits 2). The checks that need the world size
+//! (known once the launcher, the device count or `--virtual-ranks` decided
+//! it) are in [`Opts::validate_for_world`].
+//!
+//! Options marked LIST take a comma-separated list (repeats dropped, order
+//! kept); the cartesian product of all lists is the case list
+//! ([`Opts::cases`]). An option given twice keeps its last value.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use clap::error::ErrorKind;
+use clap::{ArgAction, Parser, ValueEnum};
+use moe_ep::testkit::workload;
+use moe_ep::{Mode, RecvLayout};
+
+/// Largest accepted `--tokens` value (tokens per rank).
+pub const MAX_TOKENS: usize = 65536;
+/// Largest accepted `--topk` value (experts per token).
+pub const MAX_TOPK: usize = 16;
+/// Largest accepted `--num-sms` value (streaming multiprocessors per kernel).
+pub const MAX_NUM_SMS: usize = 132;
+/// SMs per kernel when `--num-sms` is not given (`GroupConfig`'s default).
+pub const DEFAULT_NUM_SMS: usize = 24;
+/// Most `--virtual-ranks` (the library's largest world).
+pub const MAX_VIRTUAL_RANKS: usize = 8;
+/// Row alignment (tokens) of `--layout expert` without an explicit `:ALIGN`.
+pub const DEFAULT_EXPERT_ALIGNMENT: usize = 128;
+/// Untimed iterations per op when `--warmup` is not given.
+pub const DEFAULT_WARMUP: usize = 5;
+/// Timed iterations per op when `--iters` is not given.
+pub const DEFAULT_ITERS: usize = 20;
+/// Timed iterations per op under `--profile` when `--iters` is not given.
+pub const PROFILE_DEFAULT_ITERS: usize = 3;
+
+/// The `--help` text above the options.
+const ABOUT: &str = "Time the moe-ep expert-parallel dispatch/combine kernels against \
+NCCL all-to-all and the NVLink ceilings.\n\nOptions marked LIST take a comma list \
+(e.g. --tokens 512,1024,4096); the cartesian product of all lists is benchmarked, \
+tokens varying fastest.";
+
+/// The `--help` text below the options: launchers and exit status.
+const AFTER_HELP: &str = "\
+Launchers: without one, ep-bench re-executes itself once per GPU (rank r on
+device r). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT),
+Open MPI (OMPI_COMM_WORLD_*) or Slurm (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID,
+with MASTER_ADDR/MASTER_PORT exported) each process is one rank and the NCCL id
+is shared over TCP; MOE_EP_BENCH_RDZV_ADDR/MOE_EP_BENCH_RDZV_PORT override the
+address and port of that rendezvous. --virtual-ranks runs every rank in this
+process on GPU 0 instead (no launcher, no --gpus).
+
+Exit status: 0 ok, 1 runtime failure (or a failed --check), 2 usage error.";
+
+/// Payload element type (`--dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    /// bfloat16, 2 bytes per element.
+    Bf16,
+}
+
+impl Dtype {
+    /// The command-line spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Size of one element in bytes.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// How tokens pick their experts (`--routing`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Routing {
+    /// One of the testkit's seeded generators.
+    Generated(workload::Routing),
+    /// `file:PATH`: the routing read from a file (checked to exist at parse time).
+    File(PathBuf),
+}
+
+impl fmt::Display for Routing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Routing::Generated(workload::Routing::Uniform) => f.write_str("uniform"),
+            Routing::Generated(workload::Routing::Skewed { hot_share }) => {
+                write!(f, "skewed:{hot_share}")
+            }
+            Routing::Generated(workload::Routing::Masked { masked_share }) => {
+                write!(f, "masked:{masked_share}")
+            }
+            Routing::File(p) => write!(f, "file:{}", p.display()),
+        }
+    }
+}
+
+/// One of our timed operations (`--ops`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Computing the dispatch layout (per-rank / per-expert counts).
+    Layout,
+    /// Sending token rows to the ranks that own their experts.
+    Dispatch,
+    /// Sending (weighted) expert outputs back and reducing them per token
+    /// (expert outputs in symmetric memory: rank-major homes read them in
+    /// place).
+    Combine,
+    /// Combine with expert outputs in plain device memory: pushed to their
+    /// homes through the group's stage.
+    CombinePush,
+    /// Backward of dispatch (moves data like combine).
+    DispatchBwd,
+    /// Backward of combine (moves data like dispatch).
+    CombineBwd,
+}
+
+impl Op {
+    /// All ops, in their canonical order.
+    pub const ALL: [Op; 6] = [
+        Op::Layout,
+        Op::Dispatch,
+        Op::Combine,
+        Op::DispatchBwd,
+        Op::CombineBwd,
+        Op::CombinePush,
+    ];
+
+    /// The command-line and report name (`dispatch-bwd`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Layout => "layout",
+            Op::Dispatch => "dispatch",
+            Op::Combine => "combine",
+            Op::DispatchBwd => "dispatch-bwd",
+            Op::CombineBwd => "combine-bwd",
+            Op::CombinePush => "combine-push",
+        }
+    }
+
+    /// Inverse of [`Op::name`]; `None` for baselines and unknown names.
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+/// `--start`: how the ranks start each timed run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Start {
+    /// Every rank's run is enqueued behind a gate; the GPUs then leave a
+    /// one-word NCCL all-reduce together (virtual ranks: the host barrier
+    /// lines them up, then each opens its own gate).
+    Gpu,
+    /// The timer starts after a host barrier.
+    Host,
+}
+
+/// `rank` or `expert:ALIGN`, the `--layout` spelling of a receive layout.
+pub fn layout_name(l: RecvLayout) -> String {
+    match l {
+        RecvLayout::RankMajor => "rank".to_string(),
+        RecvLayout::ExpertMajor { alignment } => format!("expert:{alignment}"),
+    }
+}
+
+/// `ht` or `ll`, the `--mode` spelling of a kernel family.
+pub fn mode_name(m: Mode) -> &'static str {
+    match m {
+        Mode::HighThroughput => "ht",
+        Mode::LowLatency => "ll",
+    }
+}
+
+/// One benchmark configuration: a point of the sweep.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    /// Tokens per rank (0..=65536).
+    pub tokens: usize,
+    /// Hidden size in elements (multiple of 8).
+    pub hidden: usize,
+    /// Experts per token (1..=16).
+    pub topk: usize,
+    /// Total experts over all ranks.
+    pub experts: usize,
+    /// Receive-buffer layout.
+    pub layout: RecvLayout,
+    /// SMs given to our kernels (1..=132).
+    pub num_sms: usize,
+    /// Kernel family (not swept).
+    pub mode: Mode,
+    /// Payload type (not swept).
+    pub dtype: Dtype,
+    /// Routing distribution (not swept).
+    pub routing: Routing,
+}
+
+impl Case {
+    /// `tokens=4096 hidden=7168 topk=8 experts=256 layout=rank sms=24`.
+    pub fn label(&self) -> String {
+        format!(
+            "tokens={} hidden={} topk={} experts={} layout={} sms={}",
+            self.tokens,
+            self.hidden,
+            self.topk,
+            self.experts,
+            layout_name(self.layout),
+            self.num_sms
+        )
+    }
+}
+
+/// All options. Parse with [`parse`], which also runs [`Opts::validate`].
+#[derive(Parser, Clone, Debug)]
+#[command(
+    name = "ep-bench",
+    about = ABOUT,
+    after_help = AFTER_HELP,
+    args_override_self = true,
+    allow_negative_numbers = true
+)]
+pub struct Opts {
+    /// Spawn N local ranks, one process per GPU [default: all visible GPUs]
+    #[arg(long, value_name = "N", value_parser = in_range(1, usize::MAX))]
+    pub gpus: Option<usize>,
+    /// Run N ranks (1..=8) as N threads of this process, all on GPU 0: for
+    /// --check and for timing the protocol without NVLink. No NVLink is
+    /// crossed and the NVLink baselines are left out; --num-sms defaults to
+    /// min(24, what fits N ranks on one GPU)
+    #[arg(long, value_name = "N", value_parser = in_range(1, MAX_VIRTUAL_RANKS), conflicts_with = "gpus")]
+    pub virtual_ranks: Option<usize>,
+    /// Tokens per rank, 0..=65536
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "4096", value_parser = in_range(0, MAX_TOKENS))]
+    pub tokens: Vec<usize>,
+    /// Hidden size, a positive multiple of 8
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "7168", value_parser = parse_hidden)]
+    pub hidden: Vec<usize>,
+    /// Experts per token, 1..=16 and <= experts
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "8", value_parser = in_range(1, MAX_TOPK))]
+    pub topk: Vec<usize>,
+    /// Total experts, divisible by the world size
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "256", value_parser = in_range(1, usize::MAX))]
+    pub experts: Vec<usize>,
+    /// High-throughput kernels (ht); the low-latency ones (ll) are not implemented yet
+    #[arg(long, value_name = "ht|ll", default_value = "ht", value_parser = parse_mode)]
+    pub mode: Mode,
+    /// Receive-buffer layout: rank | expert | expert:ALIGN (expert = expert:128)
+    #[arg(long = "layout", value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "rank", value_parser = parse_layout)]
+    pub layouts: Vec<RecvLayout>,
+    /// Payload type (only bf16 for now)
+    #[arg(long, value_name = "bf16", default_value = "bf16", value_parser = parse_dtype)]
+    pub dtype: Dtype,
+    /// uniform | skewed:SHARE | masked:SHARE | file:PATH, SHARE in [0, 1]
+    #[arg(long, value_name = "R", default_value = "uniform", value_parser = parse_routing)]
+    pub routing: Routing,
+    /// SMs given to our kernels, 1..=132 [default: 24]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, value_parser = in_range(1, MAX_NUM_SMS))]
+    pub num_sms: Vec<usize>,
+    /// Untimed iterations per op [default: 5; 0 under --profile]
+    #[arg(long, value_name = "N", value_parser = in_range(0, usize::MAX))]
+    pub warmup: Option<usize>,
+    /// Timed iterations per op, >= 1 [default: 20; 3 under --profile]
+    #[arg(long, value_name = "N", value_parser = in_range(1, usize::MAX))]
+    pub iters: Option<usize>,
+    /// layout,dispatch,combine,dispatch-bwd,combine-bwd,combine-push
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "layout,dispatch,combine", value_parser = parse_op)]
+    pub ops: Vec<Op>,
+    /// Compare with the CPU reference once before timing
+    #[arg(long)]
+    pub check: bool,
+    /// Skip NCCL all-to-all and the hardware ceilings
+    #[arg(long)]
+    pub no_baselines: bool,
+    /// Nsight mode: no warm-up, each op runs exactly --iters times, no L2 flush,
+    /// timed from a host barrier
+    #[arg(long)]
+    pub profile: bool,
+    /// How the ranks start each timed run [default: gpu; host under --profile]:
+    /// gpu = every rank's work is enqueued behind a gate, then the GPUs leave a
+    /// one-word NCCL all-reduce together and the timer starts (virtual ranks:
+    /// the host barrier lines the ranks up, then each opens its own gate);
+    /// host = the timer starts after a host barrier (host skew and enqueue
+    /// time fall inside)
+    #[arg(long, value_name = "gpu|host")]
+    pub start: Option<Start>,
+    /// Routing seed
+    #[arg(long, value_name = "N", default_value = "0", value_parser = parse_u64)]
+    pub seed: u64,
+    /// Write all results (per-rank stats included) as JSON
+    #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
+    pub json: Option<PathBuf>,
+    /// Write one line per (case, op) as CSV
+    #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
+    pub csv: Option<PathBuf>,
+    /// NVLink GB/s against tokens as SVG (needs >= 2 --tokens)
+    #[arg(long, value_name = "FILE.svg", value_parser = parse_out_path)]
+    pub plot: Option<PathBuf>,
+    /// Ranks per node: not implemented yet (there is no RDMA path)
+    #[arg(long, value_name = "N")]
+    pub ranks_per_node: Option<usize>,
+    /// No progress bar
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// What the command line asks for.
+#[derive(Clone, Debug)]
+pub enum Command {
+    /// Run the benchmark with these options.
+    Run(Box<Opts>),
+    /// `--help` / `-h`: print this text and exit 0.
+    Help(String),
+}
+
+/// Parses the arguments (without the program name) and runs
+/// [`Opts::validate`]. Errors are one line naming the option.
+pub fn parse<I, T>(args: I) -> Result<Command, String>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let argv = std::iter::once(OsString::from("ep-bench")).chain(args.into_iter().map(Into::into));
+    match Opts::try_parse_from(argv) {
+        Ok(mut opts) => {
+            opts.validate()?;
+            Ok(Command::Run(Box::new(opts)))
+        }
+        Err(e) if e.kind() == ErrorKind::DisplayHelp => Ok(Command::Help(e.to_string())),
+        Err(e) => {
+            // clap's first paragraph (the error and its context lines) on one line.
+            let text = e.to_string();
+            let lines: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.is_empty())
+                .collect();
+            let line = lines.join(" ");
+            Err(line.strip_prefix("error: ").unwrap_or(&line).to_string())
+        }
+    }
+}
+
+impl Opts {
+    /// Cross-option checks, the refusals of what does not exist yet, and
+    /// the dropping of repeated list values. `--gpus` or `--virtual-ranks`
+    /// given: also [`Opts::validate_for_world`] with that size.
+    pub fn validate(&mut self) -> Result<(), String> {
+        if self.mode == Mode::LowLatency {
+            return Err("--mode ll: not implemented yet (the low-latency kernels do not exist; use --mode ht)".into());
+        }
+        if self.ranks_per_node.is_some() {
+            return Err("--ranks-per-node: not implemented yet (there is no RDMA path between nodes: every rank is on one NVLink node)".into());
+        }
+        dedup(&mut self.tokens);
+        dedup(&mut self.hidden);
+        dedup(&mut self.topk);
+        dedup(&mut self.experts);
+        dedup(&mut self.layouts);
+        dedup(&mut self.num_sms);
+        dedup(&mut self.ops);
+        let max_topk = self.topk.iter().copied().max().unwrap_or(0);
+        let min_experts = self.experts.iter().copied().min().unwrap_or(0);
+        if max_topk > min_experts {
+            return Err(format!(
+                "--topk: {max_topk} is larger than --experts {min_experts}"
+            ));
+        }
+        if self.profile {
+            if self.warmup.is_some_and(|w| w > 0) {
+                return Err(
+                    "--warmup: --profile runs no warm-up; drop --warmup or set it to 0".into(),
+                );
+            }
+            if self.start == Some(Start::Gpu) {
+                return Err(
+                    "--start gpu: not with --profile (Nsight Compute runs each profiled \
+                            kernel inside its launch call, before the gate could open); \
+                            --profile times from a host barrier"
+                        .into(),
+                );
+            }
+        }
+        if let Some(plot) = &self.plot {
+            if self.tokens.len() < 2 {
+                return Err(format!(
+                    "--plot: '{}' needs at least 2 --tokens values (e.g. --tokens 1024,2048,4096), got {}",
+                    plot.display(),
+                    self.tokens.len()
+                ));
+            }
+        }
+        if let Some(n) = self.gpus.or(self.virtual_ranks) {
+            self.validate_for_world(n)?;
+        }
+        Ok(())
+    }
+
+    /// Checks that need the world size: every `--experts` value divisible
+    /// by `world`, and `--gpus` (if given) equal to it. One line naming the
+    /// option.
+    pub fn validate_for_world(&self, world: usize) -> Result<(), String> {
+        if world == 0 {
+            return Err("--gpus: the world size is 0 (no GPU visible?)".to_string());
+        }
+        if let Some(n) = self.gpus.filter(|&n| n != world) {
+            return Err(format!(
+                "--gpus: {n} does not match the world size {world} set by the launcher"
+            ));
+        }
+        if let Some(e) = self.experts.iter().find(|&&e| e % world != 0) {
+            return Err(format!(
+                "--experts: {e} is not divisible by the world size {world}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Untimed iterations per op (0 under `--profile`).
+    pub fn warmup(&self) -> usize {
+        if self.profile {
+            0
+        } else {
+            self.warmup.unwrap_or(DEFAULT_WARMUP)
+        }
+    }
+
+    /// Timed iterations per op.
+    pub fn iters(&self) -> usize {
+        let default = if self.profile {
+            PROFILE_DEFAULT_ITERS
+        } else {
+            DEFAULT_ITERS
+        };
+        self.iters.unwrap_or(default)
+    }
+
+    /// `--start gpu` in effect (the default, not under `--profile`).
+    pub fn gpu_start(&self) -> bool {
+        !self.profile && self.start != Some(Start::Host)
+    }
+
+    /// Flush L2 between timed iterations (not under `--profile`).
+    pub fn flush_l2(&self) -> bool {
+        !self.profile
+    }
+
+    /// `--virtual-ranks` without `--num-sms`: each case takes
+    /// min(24, what fits the ranks on one GPU).
+    pub fn auto_num_sms(&self) -> bool {
+        self.virtual_ranks.is_some() && self.num_sms.is_empty()
+    }
+
+    /// The case list: the cartesian product of all LIST options. Order is
+    /// stable: hidden (slowest), topk, experts, layout, num-sms, tokens
+    /// (fastest), each in the order given on the command line.
+    pub fn cases(&self) -> Vec<Case> {
+        let sms = if self.num_sms.is_empty() {
+            vec![DEFAULT_NUM_SMS]
+        } else {
+            self.num_sms.clone()
+        };
+        let mut out = Vec::new();
+        for &hidden in &self.hidden {
+            for &topk in &self.topk {
+                for &experts in &self.experts {
+                    for &layout in &self.layouts {
+                        for &num_sms in &sms {
+                            for &tokens in &self.tokens {
+                                out.push(Case {
+                                    tokens,
+                                    hidden,
+                                    topk,
+                                    experts,
+                                    layout,
+                                    num_sms,
+                                    mode: self.mode,
+                                    dtype: self.dtype,
+                                    routing: self.routing.clone(),
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Drops repeated values, keeping the first occurrence and the order.
+fn dedup<T: PartialEq>(v: &mut Vec<T>) {
+    let mut seen: Vec<T> = Vec::with_capacity(v.len());
+    for x in v.drain(..) {
+        if !seen.contains(&x) {
+            seen.push(x);
+        }
+    }
+    *v = seen;
+}
+
+/// A whole number (digits only).
+fn parse_u64(s: &str) -> Result<u64, String> {
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    if s.is_empty() || digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("'{s}' is not a whole number"));
+    }
+    if digits.len() != s.len() {
+        return Err(format!("'{s}' is negative"));
+    }
+    s.parse().map_err(|_| format!("'{s}' is too large"))
+}
+
+/// A whole number in `lo..=hi` (`hi = usize::MAX`: no upper bound).
+fn in_range(
+    lo: usize,
+    hi: usize,
+) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |s| {
+        let v = usize::try_from(parse_u64(s)?).map_err(|_| format!("'{s}' is too large"))?;
+        match (v < lo, v > hi) {
+            (false, false) => Ok(v),
+            _ if hi == usize::MAX => Err(format!("{v} must be at least {lo}")),
+            _ => Err(format!("{v} is out of range ({lo}..={hi})")),
+        }
+    }
+}
+
+/// `--hidden`: a positive multiple of 8.
+fn parse_hidden(s: &str) -> Result<usize, String> {
+    let h = in_range(0, usize::MAX)(s)?;
+    if h == 0 || h % 8 != 0 {
+        return Err(format!("{h} is not a positive multiple of 8"));
+    }
+    Ok(h)
+}
+
+/// `--mode`: `ht` or `ll` (refused by [`Opts::validate`]).
+fn parse_mode(s: &str) -> Result<Mode, String> {
+    match s {
+        "ht" => Ok(Mode::HighThroughput),
+        "ll" => Ok(Mode::LowLatency),
+        _ => Err("not one of ht, ll".into()),
+    }
+}
+
+/// `--layout`: `rank`, `expert` or `expert:ALIGN` (ALIGN >= 1).
+fn parse_layout(s: &str) -> Result<RecvLayout, String> {
+    let alignment = match s {
+        "rank" => return Ok(RecvLayout::RankMajor),
+        "expert" => DEFAULT_EXPERT_ALIGNMENT,
+        _ => match s.strip_prefix("expert:") {
+            Some(a) => in_range(1, usize::MAX)(a).map_err(|e| format!("alignment {e}"))?,
+            None => return Err("not one of rank, expert, expert:ALIGN".into()),
+        },
+    };
+    Ok(RecvLayout::ExpertMajor { alignment })
+}
+
+/// `--dtype`: `bf16` (or `bfloat16`); fp8 types are not supported yet.
+fn parse_dtype(s: &str) -> Result<Dtype, String> {
+    let lower = s.to_ascii_lowercase();
+    match lower.as_str() {
+        "bf16" | "bfloat16" => Ok(Dtype::Bf16),
+        _ if ["fp8", "e4m3", "e5m2"].iter().any(|p| lower.starts_with(p)) => {
+            Err(format!("{s} is not yet supported (only bf16 for now)"))
+        }
+        _ => Err("not one of bf16".into()),
+    }
+}
+
+/// The SHARE of `skewed:SHARE` / `masked:SHARE`, in [0, 1].
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("share {s} is outside [0, 1]")),
+        Err(_) => Err(format!("share '{s}' is not a number in [0, 1]")),
+    }
+}
+
+/// `--routing`: `uniform`, `skewed:SHARE`, `masked:SHARE` or `file:PATH` (an existing file).
+fn parse_routing(s: &str) -> Result<Routing, String> {
+    use workload::Routing as W;
+    let (kind, value) = s.split_once(':').unwrap_or((s, ""));
+    match (kind, value) {
+        ("uniform", "") => Ok(Routing::Generated(W::Uniform)),
+        ("skewed" | "masked", "") => Err(format!("'{kind}' needs a share, e.g. {kind}:0.5")),
+        ("skewed", v) => Ok(Routing::Generated(W::Skewed {
+            hot_share: parse_share(v)?,
+        })),
+        ("masked", v) => Ok(Routing::Generated(W::Masked {
+            masked_share: parse_share(v)?,
+        })),
+        ("file", "") => Err("'file:' needs a path, e.g. file:routing.txt".into()),
+        ("file", p) if Path::new(p).is_file() => Ok(Routing::File(p.into())),
+        ("file", p) => Err(format!("file '{p}' does not exist")),
+        _ => Err("not one of uniform, skewed:SHARE, masked:SHARE, file:PATH".into()),
+    }
+}
+
+/// One `--ops` name.
+fn parse_op(s: &str) -> Result<Op, String> {
+    Op::from_name(s).ok_or_else(|| {
+        "not one of layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push".into()
+    })
+}
+
+/// An output file whose directory exists (checked now, not after the run).
+fn parse_out_path(s: &str) -> Result<PathBuf, String> {
+    if s.is_empty() {
+        return Err("empty file name".into());
+    }
+    let path = PathBuf::from(s);
+    if path.is_dir() {
+        return Err(format!("'{s}' is a directory, expected a file"));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("directory '{}' does not exist", dir.display()));
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(args: &[&str]) -> Opts {
+        match parse(args) {
+            Ok(Command::Run(o)) => *o,
+            other => panic!("expected Run for {args:?}, got {other:?}"),
+        }
+    }
+
+    /// The error of `args`: one line that names `option`.
+    fn err_names(args: &[&str], option: &str) -> String {
+        let e = match parse(args) {
+            Err(e) => e,
+            other => panic!("expected an error for {args:?}, got {other:?}"),
+        };
+        assert!(e.contains(option), "error {e:?} does not name {option}");
+        assert!(!e.contains('\n'), "error {e:?} is not one line");
+        e
+    }
+
+    #[test]
+    fn defaults() {
+        let o = run(&[]);
+        assert_eq!((o.gpus, o.virtual_ranks), (None, None));
+        assert_eq!(o.tokens, vec![4096]);
+        assert_eq!(o.hidden, vec![7168]);
+        assert_eq!(o.topk, vec![8]);
+        assert_eq!(o.experts, vec![256]);
+        assert_eq!(o.mode, Mode::HighThroughput);
+        assert_eq!(o.layouts, vec![RecvLayout::RankMajor]);
+        assert!(o.num_sms.is_empty() && !o.auto_num_sms());
+        assert_eq!((o.warmup(), o.iters()), (5, 20));
+        assert_eq!(o.ops, vec![Op::Layout, Op::Dispatch, Op::Combine]);
+        assert!(o.flush_l2() && o.gpu_start() && !o.no_baselines);
+        assert!(!o.check && !o.profile && !o.quiet);
+        let cases = o.cases();
+        assert_eq!(cases.len(), 1);
+        assert_eq!(
+            cases[0].label(),
+            "tokens=4096 hidden=7168 topk=8 experts=256 layout=rank sms=24"
+        );
+        assert_eq!(cases[0].routing.to_string(), "uniform");
+    }
+
+    #[test]
+    fn help() {
+        for args in [&["--help"][..], &["--tokens", "1", "-h"]] {
+            match parse(args) {
+                Ok(Command::Help(text)) => {
+                    for opt in [
+                        "--virtual-ranks",
+                        "--ranks-per-node",
+                        "--num-sms",
+                        "Exit status",
+                    ] {
+                        assert!(text.contains(opt), "help lacks {opt}:\n{text}");
+                    }
+                }
+                other => panic!("expected help, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn all_options() {
+        let o = run(&[
+            "--gpus",
+            "4",
+            "--tokens=128,256",
+            "--hidden",
+            "4096",
+            "--topk",
+            "4",
+            "--experts",
+            "64",
+            "--mode",
+            "ht",
+            "--layout",
+            "rank,expert,expert:64",
+            "--dtype",
+            "bf16",
+            "--routing",
+            "skewed:0.25",
+            "--num-sms",
+            "20,24",
+            "--warmup",
+            "2",
+            "--iters",
+            "7",
+            "--ops",
+            "dispatch,combine-bwd",
+            "--check",
+            "--no-baselines",
+            "--seed",
+            "42",
+            "--start",
+            "host",
+            "--quiet",
+        ]);
+        assert_eq!(o.gpus, Some(4));
+        assert!(!o.gpu_start());
+        assert_eq!(o.tokens, vec![128, 256]);
+        assert_eq!(
+            o.layouts,
+            vec![
+                RecvLayout::RankMajor,
+                RecvLayout::ExpertMajor { alignment: 128 },
+                RecvLayout::ExpertMajor { alignment: 64 }
+            ]
+        );
+        assert_eq!(o.routing.to_string(), "skewed:0.25");
+        assert_eq!(o.num_sms, vec![20, 24]);
+        assert_eq!((o.warmup(), o.iters(), o.seed), (2, 7, 42));
+        assert_eq!(o.ops, vec![Op::Dispatch, Op::CombineBwd]);
+        assert!(o.check && o.no_baselines && o.quiet);
+        assert_eq!(o.cases().len(), 2 * 3 * 2);
+        assert_eq!(
+            run(&["--routing", "masked:0"]).routing.to_string(),
+            "masked:0"
+        );
+        // The last of a repeated option wins.
+        assert_eq!(
+            run(&["--tokens", "1", "--tokens", "2,3"]).tokens,
+            vec![2, 3]
+        );
+        assert_eq!(run(&["--seed", "1", "--seed", "2"]).seed, 2);
+    }
+
+    #[test]
+    fn sweep_order_is_stable_tokens_fastest() {
+        let o = run(&[
+            "--tokens",
+            "1,2,3",
+            "--hidden",
+            "8,16",
+            "--num-sms",
+            "4,5",
+            "--experts",
+            "16",
+        ]);
+        let key: Vec<(usize, usize, usize)> = o
+            .cases()
+            .iter()
+            .map(|c| (c.hidden, c.num_sms, c.tokens))
+            .collect();
+        let mut want = Vec::new();
+        for h in [8, 16] {
+            for s in [4, 5] {
+                for t in [1, 2, 3] {
+                    want.push((h, s, t));
+                }
+            }
+        }
+        assert_eq!(key, want);
+        // Given order is kept, repeats dropped.
+        assert_eq!(run(&["--tokens", "512,64,512,0"]).tokens, vec![512, 64, 0]);
+    }
+
+    #[test]
+    fn profile_mode() {
+        let o = run(&["--profile"]);
+        assert!(!o.flush_l2() && !o.gpu_start());
+        assert_eq!((o.warmup(), o.iters()), (0, PROFILE_DEFAULT_ITERS));
+        err_names(&["--profile", "--start", "gpu"], "--start");
+        assert!(!run(&["--profile", "--start", "host"]).gpu_start());
+        let o = run(&["--profile", "--iters", "1", "--warmup", "0"]);
+        assert_eq!((o.warmup(), o.iters()), (0, 1));
+        err_names(&["--profile", "--warmup", "3"], "--warmup");
+    }
+
+    /// Bad command lines (split at spaces), the option each error names,
+    /// and a part of the message.
+    const BAD: &[(&str, &str, &str)] = &[
+        ("--mode ll", "--mode", "not implemented yet"),
+        (
+            "--ranks-per-node 4",
+            "--ranks-per-node",
+            "not implemented yet",
+        ),
+        ("--tokens abc", "--tokens", "'abc' is not a whole number"),
+        ("--tokens 1,,2", "--tokens", "not a whole number"),
+        ("--tokens -5", "--tokens", "negative"),
+        ("--tokens 65537", "--tokens", "out of range"),
+        ("--tokens", "--tokens", "value is required"),
+        ("--tokens --check", "--tokens", "value is required"),
+        ("--hidden 1.5", "--hidden", ""),
+        ("--hidden 7001", "--hidden", "multiple of 8"),
+        ("--hidden 0", "--hidden", "multiple of 8"),
+        ("--hidden 4096,7004", "--hidden", "7004"),
+        ("--topk 0", "--topk", ""),
+        ("--topk 17", "--topk", ""),
+        ("--topk 8 --experts 4", "--topk", "--experts"),
+        ("--topk 2,8 --experts 4,64", "--topk", "--experts 4"),
+        ("--experts 0", "--experts", "at least 1"),
+        ("--num-sms 0", "--num-sms", ""),
+        ("--num-sms 133", "--num-sms", "1..=132"),
+        ("--iters 0", "--iters", ""),
+        ("--gpus 0", "--gpus", ""),
+        ("--gpus x", "--gpus", ""),
+        ("--seed 99999999999999999999999", "--seed", "too large"),
+        ("--warmup=", "--warmup", ""),
+        ("--mode fast", "--mode", ""),
+        ("--layout token", "--layout", ""),
+        ("--layout expert:0", "--layout", ""),
+        ("--layout expert:x", "--layout", ""),
+        ("--ops dispatch,foo", "--ops", "foo"),
+        ("--dtype fp16", "--dtype", ""),
+        ("--dtype fp8", "--dtype", "not yet supported"),
+        ("--start now", "--start", "gpu, host"),
+        ("--routing skewed:1.5", "--routing", "outside [0, 1]"),
+        ("--routing masked:-0.1", "--routing", ""),
+        ("--routing masked:nan", "--routing", ""),
+        ("--routing skewed", "--routing", "needs a share"),
+        ("--routing zipf", "--routing", ""),
+        (
+            "--routing file:/nonexistent/routing.txt",
+            "--routing",
+            "does not exist",
+        ),
+        ("--bogus", "--bogus", ""),
+        ("--bogus=3", "--bogus", ""),
+        ("-x", "-x", ""),
+        ("stray", "stray", ""),
+        ("--check=yes", "--check", ""),
+        ("--json=", "--json", ""),
+        ("--json /", "--json", "directory"),
+        ("--csv /nonexistent-dir/x.csv", "--csv", "does not exist"),
+        ("--plot out.svg", "--plot", "at least 2 --tokens"),
+    ];
+
+    #[test]
+    fn bad_command_lines() {
+        for (args, option, text) in BAD {
+            let args: Vec<&str> = args.split(' ').collect();
+            let e = err_names(&args, option);
+            assert!(e.contains(text), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn edge_values() {
+        run(&["--tokens", "0,65536"]);
+        run(&["--num-sms", "1,132"]);
+        run(&["--plot", "out.svg", "--tokens", "1,2"]);
+        let tmp = std::env::temp_dir().join(format!("ep-bench-routing-{}.txt", std::process::id()));
+        std::fs::write(&tmp, "0 1\n").unwrap();
+        let arg = format!("file:{}", tmp.display());
+        assert_eq!(
+            run(&["--routing", &arg]).routing,
+            Routing::File(tmp.clone())
+        );
+        let _ = std::fs::remove_file(&tmp);
+    }
+
+    #[test]
+    fn world_validation() {
+        let e = err_names(&["--gpus", "3", "--experts", "256"], "--experts");
+        assert!(e.contains('3'), "{e}");
+        run(&["--gpus", "4", "--experts", "256"]);
+        let o = run(&["--experts", "48,96"]);
+        assert!(o.validate_for_world(8).is_ok());
+        assert!(o.validate_for_world(32).unwrap_err().contains("--experts"));
+        assert!(o.validate_for_world(0).is_err());
+        let o = run(&["--gpus", "4"]);
+        assert!(o.validate_for_world(8).unwrap_err().contains("--gpus"));
+    }
+
+    #[test]
+    fn virtual_ranks() {
+        let o = run(&["--virtual-ranks", "8"]);
+        assert_eq!(o.virtual_ranks, Some(8));
+        assert!(o.auto_num_sms() && o.gpu_start());
+        assert_eq!(o.cases()[0].num_sms, DEFAULT_NUM_SMS);
+        assert!(!run(&["--virtual-ranks", "2", "--num-sms", "32"]).auto_num_sms());
+        err_names(&["--virtual-ranks", "0"], "--virtual-ranks");
+        err_names(&["--virtual-ranks", "9"], "--virtual-ranks");
+        let e = err_names(&["--virtual-ranks", "2", "--gpus", "2"], "--virtual-ranks");
+        assert!(e.contains("--gpus"), "{e}");
+        let e = err_names(&["--virtual-ranks", "3"], "--experts");
+        assert!(e.contains("world size 3"), "{e}");
+        run(&["--virtual-ranks", "3", "--experts", "48"]);
+    }
+
+    #[test]
+    fn case_names() {
+        assert_eq!(Dtype::Bf16.elem_bytes(), 2);
+        assert_eq!(
+            layout_name(RecvLayout::ExpertMajor { alignment: 64 }),
+            "expert:64"
+        );
+        assert_eq!(mode_name(Mode::HighThroughput), "ht");
+        for op in Op::ALL {
+            assert_eq!(Op::from_name(op.name()), Some(op));
+        }
+        assert_eq!(Op::from_name("nccl-alltoall"), None);
+    }
+}

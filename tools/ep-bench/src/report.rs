@@ -1,0 +1,887 @@
+//! Results and their renderings: the aligned table (stdout), JSON and CSV
+//! files (serde), and the progress bar over cases (indicatif).
+//!
+//! Across ranks, a row reports the **slowest rank** (largest median): its
+//! median / min / max in µs and its bytes; GB/s = that rank's bytes / its
+//! median (see [`crate::accounting::gbps`], 1 GB = 1e9 B). Ratios compare our
+//! ops with the baselines measured in the same [`CaseResult`]:
+//! `vs NCCL` = our NVLink GB/s / `nccl-alltoall` NVLink GB/s, `vs peers` =
+//! the same over `nccl-peers` (NCCL moving only the NVLink bytes, not the
+//! rows that stay on the GPU), `vs ceiling` = our NVLink GB/s /
+//! `peer-store-ceiling` NVLink GB/s. Virtual ranks have no baselines, so no
+//! ratios; every record of theirs says `ranks: virtual`.
+
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::accounting::gbps;
+use crate::cli::{layout_name, mode_name, Case, Op};
+
+/// Op name of the NCCL all-to-all baseline: grouped send/recv with every
+/// rank, this one included (PyTorch's `all_to_all_single`), moving the rows
+/// our dispatch moves.
+pub const NCCL_ALLTOALL: &str = "nccl-alltoall";
+/// Op name of NCCL grouped send/recv with the peers only: the NVLink bytes,
+/// without the rows that stay on this GPU.
+pub const NCCL_PEERS: &str = "nccl-peers";
+/// Op name of the peer-store (SM writes to peer memory) bandwidth ceiling.
+pub const PEER_STORE_CEILING: &str = "peer-store-ceiling";
+/// Op name of the peer-load (SM reads of peer memory) bandwidth ceiling.
+pub const PEER_LOAD_CEILING: &str = "peer-load-ceiling";
+/// Op name of the bulk-load ceiling: the bulk-copy kernel reading the peer's
+/// buffer into local memory.
+pub const BULK_LOAD_CEILING: &str = "bulk-load-ceiling";
+/// Op name of the bulk-copy (TMA units of the SMs) bandwidth ceiling.
+pub const BULK_COPY_CEILING: &str = "bulk-copy-ceiling";
+/// Op name of the copy-engine (`cudaMemcpyPeerAsync`-style) baseline.
+pub const COPY_ENGINE: &str = "copy-engine";
+
+/// Summary of one rank's timing samples, in microseconds (µs).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Stat {
+    /// Median (µs); the mean of the middle two for an even count.
+    pub median_us: f64,
+    /// Fastest sample (µs).
+    pub min_us: f64,
+    /// Slowest sample (µs).
+    pub max_us: f64,
+}
+
+impl Stat {
+    /// No valid sample: every field NaN (written as `-` / `null` / empty).
+    pub const NONE: Stat = Stat {
+        median_us: f64::NAN,
+        min_us: f64::NAN,
+        max_us: f64::NAN,
+    };
+
+    /// Summarizes `samples` (µs), ignoring non-finite ones; sorts the slice
+    /// in place.
+    pub fn from_samples(samples: &mut [f64]) -> Stat {
+        samples.sort_by(f64::total_cmp);
+        let finite: Vec<f64> = samples.iter().copied().filter(|v| v.is_finite()).collect();
+        let n = finite.len();
+        if n == 0 {
+            return Stat::NONE;
+        }
+        Stat {
+            median_us: (finite[(n - 1) / 2] + finite[n / 2]) / 2.0,
+            min_us: finite[0],
+            max_us: finite[n - 1],
+        }
+    }
+
+    /// Whether the median is a finite number.
+    pub fn is_valid(&self) -> bool {
+        self.median_us.is_finite()
+    }
+}
+
+/// One op (ours or a baseline) of one case, all ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpResult {
+    /// `dispatch`, `combine`, ... (see [`Op::name`]) or a baseline:
+    /// [`NCCL_ALLTOALL`], [`PEER_STORE_CEILING`], [`COPY_ENGINE`], ...
+    pub op: String,
+    /// Timing of each rank, indexed by rank.
+    pub per_rank: Vec<Stat>,
+    /// Bytes (B) each rank pushed across NVLink, indexed by rank.
+    pub nvlink_bytes: Vec<u64>,
+    /// DeepEP-convention bytes (B) of each rank, indexed by rank.
+    pub logical_bytes: Vec<u64>,
+}
+
+impl OpResult {
+    /// Whether this is one of our ops (as opposed to a baseline).
+    pub fn is_ours(&self) -> bool {
+        Op::from_name(&self.op).is_some()
+    }
+
+    /// The rank with the largest valid median (ties: the lowest rank).
+    pub fn slowest_rank(&self) -> Option<usize> {
+        let mut best: Option<(usize, f64)> = None;
+        for (r, s) in self.per_rank.iter().enumerate() {
+            if s.is_valid() && best.is_none_or(|(_, m)| s.median_us > m) {
+                best = Some((r, s.median_us));
+            }
+        }
+        best.map(|(r, _)| r)
+    }
+
+    /// The slowest rank's stats ([`Stat::NONE`] if no rank has a valid one).
+    pub fn stat(&self) -> Stat {
+        self.slowest_rank()
+            .and_then(|r| self.per_rank.get(r).copied())
+            .unwrap_or(Stat::NONE)
+    }
+
+    /// The slowest rank's entry of `bytes` (0 if unknown).
+    fn slowest_of(&self, bytes: &[u64]) -> u64 {
+        self.slowest_rank()
+            .and_then(|r| bytes.get(r).copied())
+            .unwrap_or(0)
+    }
+
+    /// NVLink bytes (B) of the slowest rank (0 if unknown).
+    pub fn row_nvlink_bytes(&self) -> u64 {
+        self.slowest_of(&self.nvlink_bytes)
+    }
+
+    /// Logical bytes (B) of the slowest rank (0 if unknown).
+    pub fn row_logical_bytes(&self) -> u64 {
+        self.slowest_of(&self.logical_bytes)
+    }
+
+    /// NVLink GB/s of the slowest rank (0.0 if unknown).
+    pub fn nvlink_gbps(&self) -> f64 {
+        gbps(self.row_nvlink_bytes(), self.stat().median_us)
+    }
+
+    /// Logical (DeepEP "NVL") GB/s of the slowest rank (0.0 if unknown).
+    pub fn logical_gbps(&self) -> f64 {
+        gbps(self.row_logical_bytes(), self.stat().median_us)
+    }
+}
+
+/// What the ranks of a run were (the `ranks` field of every record).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ranks {
+    /// One GPU per rank, an NCCL communicator, NVLink between the GPUs.
+    Nccl,
+    /// `--virtual-ranks`: every rank a thread of one process on one GPU.
+    Virtual,
+}
+
+/// Everything measured for one case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CaseResult {
+    /// The configuration (with the SM count it ran with).
+    pub case: Case,
+    /// Our ops, then the baselines, in measurement order.
+    pub ops: Vec<OpResult>,
+    /// Number of ranks.
+    pub world: usize,
+    /// NCCL ranks on their own GPUs, or virtual ranks on one.
+    pub ranks: Ranks,
+    /// Device name (e.g. `NVIDIA H200`).
+    pub gpu_name: String,
+    /// `--check` outcome: `Some(true)` passed, `Some(false)` failed, `None` not run.
+    pub check: Option<bool>,
+}
+
+impl CaseResult {
+    /// The op or baseline called `name`.
+    pub fn op(&self, name: &str) -> Option<&OpResult> {
+        self.ops.iter().find(|o| o.op == name)
+    }
+
+    /// Our NVLink GB/s over `baseline`'s, when both are known and `op` is ours.
+    pub fn ratio(&self, op: &OpResult, baseline: &str) -> Option<f64> {
+        let ours = op.nvlink_gbps();
+        let base = self.op(baseline)?.nvlink_gbps();
+        (op.is_ours() && ours > 0.0 && base > 0.0).then(|| ours / base)
+    }
+
+    /// `8 virtual ranks on one NVIDIA H200` or `2 x NVIDIA H200`.
+    pub fn who(&self) -> String {
+        let gpu = if self.gpu_name.is_empty() {
+            "unknown GPU"
+        } else {
+            &self.gpu_name
+        };
+        match self.ranks {
+            Ranks::Virtual => format!("{} virtual ranks on one {gpu}", self.world),
+            Ranks::Nccl => format!("{} x {gpu}", self.world),
+        }
+    }
+}
+
+/// The case fields of the table columns, the title and the plot legend, in order.
+const CASE_FIELDS: [&str; 6] = ["tokens", "hidden", "topk", "experts", "layout", "sms"];
+
+/// The value of case column `i` of [`CASE_FIELDS`].
+fn case_field(c: &Case, i: usize) -> String {
+    match i {
+        0 => c.tokens.to_string(),
+        1 => c.hidden.to_string(),
+        2 => c.topk.to_string(),
+        3 => c.experts.to_string(),
+        4 => layout_name(c.layout),
+        _ => c.num_sms.to_string(),
+    }
+}
+
+/// Indices of the case fields whose value differs between results.
+pub fn varying_fields(results: &[CaseResult]) -> Vec<usize> {
+    (0..CASE_FIELDS.len())
+        .filter(|&i| {
+            results.first().is_some_and(|first| {
+                let v = case_field(&first.case, i);
+                results.iter().any(|r| case_field(&r.case, i) != v)
+            })
+        })
+        .collect()
+}
+
+/// `name=value` of field `i` of `c` (`hidden=7168`).
+pub fn field_label(c: &Case, i: usize) -> String {
+    format!("{}={}", CASE_FIELDS[i], case_field(c, i))
+}
+
+/// A table number with `decimals` decimals, `-` when not finite.
+fn fmt_num(v: f64, decimals: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.decimals$}")
+    } else {
+        "-".to_string()
+    }
+}
+
+/// Pads cells into aligned columns (two spaces apart): text left-aligned,
+/// numbers right-aligned; a dashed rule under the header. Widths count
+/// characters, so `µs` lines up.
+fn render_columns(header: &[String], right: &[bool], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[String]| -> String {
+        let mut s = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            let pad = " ".repeat(widths[i].saturating_sub(cell.chars().count()));
+            if i > 0 {
+                s.push_str("  ");
+            }
+            if right[i] {
+                s.push_str(&pad);
+                s.push_str(cell);
+            } else {
+                s.push_str(cell);
+                s.push_str(&pad);
+            }
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    let mut out = line(header) + &line(&rule);
+    for row in rows {
+        out.push_str(&line(row));
+    }
+    out
+}
+
+/// Human-readable table: for virtual ranks a line saying so, a title line
+/// (ranks, GPU name, fixed settings), then one row per (case, op) with the
+/// case columns that vary in the sweep, op, median/min/max µs (slowest
+/// rank), NVLink GB/s, logical GB/s, vs NCCL, vs peers, vs ceiling (not for
+/// virtual ranks, which have no baselines) and `check` when `--check` ran.
+pub fn table(results: &[CaseResult]) -> String {
+    let Some(first) = results.first() else {
+        return "ep-bench: no results\n".to_string();
+    };
+    let varying = varying_fields(results);
+    let c = &first.case;
+    let fixed: Vec<String> = (0..CASE_FIELDS.len())
+        .filter(|i| !varying.contains(i))
+        .map(|i| field_label(c, i))
+        .collect();
+    let mut out = String::new();
+    if first.ranks == Ranks::Virtual {
+        out += &format!(
+            "{} virtual ranks on one GPU: no NVLink crossed; NVLink baselines left out\n",
+            first.world
+        );
+    }
+    out += &format!(
+        "ep-bench: {} | mode {} | {} | routing {}",
+        first.who(),
+        mode_name(c.mode),
+        c.dtype.name(),
+        c.routing
+    );
+    if !fixed.is_empty() {
+        out += &format!(" | {}", fixed.join(" "));
+    }
+    out.push('\n');
+
+    let with_check = results.iter().any(|r| r.check.is_some());
+    let mut header: Vec<String> = varying.iter().map(|&i| CASE_FIELDS[i].into()).collect();
+    // Every case column is a number but the layout.
+    let mut right: Vec<bool> = varying.iter().map(|&i| i != 4).collect();
+    // Virtual ranks have no baselines: no ratio columns.
+    let ratios: &[&str] = match first.ranks {
+        Ranks::Nccl => &[NCCL_ALLTOALL, NCCL_PEERS, PEER_STORE_CEILING],
+        Ranks::Virtual => &[],
+    };
+    let columns = [
+        "op",
+        "median µs",
+        "min µs",
+        "max µs",
+        "NVLink GB/s",
+        "logical GB/s",
+        "vs NCCL",
+        "vs peers",
+        "vs ceiling",
+    ];
+    let columns = columns[..6 + ratios.len()]
+        .iter()
+        .chain(with_check.then_some(&"check"));
+    for h in columns {
+        header.push(h.to_string());
+        right.push(!matches!(*h, "op" | "check"));
+    }
+    let mut rows = Vec::new();
+    for res in results {
+        for op in &res.ops {
+            let st = op.stat();
+            let known = op.slowest_rank().is_some();
+            // No rank or no bytes (layout): no bandwidth.
+            let bw = |bytes: u64, v: f64| {
+                if known && bytes > 0 {
+                    fmt_num(v, 1)
+                } else {
+                    "-".into()
+                }
+            };
+            let ratio = |b: &str| {
+                res.ratio(op, b)
+                    .filter(|r| r.is_finite())
+                    .map_or("-".into(), |r| format!("{r:.2}x"))
+            };
+            let mut row: Vec<String> = varying.iter().map(|&i| case_field(&res.case, i)).collect();
+            row.extend([
+                op.op.clone(),
+                fmt_num(st.median_us, 2),
+                fmt_num(st.min_us, 2),
+                fmt_num(st.max_us, 2),
+                bw(op.row_nvlink_bytes(), op.nvlink_gbps()),
+                bw(op.row_logical_bytes(), op.logical_gbps()),
+            ]);
+            row.extend(ratios.iter().map(|b| ratio(b)));
+            if with_check {
+                row.push(check_word(res.check, "ok", "FAILED", "-").into());
+            }
+            rows.push(row);
+        }
+    }
+    out + &render_columns(&header, &right, &rows)
+}
+
+/// The word of a `--check` outcome: passed, failed, not run.
+fn check_word(
+    c: Option<bool>,
+    ok: &'static str,
+    failed: &'static str,
+    none: &'static str,
+) -> &'static str {
+    match c {
+        Some(true) => ok,
+        Some(false) => failed,
+        None => none,
+    }
+}
+
+/// A finite value, else `None` (`null` in JSON, empty in CSV).
+fn finite(v: f64) -> Option<f64> {
+    v.is_finite().then_some(v)
+}
+
+/// The case fields of a JSON record and the first CSV columns.
+#[derive(Serialize)]
+struct CaseRecord {
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    layout: String,
+    num_sms: usize,
+    mode: &'static str,
+    dtype: &'static str,
+    routing: String,
+}
+
+impl CaseRecord {
+    /// The record of `c`.
+    fn new(c: &Case) -> Self {
+        CaseRecord {
+            tokens: c.tokens,
+            hidden: c.hidden,
+            topk: c.topk,
+            experts: c.experts,
+            layout: layout_name(c.layout),
+            num_sms: c.num_sms,
+            mode: mode_name(c.mode),
+            dtype: c.dtype.name(),
+            routing: c.routing.to_string(),
+        }
+    }
+}
+
+/// One op's summary over the ranks: a JSON op record without `per_rank`,
+/// and the middle CSV columns.
+#[derive(Serialize)]
+struct OpRecord<'a> {
+    op: &'a str,
+    baseline: bool,
+    median_us: Option<f64>,
+    min_us: Option<f64>,
+    max_us: Option<f64>,
+    slowest_rank: Option<usize>,
+    nvlink_bytes: u64,
+    logical_bytes: u64,
+    nvlink_gbps: f64,
+    logical_gbps: f64,
+    vs_nccl: Option<f64>,
+    vs_nccl_peers: Option<f64>,
+    vs_ceiling: Option<f64>,
+}
+
+impl<'a> OpRecord<'a> {
+    /// The summary of `op`, measured in `res`.
+    fn new(res: &CaseResult, op: &'a OpResult) -> Self {
+        let st = op.stat();
+        OpRecord {
+            op: &op.op,
+            baseline: !op.is_ours(),
+            median_us: finite(st.median_us),
+            min_us: finite(st.min_us),
+            max_us: finite(st.max_us),
+            slowest_rank: op.slowest_rank(),
+            nvlink_bytes: op.row_nvlink_bytes(),
+            logical_bytes: op.row_logical_bytes(),
+            nvlink_gbps: op.nvlink_gbps(),
+            logical_gbps: op.logical_gbps(),
+            vs_nccl: res.ratio(op, NCCL_ALLTOALL),
+            vs_nccl_peers: res.ratio(op, NCCL_PEERS),
+            vs_ceiling: res.ratio(op, PEER_STORE_CEILING),
+        }
+    }
+}
+
+/// All results as one JSON document:
+/// `{"tool", "version", "results": [{"case": {"tokens", "hidden", "topk",
+/// "experts", "layout", "num_sms", "mode", "dtype", "routing"}, "world",
+/// "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
+/// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "logical_bytes",
+/// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
+/// "per_rank": [{"rank", "median_us", "min_us", "max_us", "nvlink_bytes",
+/// "logical_bytes"}]}]}]}`. Times in µs, bytes in B, bandwidths in GB/s;
+/// unknown values are `null`; `ranks` is `"nccl"` or `"virtual"`.
+pub fn json(results: &[CaseResult]) -> String {
+    #[derive(Serialize)]
+    struct RankRecord {
+        rank: usize,
+        #[serde(flatten)]
+        stat: Stat,
+        nvlink_bytes: Option<u64>,
+        logical_bytes: Option<u64>,
+    }
+    #[derive(Serialize)]
+    struct OpWithRanks<'a> {
+        #[serde(flatten)]
+        summary: OpRecord<'a>,
+        per_rank: Vec<RankRecord>,
+    }
+    #[derive(Serialize)]
+    struct CaseOut<'a> {
+        case: CaseRecord,
+        world: usize,
+        ranks: Ranks,
+        gpu_name: &'a str,
+        check: Option<bool>,
+        ops: Vec<OpWithRanks<'a>>,
+    }
+    #[derive(Serialize)]
+    struct Doc<'a> {
+        tool: &'static str,
+        version: &'static str,
+        results: Vec<CaseOut<'a>>,
+    }
+    let doc = Doc {
+        tool: "ep-bench",
+        version: env!("CARGO_PKG_VERSION"),
+        results: results
+            .iter()
+            .map(|res| CaseOut {
+                case: CaseRecord::new(&res.case),
+                world: res.world,
+                ranks: res.ranks,
+                gpu_name: &res.gpu_name,
+                check: res.check,
+                ops: res
+                    .ops
+                    .iter()
+                    .map(|op| OpWithRanks {
+                        summary: OpRecord::new(res, op),
+                        per_rank: (op.per_rank.iter().enumerate())
+                            .map(|(rank, &stat)| RankRecord {
+                                rank,
+                                stat,
+                                nvlink_bytes: op.nvlink_bytes.get(rank).copied(),
+                                logical_bytes: op.logical_bytes.get(rank).copied(),
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    };
+    serde_json::to_string_pretty(&doc).expect("plain data serializes") + "\n"
+}
+
+/// Header plus one line per (case, op): `tokens, hidden, topk, experts,
+/// layout, num_sms, mode, dtype, routing, world, gpu_name, op, baseline,
+/// median_us, min_us, max_us, slowest_rank, nvlink_bytes, logical_bytes,
+/// nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling, check,
+/// per_rank_median_us, ranks`. Times in µs, bytes in B, GB/s; unknown values
+/// are empty; `check` is `ok` / `failed` / empty; `per_rank_median_us` is
+/// `rank0;rank1;...`; `ranks` is `nccl` or `virtual`.
+pub fn csv(results: &[CaseResult]) -> String {
+    #[derive(Serialize)]
+    struct Run<'a> {
+        world: usize,
+        gpu_name: &'a str,
+    }
+    #[derive(Serialize)]
+    struct Tail {
+        check: &'static str,
+        per_rank_median_us: String,
+        ranks: Ranks,
+    }
+    let mut w = csv::Writer::from_writer(Vec::new());
+    for res in results {
+        for op in &res.ops {
+            let per_rank: Vec<String> = (op.per_rank.iter())
+                .map(|s| finite(s.median_us).map_or(String::new(), |v| v.to_string()))
+                .collect();
+            let row = (
+                CaseRecord::new(&res.case),
+                Run {
+                    world: res.world,
+                    gpu_name: &res.gpu_name,
+                },
+                OpRecord::new(res, op),
+                Tail {
+                    check: check_word(res.check, "ok", "failed", ""),
+                    per_rank_median_us: per_rank.join(";"),
+                    ranks: res.ranks,
+                },
+            );
+            w.serialize(row).expect("plain data serializes");
+        }
+    }
+    String::from_utf8(w.into_inner().expect("writes to memory")).expect("UTF-8 fields")
+}
+
+/// The progress bar over `total` cases on stderr, or a hidden one when not
+/// `enabled` (`--quiet`, ranks other than 0) or stderr is not a terminal.
+pub fn progress(total: usize, enabled: bool) -> ProgressBar {
+    if !enabled || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let style = ProgressStyle::with_template("{bar:30} [{pos}/{len}] {elapsed} {wide_msg}")
+        .expect("a valid template");
+    ProgressBar::new(total as u64).with_style(style)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::cli::{Dtype, Routing};
+    use moe_ep::testkit::workload;
+    use moe_ep::{Mode, RecvLayout};
+
+    pub(crate) fn case(tokens: usize, hidden: usize) -> Case {
+        Case {
+            tokens,
+            hidden,
+            topk: 8,
+            experts: 256,
+            layout: RecvLayout::RankMajor,
+            num_sms: 24,
+            mode: Mode::HighThroughput,
+            dtype: Dtype::Bf16,
+            routing: Routing::Generated(workload::Routing::Uniform),
+        }
+    }
+
+    pub(crate) fn op(name: &str, medians: &[f64], nvlink: &[u64]) -> OpResult {
+        OpResult {
+            op: name.to_string(),
+            per_rank: (medians.iter())
+                .map(|&m| Stat {
+                    median_us: m,
+                    min_us: m * 0.9,
+                    max_us: m * 1.2,
+                })
+                .collect(),
+            nvlink_bytes: nvlink.to_vec(),
+            logical_bytes: nvlink.iter().map(|b| b + b / 2).collect(),
+        }
+    }
+
+    /// Two ranks; dispatch: rank 1 is slowest (100 µs, 2e6 B -> 20 GB/s);
+    /// NCCL: 200 µs with 2e6 B -> 10 GB/s; ceiling: 50 µs, 2e6 B -> 40 GB/s.
+    pub(crate) fn sample(tokens: usize, hidden: usize, check: Option<bool>) -> CaseResult {
+        let k = tokens as f64 / 1024.0;
+        CaseResult {
+            case: case(tokens, hidden),
+            ops: vec![
+                op("layout", &[5.0, 6.0], &[0, 0]),
+                op("dispatch", &[80.0 * k, 100.0 * k], &[3_000_000, 2_000_000]),
+                op("combine", &[90.0 * k, 95.0 * k], &[2_000_000, 3_000_000]),
+                op(
+                    NCCL_ALLTOALL,
+                    &[200.0 * k, 150.0 * k],
+                    &[2_000_000, 3_000_000],
+                ),
+                op(
+                    PEER_STORE_CEILING,
+                    &[50.0 * k, 50.0 * k],
+                    &[2_000_000, 2_000_000],
+                ),
+            ],
+            world: 2,
+            ranks: Ranks::Nccl,
+            gpu_name: "NVIDIA H200".to_string(),
+            check,
+        }
+    }
+
+    /// `sample` as 8 virtual ranks would report it: our ops only.
+    fn virtual_sample(tokens: usize) -> CaseResult {
+        let mut r = sample(tokens, 7168, Some(true));
+        r.ops.truncate(3);
+        (r.world, r.ranks) = (8, Ranks::Virtual);
+        r
+    }
+
+    #[test]
+    fn stat_median_min_max() {
+        let s = Stat::from_samples(&mut [5.0, 1.0, 3.0]);
+        assert_eq!((s.median_us, s.min_us, s.max_us), (3.0, 1.0, 5.0));
+        let s = Stat::from_samples(&mut [4.0, 1.0, 3.0, 10.0]);
+        assert_eq!((s.median_us, s.min_us, s.max_us), (3.5, 1.0, 10.0));
+        let s = Stat::from_samples(&mut [7.5]);
+        assert_eq!((s.median_us, s.min_us, s.max_us), (7.5, 7.5, 7.5));
+        let s = Stat::from_samples(&mut [f64::NAN, 2.0, f64::INFINITY, 4.0]);
+        assert_eq!((s.median_us, s.min_us, s.max_us), (3.0, 2.0, 4.0));
+        assert!(!Stat::from_samples(&mut []).is_valid());
+        let mut v = [3.0, 1.0, 2.0];
+        Stat::from_samples(&mut v);
+        assert_eq!(v, [1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn slowest_rank_and_ratios() {
+        let r = sample(1024, 7168, None);
+        let d = r.op("dispatch").unwrap();
+        assert_eq!(d.slowest_rank(), Some(1));
+        assert_eq!(d.stat().median_us, 100.0);
+        assert_eq!(d.row_nvlink_bytes(), 2_000_000);
+        assert!((d.nvlink_gbps() - 20.0).abs() < 1e-9);
+        assert!((d.logical_gbps() - 30.0).abs() < 1e-9);
+        // NCCL slowest = rank 0 (200 µs, 2e6 B) -> 10 GB/s; ceiling 40 GB/s.
+        assert!((r.ratio(d, NCCL_ALLTOALL).unwrap() - 2.0).abs() < 1e-9);
+        assert!((r.ratio(d, PEER_STORE_CEILING).unwrap() - 0.5).abs() < 1e-9);
+        let nccl = r.op(NCCL_ALLTOALL).unwrap();
+        assert!(!nccl.is_ours() && d.is_ours());
+        assert_eq!(r.ratio(nccl, NCCL_ALLTOALL), None);
+        // No nccl-peers row: no ratio; with one (100 µs, 2e6 B -> 20 GB/s): 1.0.
+        assert_eq!(r.ratio(d, NCCL_PEERS), None);
+        let mut wp = r.clone();
+        wp.ops
+            .push(op(NCCL_PEERS, &[100.0, 80.0], &[2_000_000, 2_000_000]));
+        assert!((wp.ratio(wp.op("dispatch").unwrap(), NCCL_PEERS).unwrap() - 1.0).abs() < 1e-9);
+        // Layout moves no bytes: no ratio.
+        assert_eq!(r.ratio(r.op("layout").unwrap(), NCCL_ALLTOALL), None);
+        // Empty / invalid ranks do not panic.
+        let empty = op("dispatch", &[], &[]);
+        assert_eq!(empty.slowest_rank(), None);
+        assert_eq!(empty.nvlink_gbps(), 0.0);
+        let mut short = op("dispatch", &[1.0, 2.0], &[10]);
+        assert_eq!(short.row_nvlink_bytes(), 0);
+        short.per_rank[1].median_us = f64::NAN;
+        assert_eq!(short.slowest_rank(), Some(0));
+    }
+
+    #[test]
+    fn table_shape() {
+        let results = vec![sample(1024, 7168, None), sample(2048, 7168, None)];
+        let t = table(&results);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("2 x NVIDIA H200"), "{}", lines[0]);
+        assert!(lines[0].contains("hidden=7168"), "{}", lines[0]);
+        assert!(lines[1].starts_with("tokens"), "{}", lines[1]);
+        assert!(!lines[1].contains("hidden"));
+        for h in [
+            "op",
+            "median µs",
+            "NVLink GB/s",
+            "logical GB/s",
+            "vs NCCL",
+            "vs peers",
+            "vs ceiling",
+        ] {
+            assert!(lines[1].contains(h), "missing {h}");
+        }
+        assert!(lines[2].starts_with("------"));
+        assert_eq!(lines.len(), 3 + 2 * 5);
+        let dispatch = lines.iter().find(|l| l.contains("dispatch")).unwrap();
+        assert!(
+            dispatch.contains("100.00") && dispatch.contains("20.0"),
+            "{dispatch}"
+        );
+        assert!(
+            dispatch.contains("2.00x") && dispatch.contains("0.50x"),
+            "{dispatch}"
+        );
+        // Columns line up: every row's "op" cell starts at the same column.
+        let col = lines[1].find("op").unwrap();
+        for l in &lines[3..] {
+            assert!(l.chars().nth(col).unwrap().is_ascii_alphabetic(), "{l}");
+        }
+        // The last column is right-aligned: every line has the same width.
+        let w = lines[1].chars().count();
+        for l in &lines[1..] {
+            assert_eq!(l.chars().count(), w, "{l}");
+        }
+        // Layout moves no bytes: no bandwidth, no ratios.
+        let layout = lines[3..].iter().find(|l| l.contains(" layout ")).unwrap();
+        assert!(
+            !layout.contains("0.0 ") && layout.ends_with('-'),
+            "{layout}"
+        );
+        // Check column appears when --check ran.
+        let t = table(&[sample(1024, 7168, Some(false))]);
+        assert!(t.contains("check") && t.contains("FAILED"));
+        // Nothing varies: no case columns, all in the title.
+        let one = table(&[sample(1024, 4096, None)]);
+        assert!(one.lines().nth(1).unwrap().starts_with("op"));
+        assert!(one.lines().next().unwrap().contains("tokens=1024"));
+        assert_eq!(table(&[]), "ep-bench: no results\n");
+    }
+
+    #[test]
+    fn virtual_ranks_say_so() {
+        let t = table(&[virtual_sample(1024), virtual_sample(2048)]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "8 virtual ranks on one GPU: no NVLink crossed; NVLink baselines left out"
+        );
+        assert!(
+            lines[1].contains("8 virtual ranks on one NVIDIA H200"),
+            "{}",
+            lines[1]
+        );
+        assert!(!lines[1].contains(" x "), "{}", lines[1]);
+        assert!(lines[2].ends_with("logical GB/s  check"), "{}", lines[2]);
+        let doc: serde_json::Value = serde_json::from_str(&json(&[virtual_sample(1024)])).unwrap();
+        assert_eq!(doc["results"][0]["ranks"], "virtual");
+        let text = csv(&[virtual_sample(1024)]);
+        let mut rd = csv::Reader::from_reader(text.as_bytes());
+        let ranks = rd
+            .headers()
+            .unwrap()
+            .iter()
+            .position(|h| h == "ranks")
+            .unwrap();
+        for rec in rd.records() {
+            assert_eq!(&rec.unwrap()[ranks], "virtual");
+        }
+    }
+
+    #[test]
+    fn csv_shape() {
+        let mut r = vec![sample(1024, 7168, Some(true)), sample(2048, 4096, None)];
+        r[0].gpu_name = "GPU, \"quoted\"".to_string();
+        let text = csv(&r);
+        let mut rd = csv::Reader::from_reader(text.as_bytes());
+        let header: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        assert_eq!(
+            header.join(","),
+            "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,world,gpu_name,op,\
+             baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,logical_bytes,\
+             nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,check,\
+             per_rank_median_us,ranks"
+        );
+        let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+        assert_eq!(rows.len(), 10);
+        let col = |row: &csv::StringRecord, name: &str| {
+            row[header.iter().position(|h| h == name).unwrap()].to_string()
+        };
+        assert_eq!(col(&rows[0], "gpu_name"), "GPU, \"quoted\"");
+        let d = &rows[1];
+        assert_eq!(col(d, "op"), "dispatch");
+        assert_eq!(col(d, "baseline"), "false");
+        let num = |name: &str| col(d, name).parse::<f64>().unwrap();
+        assert_eq!(
+            (num("median_us"), num("min_us"), num("max_us")),
+            (100.0, 90.0, 120.0)
+        );
+        assert_eq!((num("slowest_rank"), num("nvlink_bytes")), (1.0, 2e6));
+        assert_eq!(
+            (num("nvlink_gbps"), num("vs_nccl"), num("vs_ceiling")),
+            (20.0, 2.0, 0.5)
+        );
+        assert_eq!(col(d, "vs_nccl_peers"), "");
+        assert_eq!(col(d, "check"), "ok");
+        assert_eq!(col(d, "per_rank_median_us"), "80;100");
+        assert_eq!(col(d, "ranks"), "nccl");
+        assert_eq!(col(&rows[6], "check"), "");
+    }
+
+    #[test]
+    fn json_shape() {
+        let mut results = vec![sample(1024, 7168, Some(true)), sample(2048, 7168, None)];
+        results[0].gpu_name = "H200 \"SXM\"\\\n\t\u{1}".to_string();
+        results[1].ops[0].per_rank[0].median_us = f64::NAN;
+        let text = json(&results);
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(doc["tool"], "ep-bench");
+        let res = doc["results"].as_array().unwrap();
+        assert_eq!(res.len(), 2);
+        assert_eq!(res[0]["gpu_name"], "H200 \"SXM\"\\\n\t\u{1}");
+        assert_eq!(res[0]["check"], true);
+        assert!(res[1]["check"].is_null());
+        assert_eq!(
+            (res[0]["world"].as_u64(), res[0]["ranks"].as_str()),
+            (Some(2), Some("nccl"))
+        );
+        let case = &res[0]["case"];
+        for k in [
+            "tokens", "hidden", "topk", "experts", "layout", "num_sms", "mode", "dtype", "routing",
+        ] {
+            assert!(!case[k].is_null(), "case.{k}");
+        }
+        assert_eq!(case["layout"], "rank");
+        let ops = res[0]["ops"].as_array().unwrap();
+        assert_eq!(ops.len(), 5);
+        let d = &ops[1];
+        assert_eq!(d["op"], "dispatch");
+        assert_eq!(d["baseline"], false);
+        assert_eq!(d["median_us"], 100.0);
+        assert_eq!(d["slowest_rank"], 1);
+        assert_eq!(d["nvlink_gbps"], 20.0);
+        assert_eq!(d["vs_nccl"], 2.0);
+        assert_eq!(d["vs_ceiling"], 0.5);
+        assert!(d["vs_nccl_peers"].is_null());
+        let per_rank = d["per_rank"].as_array().unwrap();
+        assert_eq!(per_rank.len(), 2);
+        assert_eq!(per_rank[0]["median_us"], 80.0);
+        assert_eq!(per_rank[1]["nvlink_bytes"], 2_000_000);
+        assert_eq!(ops[3]["baseline"], true);
+        assert!(ops[3]["vs_nccl"].is_null());
+        // NaN became null.
+        assert!(res[1]["ops"][0]["per_rank"][0]["median_us"].is_null());
+        // Empty inputs are valid too.
+        assert!(serde_json::from_str::<serde_json::Value>(&json(&[])).is_ok());
+    }
+}
