@@ -136,12 +136,19 @@ case_table! {
 }
 
 fn table_case(id: &str, c: Case, layout: RecvLayout) {
-    assert_eq!(id, c.id(), "the test's name must be the id of its case's fields");
+    assert_eq!(
+        id,
+        c.id(),
+        "the test's name must be the id of its case's fields"
+    );
     // A seed per case, the same for both layouts.
-    let seed = 1000 + id.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64)) % 1000;
+    let seed = 1000
+        + id.bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64))
+            % 1000;
     let test = format!("{id}::{layout:?}");
     for world in worlds(&test, 2) {
-        if c.experts % world.size != 0 {
+        if !c.experts.is_multiple_of(world.size) {
             eprintln!("  SKIP {test} at {world}: {} experts", c.experts);
             continue;
         }
@@ -163,7 +170,13 @@ fn shape_of(c: &Case, world: usize) -> Shape {
 
 fn tokens_per_rank(c: &Case, world: usize) -> Vec<usize> {
     (0..world)
-        .map(|r| if Some(r) == c.silent_rank { 0 } else { c.tokens })
+        .map(|r| {
+            if Some(r) == c.silent_rank {
+                0
+            } else {
+                c.tokens
+            }
+        })
         .collect()
 }
 
@@ -189,24 +202,32 @@ fn build_fixture(c: &Case, world: usize, layout: RecvLayout, seed: u64) -> Resul
     let tpr = tokens_per_rank(c, world);
     let inputs = workload::rank_inputs(seed, &shape, &tpr, c.routing);
     let wpr = weights_per_row(layout, c.topk);
-    let per_rank: Vec<Result<(refr::DispatchOutput, Vec<bf16>, Vec<f32>, Vec<bf16>)>> =
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..world)
-                .map(|d| {
-                    let (shape, inputs, tpr) = (&shape, &inputs, &tpr);
-                    s.spawn(move || {
-                        let o = refr::dispatch(shape, inputs, d, layout)?;
-                        let out = expert_out(seed, d, o.num_rows, c.hidden);
-                        let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
-                        let gw = (0..o.num_rows * wpr).map(|_| rng.f32_unit() - 0.5).collect();
-                        let g =
-                            workload::tokens(&mut Rng::new(seed ^ (0x9B0 + d as u64)), tpr[d], c.hidden);
-                        Ok((o, out, gw, g))
-                    })
+    // Per destination: what it receives, its expert outputs, weight and output gradients.
+    type PerRank = (refr::DispatchOutput, Vec<bf16>, Vec<f32>, Vec<bf16>);
+    let per_rank: Vec<Result<PerRank>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|d| {
+                let (shape, inputs, tpr) = (&shape, &inputs, &tpr);
+                s.spawn(move || {
+                    let o = refr::dispatch(shape, inputs, d, layout)?;
+                    let out = expert_out(seed, d, o.num_rows, c.hidden);
+                    let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
+                    let gw = (0..o.num_rows * wpr)
+                        .map(|_| rng.f32_unit() - 0.5)
+                        .collect();
+                    let g = workload::tokens(
+                        &mut Rng::new(seed ^ (0x9B0 + d as u64)),
+                        tpr[d],
+                        c.hidden,
+                    );
+                    Ok((o, out, gw, g))
                 })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("reference thread")).collect()
-        });
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("reference thread"))
+            .collect()
+    });
     let (mut refs, mut outs, mut gw_rows, mut grads) = (vec![], vec![], vec![], vec![]);
     for p in per_rank {
         let (o, out, gw, g) = p?;
@@ -320,9 +341,7 @@ fn case_config(r: &Rank, c: &Case, cap: usize) -> Result<GroupConfig> {
     if r.rank == 0 && cfg.num_sms != c.sms {
         eprintln!(
             "  num_sms {} -> {} ({} ranks share one GPU)",
-            c.sms,
-            cfg.num_sms,
-            r.world
+            c.sms, cfg.num_sms, r.world
         );
     }
     Ok(cfg)
@@ -475,8 +494,7 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
     let grad_w = s
         .alloc_zeros::<f32>((t * k).max(1))
         .map_err(Error::cuda("alloc"))?;
-    let (want_gx, want_gw) =
-        refr::dispatch_backward(shape, inputs, outs, gw_rows, r.rank, layout)?;
+    let (want_gx, want_gw) = refr::dispatch_backward(shape, inputs, outs, gw_rows, r.rank, layout)?;
     let want_gw_bits: Vec<u32> = want_gw.iter().map(|f| f.to_bits()).collect();
     group.dispatch_backward(s, &handle, &y, Some(&gw_in), &grad_x, Some(&grad_w))?;
     let check_backward = |how: &str| -> Result<()> {
@@ -559,7 +577,13 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
 
 /// A small case for the single-purpose tests below (name, tokens, hidden,
 /// top-k, experts, routing).
-const fn small(tokens: usize, hidden: usize, topk: usize, experts: usize, routing: Routing) -> Case {
+const fn small(
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    routing: Routing,
+) -> Case {
     case(tokens, hidden, topk, experts, routing)
 }
 
@@ -684,12 +708,7 @@ fn caller_buffers_zero_copy_and_rejections() {
 /// around (and inside) the caller's buffer are unchanged.
 #[test]
 fn over_capacity_is_reported_and_writes_nothing() {
-    let c = small(512,
-        2048,
-        8,
-        64,
-        Routing::Skewed { hot_share: 0.9 },
-    );
+    let c = small(512, 2048, 8, 64, Routing::Skewed { hot_share: 0.9 });
     run_worlds("over_capacity_is_reported_and_writes_nothing", 2, |r| {
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(11, &shape, &vec![c.tokens; r.world], c.routing);

@@ -159,7 +159,10 @@ fn wrapped_caller_buffer_is_symmetric() {
         let n = 1usize << 16;
         let bytes = n * 4;
         // The caller's memory: an NCCL window, or a plain allocation.
-        let plain = r.stream.alloc_zeros::<u32>(n).map_err(Error::cuda("alloc"))?;
+        let plain = r
+            .stream
+            .alloc_zeros::<u32>(n)
+            .map_err(Error::cuda("alloc"))?;
         let plain_ptr = moe_ep::ops::DeviceRegion::device_ptr(&plain);
         // (window, allocation) to deregister and free at the end (GPUs).
         let mut registered = None;
@@ -188,7 +191,12 @@ fn wrapped_caller_buffer_is_symmetric() {
                 // collectively; deregistered and freed below, after the pool
                 // and `wrapped` are gone.
                 let win = unsafe {
-                    nc::window_register(raw, ptr, bytes, moe_ep::sys::nccl::NCCL_WIN_COLL_SYMMETRIC)?
+                    nc::window_register(
+                        raw,
+                        ptr,
+                        bytes,
+                        moe_ep::sys::nccl::NCCL_WIN_COLL_SYMMETRIC,
+                    )?
                 };
                 registered = Some((raw, win, ptr));
                 // SAFETY: as above.
@@ -198,9 +206,10 @@ fn wrapped_caller_buffer_is_symmetric() {
         ensure(pool.is_symm_backed(wrapped.device_ptr(), bytes), || {
             "wrapped buffer not symm-backed".into()
         })?;
-        ensure(!pool.is_symm_backed(wrapped.device_ptr(), bytes + 4), || {
-            "range past the wrapped buffer reported symmetric".into()
-        })?;
+        ensure(
+            !pool.is_symm_backed(wrapped.device_ptr(), bytes + 4),
+            || "range past the wrapped buffer reported symmetric".into(),
+        )?;
         let right = (r.rank + 1) % r.world;
         let left = (r.rank + r.world - 1) % r.world;
         let peer = wrapped
@@ -263,7 +272,10 @@ fn virtual_rank_that_panics_or_stays_away_is_named() {
                 .collect()
         });
         let took = t0.elapsed();
-        assert!(took < Duration::from_secs(10), "world {world}: took {took:?}");
+        assert!(
+            took < Duration::from_secs(10),
+            "world {world}: took {took:?}"
+        );
         for (rank, res) in results.iter().enumerate() {
             let want = if rank == world - 1 {
                 "panicked".to_string()

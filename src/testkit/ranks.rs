@@ -127,10 +127,15 @@ pub fn worlds(test: &str, needed: usize) -> Vec<World> {
         None if gpus < needed => vec![2, 4, 8],
         None => vec![],
     };
-    out.extend(virtual_sizes.into_iter().filter(|&w| w >= needed).map(|size| World {
-        size,
-        ranks: Ranks::Virtual,
-    }));
+    out.extend(
+        virtual_sizes
+            .into_iter()
+            .filter(|&w| w >= needed)
+            .map(|size| World {
+                size,
+                ranks: Ranks::Virtual,
+            }),
+    );
     if out.is_empty() {
         say(format!(
             "SKIP: {test}: needs {needed} ranks; {gpus} GPUs and no virtual world asked for"
@@ -182,6 +187,8 @@ impl Rank {
 }
 
 type Outcome = Option<std::result::Result<(), String>>;
+/// A virtual rank made on the main thread: its context, communicator, stream.
+type Made = (Arc<CudaContext>, Arc<Communicator>, Arc<CudaStream>);
 
 /// Runs `f` once per rank of `world`, each rank on its own thread with its
 /// own stream and communicator (NCCL on GPU r, or one virtual world on GPU
@@ -206,27 +213,26 @@ where
         Ranks::Virtual => {
             let ctx = crate::context(0).expect("context of GPU 0");
             let comms = Communicator::virtual_world(&ctx, n).expect("virtual world");
-            let streams: Vec<_> = (0..n)
-                .map(|_| ctx.new_stream().expect("stream"))
-                .collect();
+            let streams: Vec<_> = (0..n).map(|_| ctx.new_stream().expect("stream")).collect();
             Some((ctx, comms, streams))
         }
     };
-    let mut slots: Vec<Option<(Arc<CudaContext>, Arc<Communicator>, Arc<CudaStream>)>> =
-        match virtual_ranks {
-            None => (0..n).map(|_| None).collect(),
-            Some((ctx, comms, streams)) => comms
-                .into_iter()
-                .zip(streams)
-                .map(|(c, s)| Some((ctx.clone(), c, s)))
-                .collect(),
-        };
+    let mut slots: Vec<Option<Made>> = match virtual_ranks {
+        None => (0..n).map(|_| None).collect(),
+        Some((ctx, comms, streams)) => comms
+            .into_iter()
+            .zip(streams)
+            .map(|(c, s)| Some((ctx.clone(), c, s)))
+            .collect(),
+    };
     let id = match world.ranks {
         Ranks::Gpus => Some(UniqueId::generate().expect("ncclGetUniqueId")),
         Ranks::Virtual => None,
     };
-    let state: (std::sync::Mutex<Vec<Outcome>>, std::sync::Condvar) =
-        (std::sync::Mutex::new(vec![None; n]), std::sync::Condvar::new());
+    let state: (std::sync::Mutex<Vec<Outcome>>, std::sync::Condvar) = (
+        std::sync::Mutex::new(vec![None; n]),
+        std::sync::Condvar::new(),
+    );
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for (rank, slot) in slots.iter_mut().enumerate() {
@@ -323,7 +329,10 @@ where
         ));
     }
     assert!(errors.is_empty(), "{world}:\n{}", errors.join("\n"));
-    say(format!("  {world}: ok in {:.1} s", t0.elapsed().as_secs_f64()));
+    say(format!(
+        "  {world}: ok in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    ));
 }
 
 /// Runs `f` at every world of [`worlds`] (nothing, after SKIP, without a GPU).
