@@ -181,9 +181,7 @@ impl EpGroup {
         arg: &'static str,
     ) -> Result<Peers> {
         let (ptr, bytes) = (buf.device_ptr(), buf.len() * std::mem::size_of::<T>());
-        let seg = self
-            .comm
-            .segment_of(ptr, bytes)
+        let seg = crate::symm::segment_of(&self.comm, ptr, bytes)
             .ok_or(Error::NotSymmetric { what: arg })?;
         let mut out = [0u64; MAX_RANKS];
         for (rank, p) in out.iter_mut().enumerate().take(self.comm.world()) {

@@ -6,7 +6,7 @@
 //! collectives run in-process ([`Communicator::virtual_world`]).
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -14,7 +14,6 @@ use cudarc::driver::{CudaContext, CudaStream};
 use crate::error::{Error, Result};
 use crate::runtime::host_group::HostGroup;
 use crate::runtime::nccl_call::{self as nc, UniqueId};
-use crate::symm::Segment;
 use crate::sys::nccl::{ncclComm_t, ncclDataType_t, ncclUint8};
 
 /// How long a virtual world's host collectives wait for the slowest rank
@@ -27,7 +26,8 @@ enum Backend {
 }
 
 /// One rank of a world of `world` ranks, on the GPU of its context. Windows
-/// and pool segments keep it alive (`Arc`).
+/// and pool segments keep it alive (`Arc`); `symm` keeps the registry of
+/// its windows.
 pub struct Communicator {
     backend: Backend,
     rank: usize,
@@ -35,9 +35,6 @@ pub struct Communicator {
     ctx: Arc<CudaContext>,
     /// `node_of[r]`: index of rank r's host, in order of first appearance.
     node_of: Vec<usize>,
-    /// Every registered window of this communicator (pool segments and
-    /// wrapped caller windows), for `is_symm_backed`.
-    segments: Mutex<Vec<Weak<Segment>>>,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time;
@@ -86,7 +83,6 @@ impl Communicator {
             world,
             ctx: ctx.clone(),
             node_of: vec![0; world],
-            segments: Mutex::new(vec![]),
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -158,7 +154,6 @@ impl Communicator {
                     backend: Backend::Virtual(g),
                     ctx: ctx.clone(),
                     node_of: vec![0; world],
-                    segments: Mutex::new(vec![]),
                 })
             })
             .collect())
@@ -211,28 +206,6 @@ impl Communicator {
         (0..self.world)
             .filter(|&r| self.node_of[r] == self.node_of[self.rank])
             .collect()
-    }
-
-    /// Records a registered window (called by `Segment`).
-    pub(crate) fn register_segment(&self, seg: &Arc<Segment>) {
-        let mut v = self.segments.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|w| w.strong_count() > 0);
-        v.push(Arc::downgrade(seg));
-    }
-
-    /// The live registered window of this communicator that holds
-    /// `[ptr, ptr + len)`, if any.
-    pub fn segment_of(&self, ptr: u64, len: usize) -> Option<Arc<Segment>> {
-        let v = self.segments.lock().unwrap_or_else(|p| p.into_inner());
-        v.iter()
-            .filter_map(|w| w.upgrade())
-            .find(|s| s.contains(ptr, len))
-    }
-
-    /// True if `[ptr, ptr + len)` lies inside a registered window of this
-    /// communicator (a pool buffer or a wrapped caller window).
-    pub fn is_symm_backed(&self, ptr: u64, len: usize) -> bool {
-        self.segment_of(ptr, len).is_some()
     }
 
     /// Reports an asynchronous NCCL error, if any.

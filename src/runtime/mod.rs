@@ -20,7 +20,8 @@ pub(crate) mod module;
 #[cfg(feature = "raw")]
 pub mod nccl_call;
 #[cfg(not(feature = "raw"))]
-#[allow(dead_code)] // one call per NCCL function: the raw tools use the rest
+#[cfg_attr(not(feature = "raw"), allow(dead_code))]
+// one call per NCCL function: the raw API uses the rest
 pub(crate) mod nccl_call;
 pub mod nvtx;
 

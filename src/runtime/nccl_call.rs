@@ -451,6 +451,16 @@ impl UniqueId {
         get_unique_id().map(UniqueId)
     }
 
+    /// The id's bytes (to send to the other ranks by any means).
+    pub fn to_bytes(&self) -> [u8; NCCL_UNIQUE_ID_BYTES] {
+        self.0.internal
+    }
+
+    /// The id from its bytes ([`UniqueId::to_bytes`] of rank 0's id).
+    pub fn from_bytes(bytes: [u8; NCCL_UNIQUE_ID_BYTES]) -> UniqueId {
+        UniqueId(ncclUniqueId { internal: bytes })
+    }
+
     /// The id as 256 lowercase hex characters.
     pub fn to_hex(&self) -> String {
         const DIGITS: &[u8; 16] = b"0123456789abcdef";

@@ -25,7 +25,7 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::error::{Error, Result};
 use crate::runtime::nccl_call as nc;
@@ -38,6 +38,37 @@ pub const ALLOC_ALIGN: usize = 256;
 /// Segment sizes are multiples of this (bytes), a safe multiple of the
 /// allocation granularity of ncclMemAlloc (cuMem) on Hopper.
 pub const SEGMENT_GRANULE: usize = 2 << 20;
+
+/// Every live registered window (pool segments, wrapped caller windows),
+/// by the address of the communicator it belongs to (a segment keeps its
+/// communicator alive, so a live entry's address is its communicator's).
+static REGISTRY: Mutex<Vec<(usize, Weak<Segment>)>> = Mutex::new(Vec::new());
+
+fn comm_key(comm: &Communicator) -> usize {
+    comm as *const Communicator as usize
+}
+
+fn register(seg: &Arc<Segment>) {
+    let mut v = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    v.retain(|(_, w)| w.strong_count() > 0);
+    v.push((comm_key(&seg.comm), Arc::downgrade(seg)));
+}
+
+/// The live registered window of `comm` that holds `[ptr, ptr + len)`, if any.
+pub fn segment_of(comm: &Communicator, ptr: u64, len: usize) -> Option<Arc<Segment>> {
+    let key = comm_key(comm);
+    let v = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    v.iter()
+        .filter(|(k, _)| *k == key)
+        .filter_map(|(_, w)| w.upgrade())
+        .find(|s| s.contains(ptr, len))
+}
+
+/// True if `[ptr, ptr + len)` lies inside a registered window of `comm` (a
+/// pool buffer of any pool of it, or a wrapped caller window).
+pub fn is_symm_backed(comm: &Communicator, ptr: u64, len: usize) -> bool {
+    segment_of(comm, ptr, len).is_some()
+}
 
 /// One registered window: same size on every rank.
 pub struct Segment {
@@ -128,7 +159,7 @@ impl Segment {
                 peers: ranks.iter().map(|a| a.ptr).collect(),
                 backing: Backing::Virtual { _ranks: ranks },
             });
-            comm.register_segment(&seg);
+            register(&seg);
             return Ok(seg);
         }
         let raw = comm.raw().expect("an NCCL communicator");
@@ -151,7 +182,7 @@ impl Segment {
         };
         seg.peers = seg.resolve_peers(win)?;
         let seg = Arc::new(seg);
-        comm.register_segment(&seg);
+        register(&seg);
         Ok(seg)
     }
 
@@ -190,7 +221,7 @@ impl Segment {
         };
         seg.peers = seg.resolve_peers(win)?;
         let seg = Arc::new(seg);
-        comm.register_segment(&seg);
+        register(&seg);
         Ok(seg)
     }
 
@@ -239,7 +270,7 @@ impl Segment {
             backing: Backing::VirtualWrapped,
             peers: (0..comm.world()).map(|r| all[2 * r]).collect(),
         });
-        comm.register_segment(&seg);
+        register(&seg);
         Ok(seg)
     }
 
@@ -521,7 +552,7 @@ impl SymmPool {
     /// True if `[ptr, ptr + len)` lies inside a registered window of this
     /// pool's communicator (any pool's buffer, or a wrapped caller window).
     pub fn is_symm_backed(&self, ptr: u64, len: usize) -> bool {
-        self.inner.comm.is_symm_backed(ptr, len)
+        is_symm_backed(&self.inner.comm, ptr, len)
     }
 
     /// Number of segments this pool allocated (wrapped windows not counted).

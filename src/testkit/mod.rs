@@ -2,8 +2,11 @@
 //! stable API): seeded routing and token generators ([`workload`]) and the
 //! launchers of `kernels-cuda/util.cu` ([`copy`]: a pattern writer and
 //! checker, the SM and bulk-copy loops that measure the NVLink ceilings),
-//! and the multi-rank test harness ([`ranks`]: real GPUs or virtual ranks).
+//! NCCL's all-to-all of the same rows and the timed runs' start line
+//! ([`nccl`]), and the multi-rank test harness ([`ranks`]: real GPUs or
+//! virtual ranks).
 
 pub mod copy;
+pub mod nccl;
 pub mod ranks;
 pub mod workload;

@@ -19,14 +19,12 @@
 //! no NVLink, so they measure none of them. Rank 0 gathers every rank's
 //! statistics and returns them.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use moe_ep::cuda::{result as cu, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
-use moe_ep::runtime::nccl_call as nc;
-use moe_ep::runtime::MappedHost;
+use moe_ep::testkit::nccl::{exchange_rows, StartGate};
 use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
 
@@ -51,7 +49,7 @@ pub fn device_count() -> R<usize> {
 
 /// A fresh NCCL unique id (parent process, or rank 0 of a launcher job).
 pub fn nccl_unique_id() -> R<[u8; 128]> {
-    Ok(UniqueId::generate().map_err(s)?.0.internal)
+    Ok(UniqueId::generate().map_err(s)?.to_bytes())
 }
 
 /// The CUDA events around one timed run.
@@ -101,67 +99,10 @@ struct Ctx<'a> {
     flush: CudaSlice<u8>,
     /// The events around each timed run.
     timer: Timer,
-    /// `--start gpu`'s gate.
-    start: GpuStart,
-}
-
-/// `--start gpu`: the stream waits at a gate (a host-mapped word) until the
-/// host has enqueued the whole timed run, then all ranks' GPUs pass a
-/// one-word NCCL all-reduce, which they leave together, and the timer starts.
-/// Host skew and host enqueue time stay out of the timing, for our ops and
-/// the baselines alike. Virtual ranks have no NCCL all-reduce: they meet at
-/// the host barrier once all have enqueued, then each opens its own gate.
-struct GpuStart {
-    /// The host-mapped word the stream waits on.
-    gate: MappedHost<u32>,
-    /// Gates opened so far (the value the last one waited for).
-    opened: std::cell::Cell<u32>,
-    /// The NCCL all-reduce's one word.
-    word: CudaSlice<u32>,
-}
-
-impl GpuStart {
-    /// Enqueues the gate (closed until [`GpuStart::open`]) and, on NCCL
-    /// ranks, the all-reduce.
-    fn enqueue(&self, c: &Ctx<'_>) -> R<()> {
-        let next = self.opened.get().wrapping_add(1);
-        // SAFETY: the gate is a live mapped allocation; flags 0 = wait until
-        // the word is >= next (CU_STREAM_WAIT_VALUE_GEQ).
-        let rc = unsafe {
-            moe_ep::cuda::sys::cuStreamWaitValue32_v2(
-                c.stream.cu_stream(),
-                self.gate.device_ptr(),
-                next,
-                0,
-            )
-        };
-        if rc != moe_ep::cuda::sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuStreamWaitValue32: {rc:?}"));
-        }
-        let Some(raw) = c.comm.raw() else {
-            return Ok(());
-        };
-        let w = DeviceRegion::device_ptr(&self.word) as *mut c_void;
-        // SAFETY: one u32 in place, on this rank's stream and communicator.
-        unsafe {
-            nc::all_reduce(
-                w,
-                w,
-                1,
-                moe_ep::sys::nccl::ncclUint32,
-                moe_ep::sys::nccl::ncclSum,
-                raw,
-                c.stream.cu_stream() as *mut c_void,
-            )
-        }
-        .map_err(s)
-    }
-    /// Opens the gate enqueued last.
-    fn open(&self) {
-        let next = self.opened.get().wrapping_add(1);
-        self.gate.write(next);
-        self.opened.set(next);
-    }
+    /// `--start gpu`'s gate (virtual ranks have no NCCL all-reduce behind it:
+    /// they meet at the host barrier once all have enqueued, then each opens
+    /// its own gate).
+    start: StartGate,
 }
 
 impl Ctx<'_> {
@@ -192,7 +133,7 @@ impl Ctx<'_> {
             }
             self.comm.barrier(&self.stream).map_err(s)?;
             if gpu_start {
-                if let Err(e) = self.start.enqueue(self) {
+                if let Err(e) = self.start.enqueue(&self.comm, &self.stream).map_err(s) {
                     self.start.open();
                     return Err(e);
                 }
@@ -275,7 +216,7 @@ fn rank_input(case: &Case, seed: u64, rank: usize, topk_idx: Vec<i64>) -> RankIn
 /// case; rank 0 returns the gathered results, the others an empty `Vec`.
 pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>> {
     let id = env.unique_id(nccl_unique_id)?;
-    let uid = UniqueId(moe_ep::sys::nccl::ncclUniqueId { internal: id });
+    let uid = UniqueId::from_bytes(id);
     let ctx = moe_ep::context(env.device()).map_err(s)?;
     let comm = Communicator::init(&ctx, &uid, env.rank, env.world)
         .map_err(|e| format!("NCCL init: {e}"))?;
@@ -377,11 +318,7 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
     } = rank;
     let root = comm.rank() == 0;
     let flush = stream.alloc_zeros::<u8>(256 << 20).map_err(s)?;
-    let start = GpuStart {
-        gate: MappedHost::new(&ctx, 0u32).map_err(s)?,
-        opened: std::cell::Cell::new(0),
-        word: stream.alloc_zeros::<u32>(1).map_err(s)?,
-    };
+    let start = StartGate::new(&stream).map_err(s)?;
     let c = Ctx {
         opts,
         timer: Timer::new(&ctx)?,
@@ -693,11 +630,8 @@ fn baselines(
     ])
 }
 
-/// One NCCL group of send/recv pairs moving this rank's dispatch rows
-/// (`counts[s * world + d]` rows of `row` bytes from s to d): with every
-/// rank when `with_self`, else with the peers only. Rows for rank d start at
-/// the sum of the larger of the two directions' sizes of the ranks before d,
-/// in both buffers.
+/// NCCL's exchange of this rank's dispatch rows (`moe_ep::testkit::nccl::exchange_rows`):
+/// with every rank when `with_self` (the all-to-all), else with the peers only.
 fn nccl_exchange(
     c: &Ctx<'_>,
     send: &moe_ep::SymmBuffer<u8>,
@@ -706,31 +640,7 @@ fn nccl_exchange(
     row: usize,
     with_self: bool,
 ) -> R<()> {
-    let (rank, world) = (c.comm.rank(), c.comm.world());
-    let raw = (c.comm.raw()).ok_or("NCCL baselines need an NCCL communicator")?;
-    let (cs, u8t) = (
-        c.stream.cu_stream() as *mut c_void,
-        moe_ep::sys::nccl::ncclUint8,
-    );
-    nc::group_start().map_err(s)?;
-    let mut off = 0usize;
-    for d in 0..world {
-        let (ns, nr) = (
-            counts[rank * world + d] as usize * row,
-            counts[d * world + rank] as usize * row,
-        );
-        if d != rank || with_self {
-            let at = |b: &moe_ep::SymmBuffer<u8>| b.device_ptr() as usize + off;
-            // SAFETY: both ranges lie inside send/recv (sized by the caller
-            // to the sum over d of max(ns, nr)).
-            unsafe {
-                nc::send(at(send) as *const c_void, ns, u8t, d, raw, cs).map_err(s)?;
-                nc::recv(at(recv) as *mut c_void, nr, u8t, d, raw, cs).map_err(s)?;
-            }
-        }
-        off += ns.max(nr);
-    }
-    nc::group_end().map_err(s)
+    exchange_rows(&c.comm, &c.stream, send, recv, counts, row, with_self).map_err(s)
 }
 
 /// All ranks' statistics of every op, gathered in rank order.

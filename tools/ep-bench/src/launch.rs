@@ -36,7 +36,6 @@ use std::process::{Child, Command};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use moe_ep::sys::nccl::ncclUniqueId;
 use moe_ep::UniqueId;
 
 /// Size in bytes of an NCCL unique id (`ncclUniqueId`).
@@ -389,14 +388,14 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<RankEnv, String> {
 
 /// The id as 256 lowercase hex characters (the library's [`UniqueId::to_hex`]).
 pub fn to_hex(id: &[u8; UNIQUE_ID_BYTES]) -> String {
-    UniqueId(ncclUniqueId { internal: *id }).to_hex()
+    UniqueId::from_bytes(*id).to_hex()
 }
 
 /// Parses an id from exactly 256 hex characters, either case
 /// ([`UniqueId::from_hex`]).
 pub fn id_from_hex(s: &str) -> Result<[u8; UNIQUE_ID_BYTES], String> {
     UniqueId::from_hex(s)
-        .map(|id| id.0.internal)
+        .map(|id| id.to_bytes())
         .map_err(|e| e.to_string())
 }
 
