@@ -52,9 +52,9 @@ fn say(line: String) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-/// GPUs to use (all visible, or `MOE_EP_TEST_GPUS`), or None after printing
-/// why the test is skipped (no driver, or fewer than `needed`).
-pub fn gpus_or_skip(test: &str, needed: usize) -> Option<usize> {
+/// The real GPUs to use (all visible, at most `MOE_EP_TEST_GPUS`), or None
+/// after printing why `test` is skipped (no driver).
+fn usable_gpus(test: &str) -> Option<usize> {
     more_hardware_queues();
     let found = match crate::device_count() {
         Ok(n) => n,
@@ -63,15 +63,22 @@ pub fn gpus_or_skip(test: &str, needed: usize) -> Option<usize> {
             return None;
         }
     };
-    let want = std::env::var("MOE_EP_TEST_GPUS")
+    let cap = std::env::var("MOE_EP_TEST_GPUS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(found);
-    if want.min(found) < needed {
-        say(format!("SKIP: {test}: needs {needed} GPUs, found {found}"));
+    Some(found.min(cap))
+}
+
+/// GPUs to use (all visible, or `MOE_EP_TEST_GPUS`), or None after printing
+/// why the test is skipped (no driver, or fewer than `needed`).
+pub fn gpus_or_skip(test: &str, needed: usize) -> Option<usize> {
+    let gpus = usable_gpus(test)?;
+    if gpus < needed {
+        say(format!("SKIP: {test}: needs {needed} GPUs, found {gpus}"));
         return None;
     }
-    Some(want.min(found))
+    Some(gpus)
 }
 
 /// The virtual worlds asked for by `MOE_EP_TEST_VIRTUAL_WORLDS` (`None`:
@@ -97,19 +104,9 @@ fn virtual_worlds_from_env() -> Option<Vec<usize>> {
 /// for; else the virtual worlds (2, 4 and 8 unless asked otherwise) on GPU
 /// 0. Empty (after printing SKIP) without a GPU.
 pub fn worlds(test: &str, needed: usize) -> Vec<World> {
-    more_hardware_queues();
-    let found = match crate::device_count() {
-        Ok(n) => n,
-        Err(e) => {
-            say(format!("SKIP: {test}: {e}"));
-            return vec![];
-        }
+    let Some(gpus) = usable_gpus(test) else {
+        return vec![];
     };
-    let cap = std::env::var("MOE_EP_TEST_GPUS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(found);
-    let gpus = found.min(cap);
     if gpus == 0 {
         say(format!("SKIP: {test}: no GPU found"));
         return vec![];
