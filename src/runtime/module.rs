@@ -99,7 +99,10 @@ impl Module {
                 // CUDA default) a first launch may wait for the whole GPU,
                 // where other ranks' kernels on it (virtual ranks) can be
                 // waiting for this rank's next launch.
-                // SAFETY: f is a function of a live module.
+                self.ctx
+                    .bind_to_thread()
+                    .map_err(Error::cuda("cuCtxSetCurrent"))?;
+                // SAFETY: f is a function of a live module; its context is current.
                 let rc = unsafe { sys::cuFuncLoad(f) };
                 if rc != sys::CUresult::CUDA_SUCCESS {
                     return Err(Error::Module {
