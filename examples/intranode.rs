@@ -67,13 +67,13 @@ fn run_rank(comm: &Arc<Communicator>, s: &Arc<CudaStream>, ranks: &str) -> Resul
     let group = EpGroup::new(comm, cfg)?;
     let (idx, w, x) = routing(rank);
     let (d_idx, d_w, d_x) = (up(s, &idx)?, up(s, &w)?, up(s, &x)?);
-    let out = up(s, &vec![bf16::ZERO; TOKENS * HIDDEN])?;
+    let mut out = up(s, &vec![bf16::ZERO; TOKENS * HIDDEN])?;
 
     let handle = group.layout(s, TopkIdx::I64(&d_idx), TOPK, RecvLayout::RankMajor)?;
     let recv = group.dispatch(s, &handle, &d_x, &d_w, DispatchOut::default())?;
     // Identity experts: the received rows (grouped by source rank) are their
     // own outputs, and combine reads them in place from symmetric memory.
-    group.combine(s, &handle, &recv.tokens, None, &out)?;
+    group.combine(s, &handle, &recv.tokens, None, &mut out)?;
     let received = handle.host_counts(s)?.recv_tokens;
     drain(s)?;
     let got = s.clone_dtoh(&out).map_err(Error::cuda("cuMemcpyDtoH"))?;

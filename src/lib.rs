@@ -34,9 +34,9 @@ pub(crate) mod sys;
 pub mod testkit;
 
 pub use error::{Error, NcclVersion, Result};
-pub use ops::{DeviceRegion, EpGroup, GroupConfig, Handle, Mode, RecvLayout};
+pub use ops::{DeviceRegion, DeviceRegionMut, EpGroup, GroupConfig, Handle, Mode, RecvLayout};
 pub use runtime::{context, device_count, Communicator, UniqueId};
-pub use symm::{SymmBuffer, SymmPool};
+pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};
 
 /// cudarc's driver types used in this crate's API (contexts, streams, slices).
 pub use cudarc::driver as cuda;

@@ -426,7 +426,7 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
     // Combine: unweighted, and weighted by the received weights (expert-major).
     let outs = &f.outs;
     let y = up_len(s, &outs[r.rank], cap * h)?;
-    let out = s
+    let mut out = s
         .alloc_zeros::<bf16>((t * h).max(1))
         .map_err(Error::cuda("alloc"))?;
     let weightings: &[bool] = if matches!(layout, RecvLayout::RankMajor) {
@@ -440,7 +440,7 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
         } else {
             None
         };
-        group.combine(s, &handle, &y, wts, &out)?;
+        group.combine(s, &handle, &y, wts, &mut out)?;
         let first = bits(&down(s, &out, t * h)?);
         let emu = refr::combine_emulated(shape, inputs, outs, r.rank, layout, weighted)?;
         first_diff(
@@ -453,7 +453,7 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
         refr::check_close_bf16(&got_bf, &exact, r.world)
             .map_err(|e| Error::InvalidState(format!("combine vs f64: {e}")))?;
         for run in 1..10 {
-            group.combine(s, &handle, &y, wts, &out)?;
+            group.combine(s, &handle, &y, wts, &mut out)?;
             ensure(bits(&down(s, &out, t * h)?) == first, || {
                 format!("combine run {run} differs from run 0")
             })?;
@@ -461,20 +461,11 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
         if matches!(layout, RecvLayout::RankMajor) {
             // The same expert outputs in symmetric memory: each home reads
             // them in place (pull path), with the push path's bits.
-            let ys = group.pool().alloc::<bf16>(cap * h)?;
-            let out2 = up(s, &vec![bf16::from_bits(0x7fc1); (t * h).max(1)])?;
-            // SAFETY: both hold cap * h elements.
-            unsafe {
-                moe_ep::cuda::result::memcpy_dtod_async(
-                    ys.device_ptr(),
-                    DeviceRegion::device_ptr(&y),
-                    cap * h * 2,
-                    s.cu_stream(),
-                )
-                .map_err(Error::cuda("dtod"))?;
-            }
+            let mut ys = group.pool().alloc::<bf16>(cap * h)?;
+            let mut out2 = up(s, &vec![bf16::from_bits(0x7fc1); (t * h).max(1)])?;
+            ys.copy_from_device(s, &y)?;
             for run in 0..3 {
-                group.combine(s, &handle, &ys, None, &out2)?;
+                group.combine(s, &handle, &ys, None, &mut out2)?;
                 first_diff(
                     &format!("combine from symmetric memory (pull), run {run}, vs plain (push)"),
                     &bits(&down(s, &out2, t * h)?),
@@ -488,68 +479,46 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
     // Dispatch backward: gradient rows combined home, weight gradients routed back.
     let gw_rows = &f.gw_rows;
     let gw_in = up_len(s, &gw_rows[r.rank], cap * wpr)?;
-    let grad_x = s
+    let mut grad_x = s
         .alloc_zeros::<bf16>((t * h).max(1))
         .map_err(Error::cuda("alloc"))?;
-    let grad_w = s
+    let mut grad_w = s
         .alloc_zeros::<f32>((t * k).max(1))
         .map_err(Error::cuda("alloc"))?;
     let (want_gx, want_gw) = refr::dispatch_backward(shape, inputs, outs, gw_rows, r.rank, layout)?;
     let want_gw_bits: Vec<u32> = want_gw.iter().map(|f| f.to_bits()).collect();
-    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &grad_x, Some(&grad_w))?;
-    let check_backward = |how: &str| -> Result<()> {
-        first_diff(
-            &format!("dispatch_backward grad tokens ({how})"),
-            &bits(&down(s, &grad_x, t * h)?),
-            &bits(&want_gx),
-        )?;
-        first_diff(
-            &format!("dispatch_backward grad weights ({how})"),
-            &down(s, &grad_w, t * k)?
-                .iter()
-                .map(|f| f.to_bits())
-                .collect::<Vec<_>>(),
-            &want_gw_bits,
-        )
-    };
-    check_backward("plain memory: pushed")?;
+    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &mut grad_x, Some(&mut grad_w))?;
+    let check_backward =
+        |how: &str, grad_x: &CudaSlice<bf16>, grad_w: &CudaSlice<f32>| -> Result<()> {
+            first_diff(
+                &format!("dispatch_backward grad tokens ({how})"),
+                &bits(&down(s, grad_x, t * h)?),
+                &bits(&want_gx),
+            )?;
+            first_diff(
+                &format!("dispatch_backward grad weights ({how})"),
+                &down(s, grad_w, t * k)?
+                    .iter()
+                    .map(|f| f.to_bits())
+                    .collect::<Vec<_>>(),
+                &want_gw_bits,
+            )
+        };
+    check_backward("plain memory: pushed", &grad_x, &grad_w)?;
     if matches!(layout, RecvLayout::RankMajor) {
         // Both gradients in symmetric memory: read in place (pull).
-        let ys = group.pool().alloc::<bf16>(cap * h)?;
-        let gws = group.pool().alloc::<f32>(cap * wpr)?;
-        // SAFETY: each pair holds the same number of elements.
-        unsafe {
-            moe_ep::cuda::result::memcpy_dtod_async(
-                ys.device_ptr(),
-                DeviceRegion::device_ptr(&y),
-                cap * h * 2,
-                s.cu_stream(),
-            )
-            .map_err(Error::cuda("dtod"))?;
-            moe_ep::cuda::result::memcpy_dtod_async(
-                gws.device_ptr(),
-                DeviceRegion::device_ptr(&gw_in),
-                cap * wpr * 4,
-                s.cu_stream(),
-            )
-            .map_err(Error::cuda("dtod"))?;
-        }
-        let poison = |n: usize| vec![0xffu8; n];
-        for (ptr, bytes) in [
-            (DeviceRegion::device_ptr(&grad_x), t * h * 2),
-            (DeviceRegion::device_ptr(&grad_w), t * k * 4),
-        ] {
-            if bytes > 0 {
-                drain(s)?;
-                // SAFETY: the buffers hold at least `bytes` bytes.
-                unsafe {
-                    moe_ep::cuda::result::memcpy_htod_async(ptr, &poison(bytes), s.cu_stream())
-                        .map_err(Error::cuda("htod"))?;
-                }
-            }
-        }
-        group.dispatch_backward(s, &handle, &ys, Some(&gws), &grad_x, Some(&grad_w))?;
-        check_backward("symmetric memory: pulled")?;
+        let mut ys = group.pool().alloc::<bf16>(cap * h)?;
+        let mut gws = group.pool().alloc::<f32>(cap * wpr)?;
+        ys.copy_from_device(s, &y)?;
+        gws.copy_from_device(s, &gw_in)?;
+        // Poison the outputs (all bits set) so that unwritten elements fail.
+        drain(s)?;
+        s.memcpy_htod(&vec![bf16::from_bits(0xffff); grad_x.len()], &mut grad_x)
+            .map_err(Error::cuda("htod"))?;
+        s.memcpy_htod(&vec![f32::from_bits(u32::MAX); grad_w.len()], &mut grad_w)
+            .map_err(Error::cuda("htod"))?;
+        group.dispatch_backward(s, &handle, &ys, Some(&gws), &mut grad_x, Some(&mut grad_w))?;
+        check_backward("symmetric memory: pulled", &grad_x, &grad_w)?;
     }
 
     // Combine backward: the output gradient dispatched (scaled when weighted).
@@ -608,25 +577,27 @@ fn caller_buffers_zero_copy_and_rejections() {
         );
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
 
-        let recv_tokens = group.pool().alloc::<bf16>(cap * c.hidden)?;
-        let recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
+        let mut recv_tokens = group.pool().alloc::<bf16>(cap * c.hidden)?;
+        let mut recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
+        let (tokens_ptr, w_ptr) = (recv_tokens.device_ptr(), recv_w.device_ptr());
         let got = group.dispatch(
             s,
             &handle,
             &x,
             &w,
             DispatchOut {
-                recv_tokens: Some(&recv_tokens),
-                recv_topk_weights: Some(&recv_w),
+                recv_tokens: Some(&mut recv_tokens),
+                recv_topk_weights: Some(&mut recv_w),
             },
         )?;
         ensure(
-            got.tokens.is_callers() && got.tokens.device_ptr() == recv_tokens.device_ptr(),
+            got.tokens.is_callers() && got.tokens.device_ptr() == tokens_ptr,
             || "recv_tokens not used in place".into(),
         )?;
-        ensure(got.topk_weights.device_ptr() == recv_w.device_ptr(), || {
+        ensure(got.topk_weights.device_ptr() == w_ptr, || {
             "recv_topk_weights not used in place".into()
         })?;
+        drop(got);
         ensure(
             group
                 .pool()
@@ -638,7 +609,6 @@ fn caller_buffers_zero_copy_and_rejections() {
             &bits(&down(s, &recv_tokens, want.num_rows * c.hidden)?),
             &bits(&want.tokens),
         )?;
-        drop(got);
 
         let pooled = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
         ensure(
@@ -650,7 +620,7 @@ fn caller_buffers_zero_copy_and_rejections() {
         )?;
         drop(pooled);
 
-        let plain = s
+        let mut plain = s
             .alloc_zeros::<bf16>(cap * c.hidden)
             .map_err(Error::cuda("alloc"))?;
         match group.dispatch(
@@ -659,7 +629,7 @@ fn caller_buffers_zero_copy_and_rejections() {
             &x,
             &w,
             DispatchOut {
-                recv_tokens: Some(&plain),
+                recv_tokens: Some(&mut plain),
                 recv_topk_weights: None,
             },
         ) {
@@ -677,14 +647,14 @@ fn caller_buffers_zero_copy_and_rejections() {
                 ))
             }
         }
-        let short = group.pool().alloc::<bf16>(cap * c.hidden - 8)?;
+        let mut short = group.pool().alloc::<bf16>(cap * c.hidden - 8)?;
         match group.dispatch(
             s,
             &handle,
             &x,
             &w,
             DispatchOut {
-                recv_tokens: Some(&short),
+                recv_tokens: Some(&mut short),
                 recv_topk_weights: None,
             },
         ) {
@@ -724,23 +694,14 @@ fn over_capacity_is_reported_and_writes_nothing() {
         );
         let guard = 64 * c.hidden;
         let total = guard + 100 * c.hidden + guard;
-        let buf = group.pool().alloc::<bf16>(total)?;
+        let mut buf = group.pool().alloc::<bf16>(total)?;
         let pattern: Vec<bf16> = (0..total)
             .map(|i| bf16::from_bits(0x3C00 ^ (i as u16 & 0x0FFF)))
             .collect();
-        drain(s)?;
-        // SAFETY: buf holds `total` elements.
-        unsafe {
-            moe_ep::cuda::result::memcpy_htod_async(buf.device_ptr(), &pattern, s.cu_stream())
-                .map_err(Error::cuda("htod"))?
-        };
-        s.synchronize().map_err(Error::cuda("sync"))?;
+        buf.copy_from_host(s, &pattern)?;
         r.comm.barrier(s)?;
-        // The receive region inside the guards, as a view the API can take.
-        let seg_view = InnerRegion {
-            ptr: buf.device_ptr() + (guard * 2) as u64,
-            len: 100 * c.hidden,
-        };
+        // The receive region inside the guards: a view of the pool buffer.
+        let mut inner = buf.view_mut(guard..guard + 100 * c.hidden)?;
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
         let res = group.dispatch(
             s,
@@ -748,7 +709,7 @@ fn over_capacity_is_reported_and_writes_nothing() {
             &x,
             &w,
             DispatchOut {
-                recv_tokens: Some(&seg_view),
+                recv_tokens: Some(&mut inner),
                 recv_topk_weights: None,
             },
         );
@@ -781,20 +742,6 @@ fn over_capacity_is_reported_and_writes_nothing() {
         r.comm.barrier(s)?;
         Ok(())
     });
-}
-
-/// A device region given by address (a sub-range of a pool buffer).
-struct InnerRegion {
-    ptr: u64,
-    len: usize,
-}
-impl<T> DeviceRegion<T> for InnerRegion {
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
 }
 
 /// Pipeline-parallel order: forward 0, forward 1, backward 0, forward 2,
@@ -860,32 +807,32 @@ fn several_handles_in_flight() {
             .iter()
             .map(|b| group.layout(s, TopkIdx::I64(&b.idx), c.topk, layout))
             .collect::<Result<_>>()?;
-        let outs: Vec<CudaSlice<bf16>> = (0..3)
+        let mut outs: Vec<CudaSlice<bf16>> = (0..3)
             .map(|_| s.alloc_zeros::<bf16>(th).map_err(Error::cuda("alloc")))
             .collect::<Result<_>>()?;
         let mut recvs = Vec::new();
         let mut grads_in = Vec::new();
-        let forward = |b: usize, recvs: &mut Vec<_>| -> Result<()> {
+        let forward = |b: usize, recvs: &mut Vec<_>, out: &mut CudaSlice<bf16>| -> Result<()> {
             let d = group.dispatch(s, &handles[b], &bs[b].x, &bs[b].w, DispatchOut::default())?;
-            group.combine(s, &handles[b], &bs[b].y, None, &outs[b])?;
+            group.combine(s, &handles[b], &bs[b].y, None, out)?;
             recvs.push(d);
             Ok(())
         };
-        let backward = |b: usize, grads_in: &mut Vec<_>| -> Result<()> {
+        let backward = |b: usize, grads_in: &mut Vec<_>, out: &mut CudaSlice<bf16>| -> Result<()> {
             let gx = group.combine_backward(s, &handles[b], &bs[b].g, None, None)?;
-            group.dispatch_backward(s, &handles[b], &gx, None, &outs[b], None)?;
+            group.dispatch_backward(s, &handles[b], &gx, None, out, None)?;
             grads_in.push(gx);
             Ok(())
         };
-        forward(0, &mut recvs)?;
-        forward(1, &mut recvs)?;
+        forward(0, &mut recvs, &mut outs[0])?;
+        forward(1, &mut recvs, &mut outs[1])?;
         let combined0 = bits(&down(s, &outs[0], th)?);
-        backward(0, &mut grads_in)?;
-        forward(2, &mut recvs)?;
+        backward(0, &mut grads_in, &mut outs[0])?;
+        forward(2, &mut recvs, &mut outs[2])?;
         let combined1 = bits(&down(s, &outs[1], th)?);
-        backward(1, &mut grads_in)?;
+        backward(1, &mut grads_in, &mut outs[1])?;
         let combined2 = bits(&down(s, &outs[2], th)?);
-        backward(2, &mut grads_in)?;
+        backward(2, &mut grads_in, &mut outs[2])?;
         for (b, combined) in [combined0, combined1, combined2].iter().enumerate() {
             let emu =
                 refr::combine_emulated(&shape, &batches[b], &bs[b].outs, r.rank, layout, false)?;
@@ -942,9 +889,9 @@ fn cuda_graph_capture_and_replay() {
             up(s, &me.topk_idx)?,
         );
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
-        let recv = group.pool().alloc::<bf16>(cap * c.hidden)?;
-        let recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
-        let out = s
+        let mut recv = group.pool().alloc::<bf16>(cap * c.hidden)?;
+        let mut recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
+        let mut out = s
             .alloc_zeros::<bf16>(c.tokens * c.hidden)
             .map_err(Error::cuda("alloc"))?;
         // Expert = identity on the received rows: combine reads recv itself.
@@ -955,11 +902,11 @@ fn cuda_graph_capture_and_replay() {
                 &x,
                 &w,
                 DispatchOut {
-                    recv_tokens: Some(&recv),
-                    recv_topk_weights: Some(&recv_w),
+                    recv_tokens: Some(&mut recv),
+                    recv_topk_weights: Some(&mut recv_w),
                 },
             )?;
-            group.combine(s, &handle, &recv, None, &out)?;
+            group.combine(s, &handle, &d.tokens, None, &mut out)?;
             drop(d);
             bits(&down(s, &out, c.tokens * c.hidden)?)
         };
@@ -988,11 +935,11 @@ fn cuda_graph_capture_and_replay() {
             &x,
             &w,
             DispatchOut {
-                recv_tokens: Some(&recv),
-                recv_topk_weights: Some(&recv_w),
+                recv_tokens: Some(&mut recv),
+                recv_topk_weights: Some(&mut recv_w),
             },
         )?;
-        group.combine(s, &handle, &recv, None, &out)?;
+        group.combine(s, &handle, &d.tokens, None, &mut out)?;
         let graph = s
             .end_capture(moe_ep::cuda::sys::CUgraphInstantiate_flags(0))
             .map_err(Error::cuda("end_capture"))?
@@ -1002,15 +949,8 @@ fn cuda_graph_capture_and_replay() {
         r.comm.barrier(s)?;
         for replay in 0..5 {
             drain(s)?;
-            // SAFETY: out holds tokens*hidden bf16.
-            unsafe {
-                moe_ep::cuda::result::memcpy_htod_async(
-                    DeviceRegion::device_ptr(&out),
-                    &zero,
-                    s.cu_stream(),
-                )
-                .map_err(Error::cuda("htod"))?
-            };
+            s.memcpy_htod(&zero, &mut out)
+                .map_err(Error::cuda("htod"))?;
             graph.launch().map_err(Error::cuda("graph launch"))?;
             first_diff(
                 &format!("graph replay {replay}"),
@@ -1155,15 +1095,15 @@ fn mixed_combine_buffer_kinds_time_out() {
         let n = group.recv_capacity() * c.hidden;
         let symm = group.pool().alloc::<bf16>(n)?;
         let plain = s.alloc_zeros::<bf16>(n).map_err(Error::cuda("alloc"))?;
-        let out = s
+        let mut out = s
             .alloc_zeros::<bf16>(c.tokens * c.hidden)
             .map_err(Error::cuda("alloc"))?;
         s.synchronize().map_err(Error::cuda("sync"))?;
         r.comm.barrier(s)?;
         if r.rank == 0 {
-            group.combine(s, &handle, &symm, None, &out)?;
+            group.combine(s, &handle, &symm, None, &mut out)?;
         } else {
-            group.combine(s, &handle, &plain, None, &out)?;
+            group.combine(s, &handle, &plain, None, &mut out)?;
         }
         s.synchronize().map_err(Error::cuda("sync"))?;
         let want = if r.rank == 0 {
@@ -1237,10 +1177,10 @@ fn residency_is_checked_and_what_fits_runs() {
             &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
             &bits(&want.tokens),
         )?;
-        let out = s
+        let mut out = s
             .alloc_zeros::<bf16>(c.tokens * c.hidden)
             .map_err(Error::cuda("alloc"))?;
-        group.combine(s, &handle, &got.tokens, None, &out)?;
+        group.combine(s, &handle, &got.tokens, None, &mut out)?;
         s.synchronize().map_err(Error::cuda("sync"))?;
         group.check()?;
         r.comm.barrier(s)?;

@@ -1,5 +1,6 @@
-//! The device buffers the ops take and return: [`DeviceRegion`] (any cudarc
-//! slice or view, or a [`SymmBuffer`]), the routing ([`TopkIdx`]), the
+//! The device buffers the ops take and return: [`DeviceRegion`] (inputs: any
+//! cudarc slice or view, a [`SymmBuffer`] or its views) and
+//! [`DeviceRegionMut`] (outputs, taken as `&mut`), the routing ([`TopkIdx`]), the
 //! receive buffers of a dispatch ([`DispatchOut`], [`Dispatched`],
 //! [`RecvBuf`]), and the host-side checks of their lengths and of their
 //! peers' mappings.
@@ -14,11 +15,20 @@ use half::bf16;
 use super::abi::MAX_RANKS;
 use super::group::EpGroup;
 use crate::error::{Error, Result};
-use crate::symm::SymmBuffer;
+use crate::symm::{SymmBuffer, SymmView, SymmViewMut};
 
-/// A region of device memory holding `len()` elements of `T`: a cudarc slice
-/// or view, or a [`SymmBuffer`]. Ops take their device arguments through it.
-pub trait DeviceRegion<T> {
+/// A region of device memory holding `len()` elements of `T` that the ops
+/// may read: a cudarc slice or view, a [`SymmBuffer`] or one of its views.
+/// Ops take their inputs through it.
+///
+/// # Safety
+/// `device_ptr()` must be the address of `len()` elements of `T` of device
+/// memory (of the context the region was made in) that stay allocated, and
+/// are not written by anyone else outside stream order, as long as the
+/// region is borrowed. The kernels read exactly that: safe code cannot aim
+/// them elsewhere, because only this crate implements the trait for
+/// regions it can vouch for (cudarc's slices and views, symmetric buffers).
+pub unsafe trait DeviceRegion<T> {
     /// Device address of the first element.
     fn device_ptr(&self) -> u64;
     /// Number of elements.
@@ -27,9 +37,25 @@ pub trait DeviceRegion<T> {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Size in bytes, or an error naming `arg` when it does not fit a `usize`.
+    fn num_bytes_checked(&self, arg: &'static str) -> Result<usize> {
+        self.len()
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::arg(arg, "a size in bytes that fits usize", self.len()))
+    }
 }
 
-impl<T> DeviceRegion<T> for SymmBuffer<T> {
+/// A [`DeviceRegion`] the ops may also write: outputs are taken as
+/// `&mut dyn DeviceRegionMut`, so an output cannot alias an input or be
+/// shared with other code while the op is enqueued.
+///
+/// # Safety
+/// As [`DeviceRegion`], and the memory must be writable through the region
+/// while it is borrowed mutably.
+pub unsafe trait DeviceRegionMut<T>: DeviceRegion<T> {}
+
+// SAFETY: a live pool or window allocation of `len` elements.
+unsafe impl<T> DeviceRegion<T> for SymmBuffer<T> {
     fn device_ptr(&self) -> u64 {
         SymmBuffer::device_ptr(self)
     }
@@ -37,8 +63,32 @@ impl<T> DeviceRegion<T> for SymmBuffer<T> {
         SymmBuffer::len(self)
     }
 }
+// SAFETY: as above; `&mut SymmBuffer` is exclusive.
+unsafe impl<T> DeviceRegionMut<T> for SymmBuffer<T> {}
 
-impl<T> DeviceRegion<T> for CudaSlice<T> {
+// SAFETY: the view lies inside its buffer (checked when it was made).
+unsafe impl<T> DeviceRegion<T> for SymmView<'_, T> {
+    fn device_ptr(&self) -> u64 {
+        SymmView::device_ptr(self)
+    }
+    fn len(&self) -> usize {
+        SymmView::len(self)
+    }
+}
+// SAFETY: as above.
+unsafe impl<T> DeviceRegion<T> for SymmViewMut<'_, T> {
+    fn device_ptr(&self) -> u64 {
+        SymmViewMut::device_ptr(self)
+    }
+    fn len(&self) -> usize {
+        SymmViewMut::len(self)
+    }
+}
+// SAFETY: the view borrows its buffer mutably.
+unsafe impl<T> DeviceRegionMut<T> for SymmViewMut<'_, T> {}
+
+// SAFETY: cudarc's allocation of `len` elements, alive while borrowed.
+unsafe impl<T> DeviceRegion<T> for CudaSlice<T> {
     fn device_ptr(&self) -> u64 {
         let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
         p
@@ -47,8 +97,11 @@ impl<T> DeviceRegion<T> for CudaSlice<T> {
         CudaSlice::len(self)
     }
 }
+// SAFETY: `&mut CudaSlice` is exclusive.
+unsafe impl<T> DeviceRegionMut<T> for CudaSlice<T> {}
 
-impl<T> DeviceRegion<T> for CudaView<'_, T> {
+// SAFETY: a view into a live cudarc allocation.
+unsafe impl<T> DeviceRegion<T> for CudaView<'_, T> {
     fn device_ptr(&self) -> u64 {
         let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
         p
@@ -58,7 +111,8 @@ impl<T> DeviceRegion<T> for CudaView<'_, T> {
     }
 }
 
-impl<T> DeviceRegion<T> for CudaViewMut<'_, T> {
+// SAFETY: a mutable view into a live cudarc allocation.
+unsafe impl<T> DeviceRegion<T> for CudaViewMut<'_, T> {
     fn device_ptr(&self) -> u64 {
         let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
         p
@@ -67,6 +121,8 @@ impl<T> DeviceRegion<T> for CudaViewMut<'_, T> {
         CudaViewMut::len(self)
     }
 }
+// SAFETY: the view borrows its allocation mutably.
+unsafe impl<T> DeviceRegionMut<T> for CudaViewMut<'_, T> {}
 
 /// `topk_idx [T, K]` on the device, i32 or i64; -1 = not routed.
 pub enum TopkIdx<'a> {
@@ -84,14 +140,15 @@ impl TopkIdx<'_> {
     }
 }
 
-/// A receive buffer: the caller's (borrowed; symmetric memory of the group's
-/// communicator) or one the pool gave this call.
+/// A receive buffer: the caller's (borrowed mutably; symmetric memory of the
+/// group's communicator) or one the pool gave this call.
 pub enum RecvBuf<'a, T> {
-    Caller(&'a dyn DeviceRegion<T>),
+    Caller(&'a mut dyn DeviceRegionMut<T>),
     Pool(SymmBuffer<T>),
 }
 
-impl<T> DeviceRegion<T> for RecvBuf<'_, T> {
+// SAFETY: either a caller's region (its own guarantee) or a pool buffer.
+unsafe impl<T> DeviceRegion<T> for RecvBuf<'_, T> {
     fn device_ptr(&self) -> u64 {
         match self {
             RecvBuf::Caller(b) => b.device_ptr(),
@@ -106,6 +163,9 @@ impl<T> DeviceRegion<T> for RecvBuf<'_, T> {
     }
 }
 
+// SAFETY: as above; both are held exclusively.
+unsafe impl<T> DeviceRegionMut<T> for RecvBuf<'_, T> {}
+
 impl<T> RecvBuf<'_, T> {
     /// True when this is the caller's buffer (zero copy into it).
     pub fn is_callers(&self) -> bool {
@@ -118,9 +178,9 @@ impl<T> RecvBuf<'_, T> {
 #[derive(Default)]
 pub struct DispatchOut<'a> {
     /// `[recv_capacity, H]` bf16.
-    pub recv_tokens: Option<&'a dyn DeviceRegion<bf16>>,
+    pub recv_tokens: Option<&'a mut dyn DeviceRegionMut<bf16>>,
     /// Rank-major `[recv_capacity, K]`, expert-major `[recv_capacity]` f32.
-    pub recv_topk_weights: Option<&'a dyn DeviceRegion<f32>>,
+    pub recv_topk_weights: Option<&'a mut dyn DeviceRegionMut<f32>>,
 }
 
 /// What dispatch returns. Rows past the handle's `recv_rows` are untouched.
@@ -157,7 +217,7 @@ impl EpGroup {
     /// from the pool.
     pub(crate) fn recv_buf<'a, T: Copy>(
         &self,
-        callers: Option<&'a dyn DeviceRegion<T>>,
+        callers: Option<&'a mut dyn DeviceRegionMut<T>>,
         arg: &'static str,
         per_row: usize,
         what: &str,
@@ -180,7 +240,7 @@ impl EpGroup {
         buf: &dyn DeviceRegion<T>,
         arg: &'static str,
     ) -> Result<Peers> {
-        let (ptr, bytes) = (buf.device_ptr(), buf.len() * std::mem::size_of::<T>());
+        let (ptr, bytes) = (buf.device_ptr(), buf.num_bytes_checked(arg)?);
         let seg = crate::symm::segment_of(&self.comm, ptr, bytes)
             .ok_or(Error::NotSymmetric { what: arg })?;
         let mut out = [0u64; MAX_RANKS];

@@ -18,7 +18,7 @@ use cudarc::driver::CudaStream;
 use half::bf16;
 
 use super::abi::{CombineParams, COMBINE_SMEM, THREADS};
-use super::buffers::{check_len, DeviceRegion, Peers};
+use super::buffers::{check_len, DeviceRegion, DeviceRegionMut, Peers};
 use super::group::EpGroup;
 use super::handle::Handle;
 use super::layout::RecvLayout;
@@ -126,7 +126,7 @@ impl EpGroup {
         handle: &Handle,
         expert_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
-        out: &dyn DeviceRegion<bf16>,
+        out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
         let _range = self.enter("moe_ep::combine", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
@@ -173,8 +173,8 @@ impl EpGroup {
         handle: &Handle,
         grad_recv_tokens: &dyn DeviceRegion<bf16>,
         grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
-        grad_tokens: &dyn DeviceRegion<bf16>,
-        grad_topk_weights: Option<&dyn DeviceRegion<f32>>,
+        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
+        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
     ) -> Result<()> {
         let _range = self.enter("moe_ep::dispatch_backward", stream, handle)?;
         let (t, k, h, cap) = (

@@ -15,7 +15,9 @@ use cudarc::driver::CudaStream;
 use half::bf16;
 
 use super::abi::{DispatchParams, MAX_RANKS, THREADS};
-use super::buffers::{check_len, DeviceRegion, DispatchOut, Dispatched, Peers, RecvBuf};
+use super::buffers::{
+    check_len, DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf,
+};
 use super::group::EpGroup;
 use super::handle::Handle;
 use super::layout::RecvLayout;
@@ -143,7 +145,7 @@ impl EpGroup {
         handle: &Handle,
         grad_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
-        grad_expert_out: Option<&'a dyn DeviceRegion<bf16>>,
+        grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
     ) -> Result<RecvBuf<'a, bf16>> {
         let _range = self.enter("moe_ep::combine_backward", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);

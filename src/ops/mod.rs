@@ -33,7 +33,7 @@ mod handle;
 mod layout;
 mod residency;
 
-pub use buffers::{DeviceRegion, DispatchOut, Dispatched, RecvBuf, TopkIdx};
+pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 pub use group::{EpGroup, GroupConfig, Mode};
 pub use handle::{Handle, HostCounts};
 pub use layout::RecvLayout;

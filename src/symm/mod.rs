@@ -25,7 +25,10 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, Weak};
+
+use cudarc::driver::CudaStream;
 
 use crate::error::{Error, Result};
 use crate::runtime::nccl_call as nc;
@@ -623,6 +626,162 @@ impl<T> SymmBuffer<T> {
         &self.seg
     }
 }
+
+impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
+    /// Copies `src` into this rank's copy from element 0, on `stream`, and
+    /// waits for it (the stream is drained first: see
+    /// `Communicator::virtual_world` on copies from pageable memory).
+    pub fn copy_from_host(&mut self, stream: &Arc<CudaStream>, src: &[T]) -> Result<()> {
+        self.check_fits("src", src.len())?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        // SAFETY: src.len() elements fit this buffer (checked above).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.device_ptr(), src, stream.cu_stream())
+        }
+        .map_err(Error::cuda("cuMemcpyHtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))
+    }
+
+    /// Copies this rank's first `dst.len()` elements to `dst` (drains
+    /// `stream` first, then waits for the copy).
+    pub fn copy_to_host(&self, stream: &Arc<CudaStream>, dst: &mut [T]) -> Result<()> {
+        self.check_fits("dst", dst.len())?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        // SAFETY: dst.len() elements fit this buffer (checked above).
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, self.device_ptr(), stream.cu_stream())
+        }
+        .map_err(Error::cuda("cuMemcpyDtoHAsync"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))
+    }
+
+    /// Copies all of `src` (a cudarc slice or view) into this rank's copy
+    /// from element 0, enqueued on `stream`.
+    pub fn copy_from_device<Src: cudarc::driver::DevicePtr<T>>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        src: &Src,
+    ) -> Result<()> {
+        let n = src.len();
+        self.check_fits("src", n)?;
+        let (ptr, _guard) = src.device_ptr(stream);
+        // SAFETY: n elements fit this buffer (checked above); `src` is
+        // ordered on `stream` by its guard until the copy is enqueued.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                self.device_ptr(),
+                ptr,
+                n * std::mem::size_of::<T>(),
+                stream.cu_stream(),
+            )
+        }
+        .map_err(Error::cuda("cuMemcpyDtoDAsync"))
+    }
+}
+
+impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
+    /// Copies this rank's first `dst.len()` elements into `dst` (a cudarc
+    /// slice or mutable view), enqueued on `stream`.
+    pub fn copy_to_device<Dst: cudarc::driver::DevicePtrMut<T>>(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut Dst,
+    ) -> Result<()> {
+        let n = dst.len();
+        self.check_fits("dst", n)?;
+        let (ptr, _guard) = dst.device_ptr_mut(stream);
+        // SAFETY: n elements of this buffer exist (checked above); `dst` is
+        // ordered on `stream` by its guard until the copy is enqueued.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                ptr,
+                self.device_ptr(),
+                n * std::mem::size_of::<T>(),
+                stream.cu_stream(),
+            )
+        }
+        .map_err(Error::cuda("cuMemcpyDtoDAsync"))
+    }
+}
+
+impl<T> SymmBuffer<T> {
+    fn check_fits(&self, arg: &'static str, n: usize) -> Result<()> {
+        if n > self.len {
+            return Err(Error::arg(
+                arg,
+                format!("at most {} elements (the buffer's length)", self.len),
+                format!("{n} elements"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_range(&self, range: &Range<usize>) -> Result<()> {
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::arg(
+                "range",
+                format!("a range inside 0..{}", self.len),
+                format!("{}..{}", range.start, range.end),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Elements `range` of this buffer, as a region the ops can read. The
+    /// same range of every rank's copy: symmetric too (zero copy works on
+    /// views).
+    pub fn view(&self, range: Range<usize>) -> Result<SymmView<'_, T>> {
+        self.check_range(&range)?;
+        Ok(SymmView { buf: self, range })
+    }
+
+    /// Elements `range` of this buffer, as a region the ops can write.
+    pub fn view_mut(&mut self, range: Range<usize>) -> Result<SymmViewMut<'_, T>> {
+        self.check_range(&range)?;
+        Ok(SymmViewMut { buf: self, range })
+    }
+}
+
+/// Elements of a [`SymmBuffer`] ([`SymmBuffer::view`]).
+pub struct SymmView<'a, T> {
+    buf: &'a SymmBuffer<T>,
+    range: Range<usize>,
+}
+
+/// Elements of a [`SymmBuffer`] borrowed mutably ([`SymmBuffer::view_mut`]).
+pub struct SymmViewMut<'a, T> {
+    buf: &'a mut SymmBuffer<T>,
+    range: Range<usize>,
+}
+
+macro_rules! view_methods {
+    ($ty:ident) => {
+        impl<T> $ty<'_, T> {
+            /// Device address of the first element (this rank's copy).
+            pub fn device_ptr(&self) -> u64 {
+                self.buf.device_ptr() + (self.range.start * std::mem::size_of::<T>()) as u64
+            }
+            /// Number of elements.
+            pub fn len(&self) -> usize {
+                self.range.len()
+            }
+            /// True when empty.
+            pub fn is_empty(&self) -> bool {
+                self.range.is_empty()
+            }
+        }
+    };
+}
+view_methods!(SymmView);
+view_methods!(SymmViewMut);
 
 impl<T> Drop for SymmBuffer<T> {
     fn drop(&mut self) {

@@ -432,23 +432,19 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
         })
         .map_err(s)?;
     let (xv, wv, idxv) = (x.slice(0..t * h), w.slice(0..t * k), idx.slice(0..t * k));
-    let recv = group.pool().alloc::<bf16>(cap * h).map_err(s)?;
+    let mut recv = group.pool().alloc::<bf16>(cap * h).map_err(s)?;
     let wpr = if matches!(layout, RecvLayout::RankMajor) {
         k
     } else {
         1
     };
-    let recv_w = group.pool().alloc::<f32>(cap * wpr).map_err(s)?;
-    let out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
-    let grad_w = s_.alloc_zeros::<f32>((t * k).max(1)).map_err(s)?;
+    let mut recv_w = group.pool().alloc::<f32>(cap * wpr).map_err(s)?;
+    let mut out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
+    let mut grad_w = s_.alloc_zeros::<f32>((t * k).max(1)).map_err(s)?;
     // combine-push: the same expert outputs in plain (non-symmetric) memory.
     let plain = if opts.ops.contains(&Op::CombinePush) {
-        let v = s_.alloc_zeros::<bf16>(cap * h).map_err(s)?;
-        // SAFETY: both hold cap * h elements.
-        unsafe {
-            let (dst, src) = (DeviceRegion::device_ptr(&v), recv.device_ptr());
-            cu::memcpy_dtod_async(dst, src, cap * h * 2, s_.cu_stream()).map_err(s)?;
-        }
+        let mut v = s_.alloc_zeros::<bf16>(cap * h).map_err(s)?;
+        recv.copy_to_device(s_, &mut v).map_err(s)?;
         Some(v)
     } else {
         None
@@ -475,8 +471,8 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
             &inputs,
             layout,
             (&xv, &wv),
-            (&recv, &recv_w),
-            &out,
+            (&mut recv, &mut recv_w),
+            &mut out,
         )?;
         let all = c.comm.all_gather_host(s_, &[ok as u8]).map_err(s)?;
         Some(all.iter().all(|&v| v == 1))
@@ -500,30 +496,37 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
                         &xv,
                         &wv,
                         DispatchOut {
-                            recv_tokens: Some(&recv),
-                            recv_topk_weights: Some(&recv_w),
+                            recv_tokens: Some(&mut recv),
+                            recv_topk_weights: Some(&mut recv_w),
                         },
                     )
                     .map(drop)
                     .map_err(s)
             })?,
             Op::Combine => c.time(op.name(), || {
-                group.combine(s_, &handle, &recv, None, &out).map_err(s)
+                group.combine(s_, &handle, &recv, None, &mut out).map_err(s)
             })?,
             Op::CombinePush => {
                 let y = plain.as_ref().expect("allocated when asked for");
                 c.time(op.name(), || {
-                    group.combine(s_, &handle, y, None, &out).map_err(s)
+                    group.combine(s_, &handle, y, None, &mut out).map_err(s)
                 })?
             }
             Op::DispatchBwd => c.time(op.name(), || {
                 group
-                    .dispatch_backward(s_, &handle, &recv, Some(&recv_w), &out, Some(&grad_w))
+                    .dispatch_backward(
+                        s_,
+                        &handle,
+                        &recv,
+                        Some(&recv_w),
+                        &mut out,
+                        Some(&mut grad_w),
+                    )
                     .map_err(s)
             })?,
             Op::CombineBwd => c.time(op.name(), || {
                 group
-                    .combine_backward(s_, &handle, &out, None, Some(&recv))
+                    .combine_backward(s_, &handle, &out, None, Some(&mut recv))
                     .map(drop)
                     .map_err(s)
             })?,
@@ -686,8 +689,8 @@ fn check_case(
     inputs: &[RankInput],
     layout: RecvLayout,
     (x, w): (&dyn DeviceRegion<bf16>, &dyn DeviceRegion<f32>),
-    (recv, recv_w): (&moe_ep::SymmBuffer<bf16>, &moe_ep::SymmBuffer<f32>),
-    out: &CudaSlice<bf16>,
+    (recv, recv_w): (&mut moe_ep::SymmBuffer<bf16>, &mut moe_ep::SymmBuffer<f32>),
+    out: &mut CudaSlice<bf16>,
 ) -> R<bool> {
     let (rank, s_) = (c.comm.rank(), &c.stream);
     let want = refr::dispatch(shape, inputs, rank, layout).map_err(s)?;
@@ -704,24 +707,17 @@ fn check_case(
         )
         .map_err(s)?;
     drop(d);
-    group.combine(s_, handle, recv, None, out).map_err(s)?;
+    group.combine(s_, handle, &*recv, None, out).map_err(s)?;
     let h = shape.hidden;
     let mut got = vec![bf16::ZERO; want.num_rows * h];
     let t = inputs[rank].topk_idx.len() / shape.topk;
     let mut comb = vec![bf16::ZERO; t * h];
-    // Drained first: pageable copies of all threads share the driver's
-    // staging buffers, so a copy waiting behind this rank's kernels would
-    // hold up a virtual sibling's copies and launches.
-    s_.synchronize().map_err(s)?;
-    // SAFETY: both buffers hold at least these many elements.
-    unsafe {
-        if !got.is_empty() {
-            cu::memcpy_dtoh_async(&mut got, recv.device_ptr(), s_.cu_stream()).map_err(s)?;
-        }
-        if !comb.is_empty() {
-            cu::memcpy_dtoh_async(&mut comb, DeviceRegion::device_ptr(out), s_.cu_stream())
-                .map_err(s)?;
-        }
+    // Drained first (as `copy_to_host` does): pageable copies of all
+    // threads share the driver's staging buffers, so a copy waiting behind
+    // this rank's kernels would hold up a virtual sibling's copies and launches.
+    recv.copy_to_host(s_, &mut got).map_err(s)?;
+    if !comb.is_empty() {
+        s_.memcpy_dtoh(&out.slice(0..t * h), &mut comb).map_err(s)?;
     }
     s_.synchronize().map_err(s)?;
     group.check().map_err(s)?;
