@@ -1187,3 +1187,194 @@ fn residency_is_checked_and_what_fits_runs() {
         Ok(())
     });
 }
+
+/// A shared field of the config different on one rank (or a config one rank
+/// refuses) stops every rank in `EpGroup::new`, before anything is
+/// allocated collectively, naming the field and both values; the ranks can
+/// then make a group that agrees.
+#[test]
+fn config_that_differs_between_ranks_is_refused_everywhere() {
+    type Tweak = fn(&mut GroupConfig);
+    let tweaks: [(&str, Tweak); 6] = [
+        ("num_experts", |c| c.num_experts *= 2),
+        ("hidden", |c| c.hidden += 8),
+        ("max_tokens_per_rank", |c| c.max_tokens_per_rank += 1),
+        ("recv_capacity", |c| c.recv_capacity += 1),
+        ("num_sms", |c| c.num_sms -= 1),
+        ("combine_chunks", |c| c.combine_chunks = 2),
+    ];
+    run_worlds(
+        "config_that_differs_between_ranks_is_refused_everywhere",
+        2,
+        |r| {
+            let base = {
+                let mut c = r.config(8 * r.world, 1024, 64)?;
+                c.recv_capacity = r.world * 64;
+                c
+            };
+            for (field, tweak) in tweaks {
+                let mut cfg = base.clone();
+                if r.rank == r.world - 1 {
+                    tweak(&mut cfg);
+                }
+                match EpGroup::new(&r.comm, cfg) {
+                    Err(Error::InvalidArgument { arg, expected, .. })
+                        if arg == field && expected.contains("the same value on every rank") => {}
+                    other => {
+                        return Err(Error::InvalidState(format!(
+                            "{field} different on rank {}: expected a refusal naming it, got {:?}",
+                            r.world - 1,
+                            other.err()
+                        )))
+                    }
+                }
+            }
+            // One rank's config invalid (hidden not a multiple of 8): that rank
+            // names the field, every other rank names the rank.
+            let mut cfg = base.clone();
+            if r.rank == 0 {
+                cfg.hidden = 1001;
+            }
+            match (r.rank, EpGroup::new(&r.comm, cfg)) {
+                (0, Err(Error::InvalidArgument { arg: "hidden", .. })) => {}
+                (
+                    _,
+                    Err(Error::InvalidArgument {
+                        arg: "cfg", got, ..
+                    }),
+                ) if r.rank != 0 && got.contains("rank 0") => {}
+                (_, other) => {
+                    return Err(Error::InvalidState(format!(
+                        "an invalid config on rank 0: got {:?}",
+                        other.err()
+                    )))
+                }
+            }
+            // Agreeing configs still work afterwards.
+            let group = EpGroup::new(&r.comm, base)?;
+            group.check()?;
+            r.comm.barrier(&r.stream)?;
+            Ok(())
+        },
+    );
+}
+
+/// A handle from another group (same world, experts and sizes) is refused,
+/// naming `handle`; the group stays usable.
+#[test]
+fn handle_of_another_group_is_refused() {
+    let c = small(64, 1024, 2, 16, Routing::Uniform);
+    run_worlds("handle_of_another_group_is_refused", 2, |r| {
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(31, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let a = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+        let b = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+        let s = &r.stream;
+        let (x, w, idx) = (
+            up(s, &me.tokens)?,
+            up(s, &me.topk_weights)?,
+            up(s, &me.topk_idx)?,
+        );
+        let from_a = a.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        match b.dispatch(s, &from_a, &x, &w, DispatchOut::default()) {
+            Err(Error::InvalidArgument { arg: "handle", .. }) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "a handle of group A on group B: {:?}",
+                    other.err().map(|e| e.to_string())
+                )))
+            }
+        }
+        // Both groups still work with their own handles.
+        let want = refr::dispatch(&shape, &inputs, r.rank, RecvLayout::RankMajor)?;
+        for g in [&a, &b] {
+            let h = g.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            let got = g.dispatch(s, &h, &x, &w, DispatchOut::default())?;
+            first_diff(
+                "dispatch after a refused handle",
+                &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
+                &bits(&want.tokens),
+            )?;
+            g.check()?;
+        }
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// Ops of one group on two streams, with no synchronisation by the caller:
+/// the group orders the second stream's op after the first stream's, so
+/// combine on stream 2 sees what dispatch on stream 1 received, and two
+/// threads of one rank that take turns on the group do the same.
+#[test]
+fn two_streams_and_two_threads_on_one_group_are_ordered() {
+    let c = small(256, 4096, 8, 64, Routing::Uniform);
+    run_worlds(
+        "two_streams_and_two_threads_on_one_group_are_ordered",
+        2,
+        |r| {
+            let shape = shape_of(&c, r.world);
+            let inputs = workload::rank_inputs(41, &shape, &vec![c.tokens; r.world], c.routing);
+            let me = &inputs[r.rank];
+            let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+            let (s1, s2) = (&r.stream, &r.stream2);
+            let (x, w, idx) = (
+                up(s1, &me.tokens)?,
+                up(s1, &me.topk_weights)?,
+                up(s1, &me.topk_idx)?,
+            );
+            let want: Vec<u16> = {
+                let l = refr::layout(&shape, &me.topk_idx)?;
+                (0..c.tokens * c.hidden)
+                    .map(|i| {
+                        let t = i / c.hidden;
+                        let n = (0..r.world)
+                            .filter(|&d| l.is_token_in_rank[t * r.world + d])
+                            .count();
+                        bf16::from_f64(me.tokens[i].to_f64() * n as f64).to_bits()
+                    })
+                    .collect()
+            };
+            let mut out = s2
+                .alloc_zeros::<bf16>(c.tokens * c.hidden)
+                .map_err(Error::cuda("alloc"))?;
+            s2.synchronize().map_err(Error::cuda("sync"))?;
+            let handle = group.layout(s1, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            // Two threads of this rank take turns (the first has enqueued its
+            // dispatch on stream 1 when the second enqueues its combine on
+            // stream 2); neither synchronises a stream.
+            let cap = group.recv_capacity();
+            let mut recv = group.pool().alloc::<bf16>(cap * c.hidden)?;
+            let mut recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
+            std::thread::scope(|sc| {
+                sc.spawn(|| -> Result<()> {
+                    let d = group.dispatch(
+                        s1,
+                        &handle,
+                        &x,
+                        &w,
+                        DispatchOut {
+                            recv_tokens: Some(&mut recv),
+                            recv_topk_weights: Some(&mut recv_w),
+                        },
+                    )?;
+                    drop(d);
+                    Ok(())
+                })
+                .join()
+                .expect("dispatch thread")
+            })?;
+            // Identity experts, on the other stream, enqueued right away.
+            group.combine(s2, &handle, &recv, None, &mut out)?;
+            first_diff(
+                "combine on stream 2 after dispatch on stream 1",
+                &bits(&down(s2, &out, c.tokens * c.hidden)?),
+                &want,
+            )?;
+            group.check()?;
+            r.comm.barrier(s1)?;
+            Ok(())
+        },
+    );
+}

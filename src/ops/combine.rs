@@ -128,7 +128,7 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
-        let _range = self.enter("moe_ep::combine", stream, handle)?;
+        let _turn = self.enter("moe_ep::combine", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         check_len(
             "expert_out",
@@ -176,7 +176,7 @@ impl EpGroup {
         grad_tokens: &mut dyn DeviceRegionMut<bf16>,
         grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
     ) -> Result<()> {
-        let _range = self.enter("moe_ep::dispatch_backward", stream, handle)?;
+        let _turn = self.enter("moe_ep::dispatch_backward", stream, handle)?;
         let (t, k, h, cap) = (
             handle.num_tokens,
             handle.topk,

@@ -95,7 +95,7 @@ impl EpGroup {
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
     ) -> Result<Dispatched<'a>> {
-        let _range = self.enter("moe_ep::dispatch", stream, handle)?;
+        let _turn = self.enter("moe_ep::dispatch", stream, handle)?;
         let (t, k, h, cap) = (
             handle.num_tokens,
             handle.topk,
@@ -147,7 +147,7 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
     ) -> Result<RecvBuf<'a, bf16>> {
-        let _range = self.enter("moe_ep::combine_backward", stream, handle)?;
+        let _turn = self.enter("moe_ep::combine_backward", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         check_len("grad_out", grad_out.len(), t * h, "[T, hidden] bf16")?;
         let scale_w = match (weights, handle.layout) {

@@ -8,7 +8,7 @@
 //! call; a timeout leaves the group unusable).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::CudaStream;
@@ -152,6 +152,10 @@ pub struct EpGroup {
     pub(crate) error: MappedHost<ErrorInfo>,
     poisoned: AtomicBool,
     pub(crate) k: Kernels,
+    /// This group's number in the process (handles remember it).
+    pub(crate) id: u64,
+    /// The stream of the group's last op (see `OpTurn`).
+    pub(crate) last_stream: Mutex<Option<Arc<CudaStream>>>,
 }
 
 /// `NAME_r2`, `NAME_r4`, `NAME_r8`: a combine kernel per bound on the world.
@@ -295,7 +299,6 @@ impl EpGroup {
     /// the symmetric workspace, loads the kernels.
     pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<Self> {
         let world = comm.world();
-        cfg.validate(world)?;
         if comm.node_ranks().len() != world {
             return Err(Error::arg(
                 "comm",
@@ -306,15 +309,22 @@ impl EpGroup {
         let ctx = comm.context().clone();
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        // Before any collective allocation: a refusal here is the same on
-        // every rank (same GPU kind, same config), so no rank is left waiting.
+        let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+        // This rank's checks, then every rank's verdict and config: a rank
+        // that refuses its config, or a config that differs between ranks,
+        // stops every rank here, before any collective allocation (a peer
+        // with a larger capacity or other sizes would write past this rank's
+        // buffers).
         let k = Kernels::load(comm)?;
-        super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)?;
+        let local = cfg.validate(world).and_then(|_| {
+            super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
+        });
         let recv_capacity = if cfg.recv_capacity == 0 {
             world * cfg.max_tokens_per_rank
         } else {
             cfg.recv_capacity
         };
+        agree(comm, &stream, &cfg, recv_capacity, local)?;
 
         // Workspace layout (bytes; R = world, E = experts, H = hidden):
         //   counts         int32 [2][R][count_row(R, E)] parity double-buffered
@@ -359,7 +369,6 @@ impl EpGroup {
                 ))
             })?;
         }
-        let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         // SAFETY: the flag region lies inside ws; the barrier below keeps
         // peers from writing before everyone has zeroed.
         unsafe {
@@ -391,6 +400,8 @@ impl EpGroup {
             error,
             poisoned: AtomicBool::new(false),
             k,
+            id: NEXT_GROUP.fetch_add(1, Ordering::Relaxed),
+            last_stream: Mutex::new(None),
             cfg,
         })
     }
@@ -496,6 +507,60 @@ impl EpGroup {
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))
     }
+}
+
+/// Numbers the groups of the process (`EpGroup::id`).
+static NEXT_GROUP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// The fields of a config every rank must share, with their names.
+fn shared_fields(cfg: &GroupConfig, recv_capacity: usize) -> [(&'static str, u64); 7] {
+    [
+        ("num_experts", cfg.num_experts as u64),
+        ("hidden", cfg.hidden as u64),
+        ("max_tokens_per_rank", cfg.max_tokens_per_rank as u64),
+        ("recv_capacity", recv_capacity as u64),
+        ("num_sms", cfg.num_sms as u64),
+        ("combine_chunks", cfg.combine_chunks as u64),
+        ("mode", cfg.mode as u64),
+    ]
+}
+
+/// Gathers every rank's verdict on its own config (`local`) and the config
+/// itself: every rank returns the same kind of error when any rank refused
+/// its config or a shared field differs (naming the field, both values and
+/// both ranks), so no rank goes on into a collective the others skip.
+fn agree(
+    comm: &Communicator,
+    stream: &Arc<CudaStream>,
+    cfg: &GroupConfig,
+    recv_capacity: usize,
+    local: Result<()>,
+) -> Result<()> {
+    let fields = shared_fields(cfg, recv_capacity);
+    let mut mine = vec![local.is_ok() as u64];
+    mine.extend(fields.iter().map(|&(_, v)| v));
+    let all = comm.all_gather_host(stream, &mine)?;
+    local?;
+    let n = mine.len();
+    let me = comm.rank();
+    if let Some(r) = (0..comm.world()).find(|&r| all[r * n] == 0) {
+        return Err(Error::arg(
+            "cfg",
+            "a config every rank accepts",
+            format!("rank {r} refused its config (its own error names the field)"),
+        ));
+    }
+    for (i, &(name, v)) in fields.iter().enumerate() {
+        if let Some(r) = (0..comm.world()).find(|&r| all[r * n + 1 + i] != v) {
+            let theirs = all[r * n + 1 + i];
+            return Err(Error::arg(
+                name,
+                format!("the same value on every rank (rank {r} has {theirs})"),
+                format!("{v} on rank {me}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! reference in every case; pipelined handles; a handle of another group
 //! refused).
 
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
@@ -34,6 +34,8 @@ pub struct Handle {
     /// Expert-major: per received token, the rows of its experts here
     /// (`[R * max_tokens, K]`, written by the senders, so symmetric).
     pub(crate) meta: Option<SymmBuffer<i32>>,
+    /// The group whose layout made it ([`EpGroup::id`]).
+    pub(crate) group: u64,
     pub(crate) world: usize,
     pub(crate) experts: usize,
 }
@@ -164,30 +166,66 @@ impl Handle {
     }
 }
 
+/// An op's turn on its group, held while the op checks its arguments and
+/// enqueues its kernels: ops of one group never interleave (two threads on
+/// one group are serialised), and an op on another stream than the group's
+/// previous one is ordered after everything enqueued there so far.
+pub(crate) struct OpTurn<'a> {
+    _range: Range,
+    _turn: MutexGuard<'a, Option<Arc<CudaStream>>>,
+}
+
 impl EpGroup {
-    /// The start of every op on a handle: its NVTX range `name` (held by the
-    /// caller for the op), the error an earlier call left, the stream's
-    /// context, the handle's group.
+    /// The start of every op: its NVTX range `name`, the group's turn, the
+    /// error an earlier call left, the stream's context.
+    pub(crate) fn turn(&self, name: &'static str, stream: &Arc<CudaStream>) -> Result<OpTurn<'_>> {
+        let range = nvtx::range(name);
+        let mut last = self.last_stream.lock().unwrap_or_else(|p| p.into_inner());
+        self.check()?;
+        self.bind(stream)?;
+        if let Some(prev) = last
+            .as_ref()
+            .filter(|p| p.cu_stream() != stream.cu_stream())
+        {
+            // The group's kernels share its workspace and sequence counters:
+            // this op waits for what the previous stream has been given.
+            let event = stream
+                .context()
+                .new_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))
+                .map_err(Error::cuda("cuEventCreate"))?;
+            event.record(prev).map_err(Error::cuda("cuEventRecord"))?;
+            stream
+                .wait(&event)
+                .map_err(Error::cuda("cuStreamWaitEvent"))?;
+        }
+        *last = Some(stream.clone());
+        Ok(OpTurn {
+            _range: range,
+            _turn: last,
+        })
+    }
+
+    /// [`EpGroup::turn`] for an op on `handle`, which must be this group's.
     pub(crate) fn enter(
         &self,
         name: &'static str,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         handle: &Handle,
-    ) -> Result<Range> {
-        let range = nvtx::range(name);
-        self.check()?;
-        self.bind(stream)?;
+    ) -> Result<OpTurn<'_>> {
+        let turn = self.turn(name, stream)?;
         self.check_handle(handle)?;
-        Ok(range)
+        Ok(turn)
     }
 
     /// Refuses a handle that another group's layout made.
     fn check_handle(&self, handle: &Handle) -> Result<()> {
-        if handle.world != self.comm.world() || handle.experts != self.cfg.num_experts {
+        if handle.group != self.id {
             return Err(Error::arg(
                 "handle",
-                "a handle made by this group's layout",
-                "a handle of another group",
+                format!("a handle made by this group's layout (group {})", self.id),
+                format!("a handle of group {}", handle.group),
             ));
         }
         Ok(())

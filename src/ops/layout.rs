@@ -101,9 +101,7 @@ impl EpGroup {
         topk: usize,
         layout: RecvLayout,
     ) -> Result<Handle> {
-        let _range = crate::runtime::nvtx::range("moe_ep::layout");
-        self.check()?;
-        self.bind(stream)?;
+        let _turn = self.turn("moe_ep::layout", stream)?;
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
         if topk == 0 || topk > MAX_TOPK || topk > self.cfg.num_experts {
             return Err(Error::arg(
@@ -153,6 +151,7 @@ impl EpGroup {
             arena,
             arena_at,
             meta,
+            group: self.id,
             world: r,
             experts: e,
         };

@@ -163,6 +163,10 @@ pub struct Rank {
     pub ranks: Ranks,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// A second stream of this rank (tests of one group driven from two
+    /// streams), made with the first: for virtual ranks, all ranks' streams
+    /// are made one after another.
+    pub stream2: Arc<CudaStream>,
     pub comm: Arc<Communicator>,
 }
 
@@ -184,8 +188,8 @@ impl Rank {
 }
 
 type Outcome = Option<std::result::Result<(), String>>;
-/// A virtual rank made on the main thread: its context, communicator, stream.
-type Made = (Arc<CudaContext>, Arc<Communicator>, Arc<CudaStream>);
+/// A virtual rank made on the main thread: its context, communicator, streams.
+type Made = (Arc<CudaContext>, Arc<Communicator>, [Arc<CudaStream>; 2]);
 
 /// Runs `f` once per rank of `world`, each rank on its own thread with its
 /// own stream and communicator (NCCL on GPU r, or one virtual world on GPU
@@ -210,7 +214,9 @@ where
         Ranks::Virtual => {
             let ctx = crate::context(0).expect("context of GPU 0");
             let comms = Communicator::virtual_world(&ctx, n).expect("virtual world");
-            let streams: Vec<_> = (0..n).map(|_| ctx.new_stream().expect("stream")).collect();
+            let streams: Vec<[Arc<CudaStream>; 2]> = (0..n)
+                .map(|_| [(); 2].map(|_| ctx.new_stream().expect("stream")))
+                .collect();
             Some((ctx, comms, streams))
         }
     };
@@ -238,7 +244,7 @@ where
             s.spawn(move || {
                 let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
                     || -> std::result::Result<(), String> {
-                        let (ctx, comm, stream) = match made {
+                        let (ctx, comm, [stream, stream2]) = match made {
                             Some(m) => m,
                             None => {
                                 let ctx = crate::context(rank).map_err(|e| e.to_string())?;
@@ -246,7 +252,8 @@ where
                                 let comm = Communicator::init(&ctx, id, rank, n)
                                     .map_err(|e| format!("init: {e}"))?;
                                 let stream = ctx.new_stream().map_err(|e| e.to_string())?;
-                                (ctx, comm, stream)
+                                let stream2 = ctx.new_stream().map_err(|e| e.to_string())?;
+                                (ctx, comm, [stream, stream2])
                             }
                         };
                         let r = Rank {
@@ -255,6 +262,7 @@ where
                             ranks: world.ranks,
                             ctx,
                             stream,
+                            stream2,
                             comm,
                         };
                         f(&r).map_err(|e| format!("{e}"))
