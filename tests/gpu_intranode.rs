@@ -1378,3 +1378,130 @@ fn two_streams_and_two_threads_on_one_group_are_ordered() {
         },
     );
 }
+
+/// Host memory pretending to be a device region: only an `unsafe impl` can
+/// make one, and the group's checks still catch it.
+struct HostRegion(Vec<bf16>);
+// SAFETY: deliberately wrong (host memory): the group must refuse it before
+// any kernel sees the address.
+unsafe impl DeviceRegion<bf16> for HostRegion {
+    fn device_ptr(&self) -> u64 {
+        self.0.as_ptr() as u64
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// Every buffer is checked before launch: a view whose rows are not 16-byte
+/// aligned (input and output), host memory, a buffer one element short;
+/// each is refused naming the argument, and the group works afterwards.
+#[test]
+fn bad_buffers_are_refused_naming_the_argument() {
+    let c = small(64, 1024, 2, 16, Routing::Uniform);
+    run_worlds("bad_buffers_are_refused_naming_the_argument", 2, |r| {
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(51, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+        let s = &r.stream;
+        let th = c.tokens * c.hidden;
+        let (w, idx) = (up(s, &me.topk_weights)?, up(s, &me.topk_idx)?);
+        let x_room = up_len(s, &me.tokens, th + 8)?;
+        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        let expect = |what: &str, arg: &str, needle: &str, res: Result<()>| -> Result<()> {
+            match res {
+                Err(Error::InvalidArgument {
+                    arg: a,
+                    expected,
+                    got,
+                }) if a == arg && (expected.contains(needle) || got.contains(needle)) => Ok(()),
+                other => Err(Error::InvalidState(format!(
+                    "{what}: expected InvalidArgument naming {arg} ({needle}), got {:?}",
+                    other.err().map(|e| e.to_string())
+                ))),
+            }
+        };
+        // x one bf16 into its allocation: 2-byte aligned rows.
+        let x_odd = x_room.slice(1..1 + th);
+        expect(
+            "misaligned x",
+            "x",
+            "16-byte aligned",
+            group
+                .dispatch(s, &handle, &x_odd, &w, DispatchOut::default())
+                .map(drop),
+        )?;
+        let host = HostRegion(me.tokens.clone());
+        expect(
+            "host memory as x",
+            "x",
+            "not device memory",
+            group
+                .dispatch(s, &handle, &host, &w, DispatchOut::default())
+                .map(drop),
+        )?;
+        let x = x_room.slice(0..th);
+        expect(
+            "x one element short",
+            "x",
+            "elements",
+            group
+                .dispatch(
+                    s,
+                    &handle,
+                    &x_room.slice(0..th - 1),
+                    &w,
+                    DispatchOut::default(),
+                )
+                .map(drop),
+        )?;
+        // A receive buffer viewed one element in: misaligned, refused.
+        let cap = group.recv_capacity();
+        let mut recv = group.pool().alloc::<bf16>(cap * c.hidden + 8)?;
+        {
+            let mut odd = recv.view_mut(1..1 + cap * c.hidden)?;
+            expect(
+                "misaligned recv_tokens",
+                "recv_tokens",
+                "16-byte aligned",
+                group
+                    .dispatch(
+                        s,
+                        &handle,
+                        &x,
+                        &w,
+                        DispatchOut {
+                            recv_tokens: Some(&mut odd),
+                            recv_topk_weights: None,
+                        },
+                    )
+                    .map(drop),
+            )?;
+        }
+        // The group is usable: an aligned view of the same buffer works.
+        let want = refr::dispatch(&shape, &inputs, r.rank, RecvLayout::RankMajor)?;
+        {
+            let mut view = recv.view_mut(0..cap * c.hidden)?;
+            let d = group.dispatch(
+                s,
+                &handle,
+                &x,
+                &w,
+                DispatchOut {
+                    recv_tokens: Some(&mut view),
+                    recv_topk_weights: None,
+                },
+            )?;
+            drop(d);
+        }
+        first_diff(
+            "dispatch into a view after the refusals",
+            &bits(&down(s, &recv, want.num_rows * c.hidden)?),
+            &bits(&want.tokens),
+        )?;
+        group.check()?;
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}

@@ -211,7 +211,86 @@ pub(crate) fn check_len(arg: &'static str, got: usize, want: usize, what: &str) 
     Ok(())
 }
 
+/// Byte alignment the kernels need of a buffer of token rows (16-byte
+/// vectors and bulk copies).
+pub(crate) const ROW_ALIGN: usize = 16;
+
 impl EpGroup {
+    /// Checks a buffer before it goes to a kernel: at least `want` elements
+    /// (holding `what`), its address aligned to `align` bytes, and device
+    /// memory of this group's GPU (not host memory, not another GPU's);
+    /// each failure is an `InvalidArgument` naming `arg`. An empty region is
+    /// never touched and passes.
+    pub(crate) fn check_region<T>(
+        &self,
+        arg: &'static str,
+        r: &dyn DeviceRegion<T>,
+        want: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<()> {
+        check_len(arg, r.len(), want, what)?;
+        r.num_bytes_checked(arg)?;
+        if want == 0 {
+            return Ok(());
+        }
+        let ptr = r.device_ptr();
+        self.check_device_memory(arg, ptr)?;
+        if !(ptr as usize).is_multiple_of(align) {
+            return Err(Error::arg(
+                arg,
+                format!("a {align}-byte aligned device address ({what})"),
+                format!("{ptr:#x}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `ptr` must be device memory of this group's GPU. A registered
+    /// window of the group's communicator is known to be; anything else is
+    /// asked of the driver (one `cuPointerGetAttributes` call).
+    fn check_device_memory(&self, arg: &'static str, ptr: u64) -> Result<()> {
+        use cudarc::driver::sys::{self, CUpointer_attribute};
+        if crate::symm::segment_of(&self.comm, ptr, 1).is_some() {
+            return Ok(());
+        }
+        let mut kind: u32 = 0;
+        let mut ordinal: i32 = -1;
+        let mut attrs = [
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        ];
+        let mut data = [
+            &mut kind as *mut u32 as *mut std::ffi::c_void,
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+        ];
+        // SAFETY: two attributes, each with an out-parameter of its size (an
+        // unsigned int and an int); any `ptr` value is accepted (memory CUDA
+        // does not know leaves the memory type 0).
+        let rc =
+            unsafe { sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+        if rc != sys::CUresult::CUDA_SUCCESS
+            || kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+        {
+            return Err(Error::arg(
+                arg,
+                "device memory of the group's GPU",
+                format!(
+                    "{ptr:#x}: not device memory (host memory, or no allocation known to CUDA)"
+                ),
+            ));
+        }
+        let mine = self.comm.context().ordinal() as i32;
+        if ordinal != mine {
+            return Err(Error::arg(
+                arg,
+                format!("device memory of the group's GPU {mine}"),
+                format!("{ptr:#x}: memory of GPU {ordinal}"),
+            ));
+        }
+        Ok(())
+    }
+
     /// A receive buffer for `rows` rows of `per_row` elements: the caller's
     /// (checked to be long enough, as `arg` holding `what`) or a new one
     /// from the pool.
@@ -221,11 +300,12 @@ impl EpGroup {
         arg: &'static str,
         per_row: usize,
         what: &str,
+        align: usize,
     ) -> Result<RecvBuf<'a, T>> {
         let want = self.recv_capacity * per_row;
         match callers {
             Some(b) => {
-                check_len(arg, b.len(), want, what)?;
+                self.check_region(arg, &*b, want, what, align)?;
                 Ok(RecvBuf::Caller(b))
             }
             None => Ok(RecvBuf::Pool(self.pool.alloc(want)?)),

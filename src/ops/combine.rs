@@ -18,7 +18,7 @@ use cudarc::driver::CudaStream;
 use half::bf16;
 
 use super::abi::{CombineParams, COMBINE_SMEM, THREADS};
-use super::buffers::{check_len, DeviceRegion, DeviceRegionMut, Peers};
+use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
 use super::group::EpGroup;
 use super::handle::Handle;
 use super::layout::RecvLayout;
@@ -130,20 +130,21 @@ impl EpGroup {
     ) -> Result<()> {
         let _turn = self.enter("moe_ep::combine", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
-        check_len(
+        self.check_region(
             "expert_out",
-            expert_out.len(),
+            expert_out,
             cap * h,
             "[recv_capacity, hidden] bf16",
+            ROW_ALIGN,
         )?;
-        check_len("out", out.len(), t * h, "[T, hidden] bf16")?;
+        self.check_region("out", &*out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let w_rows = match (weights, handle.layout) {
             (None, _) => None,
             (Some(_), RecvLayout::RankMajor) => {
                 return Err(Error::arg("weights", "None for a rank-major handle (a rank-major row already stands for all of the token's experts on that rank: weight them before combine)", "Some"))
             }
             (Some(w), RecvLayout::ExpertMajor { .. }) => {
-                check_len("weights", w.len(), cap, "[recv_capacity] f32")?;
+                self.check_region("weights", w, cap, "[recv_capacity] f32", 4)?;
                 Some(w.device_ptr())
             }
         };
@@ -184,22 +185,30 @@ impl EpGroup {
             self.recv_capacity,
         );
         let wpr = handle.layout.weights_per_row(k);
-        check_len(
+        self.check_region(
             "grad_recv_tokens",
-            grad_recv_tokens.len(),
+            grad_recv_tokens,
             cap * h,
             "[recv_capacity, hidden] bf16",
+            ROW_ALIGN,
         )?;
-        check_len("grad_tokens", grad_tokens.len(), t * h, "[T, hidden] bf16")?;
+        self.check_region(
+            "grad_tokens",
+            &*grad_tokens,
+            t * h,
+            "[T, hidden] bf16",
+            ROW_ALIGN,
+        )?;
         let grad_w = match (grad_recv_topk_weights, grad_topk_weights) {
             (Some(a), Some(b)) => {
-                check_len(
+                self.check_region(
                     "grad_recv_topk_weights",
-                    a.len(),
+                    a,
                     cap * wpr,
                     "recv_capacity rows of weights",
+                    4,
                 )?;
-                check_len("grad_topk_weights", b.len(), t * k, "[T, K] f32")?;
+                self.check_region("grad_topk_weights", &*b, t * k, "[T, K] f32", 4)?;
                 Some((a.device_ptr(), b.device_ptr()))
             }
             (None, None) => None,

@@ -16,7 +16,7 @@ use half::bf16;
 
 use super::abi::{DispatchParams, MAX_RANKS, THREADS};
 use super::buffers::{
-    check_len, DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf,
+    DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
 };
 use super::group::EpGroup;
 use super::handle::Handle;
@@ -102,20 +102,22 @@ impl EpGroup {
             self.cfg.hidden,
             self.recv_capacity,
         );
-        check_len("x", x.len(), t * h, "[T, hidden] bf16")?;
-        check_len("topk_weights", topk_weights.len(), t * k, "[T, K] f32")?;
+        self.check_region("x", x, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        self.check_region("topk_weights", topk_weights, t * k, "[T, K] f32", 4)?;
         let wpr = handle.layout.weights_per_row(k);
         let tokens = self.recv_buf(
             out.recv_tokens,
             "recv_tokens",
             h,
             "[recv_capacity, hidden] bf16",
+            ROW_ALIGN,
         )?;
         let weights = self.recv_buf(
             out.recv_topk_weights,
             "recv_topk_weights",
             wpr,
             "recv_capacity rows of weights",
+            4,
         )?;
         let idx: SymmBuffer<i32> = self.pool.alloc(cap * wpr)?;
         let src: SymmBuffer<i32> = self.pool.alloc(cap * 2)?;
@@ -149,7 +151,7 @@ impl EpGroup {
     ) -> Result<RecvBuf<'a, bf16>> {
         let _turn = self.enter("moe_ep::combine_backward", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
-        check_len("grad_out", grad_out.len(), t * h, "[T, hidden] bf16")?;
+        self.check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let scale_w = match (weights, handle.layout) {
             (None, _) => None,
             (Some(_), RecvLayout::RankMajor) => {
@@ -160,7 +162,7 @@ impl EpGroup {
                 ))
             }
             (Some(w), _) => {
-                check_len("weights", w.len(), cap, "[recv_capacity] f32")?;
+                self.check_region("weights", w, cap, "[recv_capacity] f32", 4)?;
                 Some(w.device_ptr())
             }
         };
@@ -169,6 +171,7 @@ impl EpGroup {
             "grad_expert_out",
             h,
             "[recv_capacity, hidden] bf16",
+            ROW_ALIGN,
         )?;
         let recv_x = self.peers_of(&out, "grad_expert_out")?;
         self.launch_dispatch(

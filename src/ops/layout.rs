@@ -128,6 +128,10 @@ impl EpGroup {
                 format!("{t} tokens"),
             ));
         }
+        match topk_idx {
+            TopkIdx::I32(b) => self.check_region("topk_idx", b, t * topk, "[T, K] i32", 4)?,
+            TopkIdx::I64(b) => self.check_region("topk_idx", b, t * topk, "[T, K] i64", 8)?,
+        }
         layout.check_for_kernels()?;
         let (r, e) = (self.comm.world(), self.cfg.num_experts);
         let el = e / r;
