@@ -331,6 +331,35 @@ fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T])
     Ok(())
 }
 
+/// One rank's tokens, top-k weights and top-k ids on the device.
+fn upload(
+    s: &Arc<CudaStream>,
+    me: &RankInput,
+) -> Result<(CudaSlice<bf16>, CudaSlice<f32>, CudaSlice<i64>)> {
+    Ok((
+        up(s, &me.tokens)?,
+        up(s, &me.topk_weights)?,
+        up(s, &me.topk_idx)?,
+    ))
+}
+
+/// Combine's bits when every expert is the identity and combine reads the
+/// received rows themselves (rank-major): each token times the number of
+/// ranks it reached.
+fn identity_combine(shape: &Shape, me: &RankInput) -> Result<Vec<u16>> {
+    let (world, h) = (shape.num_ranks, shape.hidden);
+    let l = refr::layout(shape, &me.topk_idx)?;
+    Ok((0..me.tokens.len())
+        .map(|i| {
+            let t = i / h;
+            let n = (0..world)
+                .filter(|&d| l.is_token_in_rank[t * world + d])
+                .count();
+            bf16::from_f64(me.tokens[i].to_f64() * n as f64).to_bits()
+        })
+        .collect())
+}
+
 /// A group config of the case on this world (its SMs capped to what fits).
 fn case_config(r: &Rank, c: &Case, cap: usize) -> Result<GroupConfig> {
     let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens.max(1));
@@ -570,11 +599,7 @@ fn caller_buffers_zero_copy_and_rejections() {
         let cap = r.world * c.tokens;
         let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
         let s = &r.stream;
-        let (x, w, idx) = (
-            up(s, &me.tokens)?,
-            up(s, &me.topk_weights)?,
-            up(s, &me.topk_idx)?,
-        );
+        let (x, w, idx) = upload(s, me)?;
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
 
         let mut recv_tokens = group.pool().alloc::<bf16>(cap * c.hidden)?;
@@ -687,11 +712,7 @@ fn over_capacity_is_reported_and_writes_nothing() {
         cfg.recv_capacity = 100; // far below what this routing needs
         let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
-        let (x, w, idx) = (
-            up(s, &me.tokens)?,
-            up(s, &me.topk_weights)?,
-            up(s, &me.topk_idx)?,
-        );
+        let (x, w, idx) = upload(s, me)?;
         let guard = 64 * c.hidden;
         let total = guard + 100 * c.hidden + guard;
         let mut buf = group.pool().alloc::<bf16>(total)?;
@@ -883,11 +904,7 @@ fn cuda_graph_capture_and_replay() {
         let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
         let s = &r.stream;
         let cap = group.recv_capacity();
-        let (x, w, idx) = (
-            up(s, &me.tokens)?,
-            up(s, &me.topk_weights)?,
-            up(s, &me.topk_idx)?,
-        );
+        let (x, w, idx) = upload(s, me)?;
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
         let mut recv = group.pool().alloc::<bf16>(cap * c.hidden)?;
         let mut recv_w = group.pool().alloc::<f32>(cap * c.topk)?;
@@ -910,20 +927,7 @@ fn cuda_graph_capture_and_replay() {
             drop(d);
             bits(&down(s, &out, c.tokens * c.hidden)?)
         };
-        let n_ranks_hit: Vec<f64> = {
-            let l = refr::layout(&shape, &me.topk_idx)?;
-            (0..c.tokens)
-                .map(|t| {
-                    (0..r.world)
-                        .filter(|&d| l.is_token_in_rank[t * r.world + d])
-                        .count() as f64
-                })
-                .collect()
-        };
-        // identity experts: out = x * (number of ranks the token reached)
-        let want: Vec<u16> = (0..c.tokens * c.hidden)
-            .map(|i| bf16::from_f64(me.tokens[i].to_f64() * n_ranks_hit[i / c.hidden]).to_bits())
-            .collect();
+        let want = identity_combine(&shape, me)?;
         first_diff("eager identity combine", &eager, &want)?;
         r.comm.barrier(s)?;
         let zero = vec![bf16::ZERO; c.tokens * c.hidden];
@@ -1040,11 +1044,7 @@ fn stalled_peer_times_out_with_rank_and_counter() {
         cfg.timeout = Duration::from_millis(300);
         let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
-        let (x, w, idx) = (
-            up(s, &me.tokens)?,
-            up(s, &me.topk_weights)?,
-            up(s, &me.topk_idx)?,
-        );
+        let (x, w, idx) = upload(s, me)?;
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
         s.synchronize().map_err(Error::cuda("sync"))?;
         r.comm.barrier(s)?;
@@ -1164,11 +1164,7 @@ fn residency_is_checked_and_what_fits_runs() {
         let shape = shape_of(&c, r.world);
         let inputs = workload::rank_inputs(21, &shape, &vec![c.tokens; r.world], c.routing);
         let me = &inputs[r.rank];
-        let (x, w, idx) = (
-            up(s, &me.tokens)?,
-            up(s, &me.topk_weights)?,
-            up(s, &me.topk_idx)?,
-        );
+        let (x, w, idx) = upload(s, me)?;
         let want = refr::dispatch(&shape, &inputs, r.rank, RecvLayout::RankMajor)?;
         let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
         let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
@@ -1271,11 +1267,7 @@ fn handle_of_another_group_is_refused() {
         let a = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
         let b = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
         let s = &r.stream;
-        let (x, w, idx) = (
-            up(s, &me.tokens)?,
-            up(s, &me.topk_weights)?,
-            up(s, &me.topk_idx)?,
-        );
+        let (x, w, idx) = upload(s, me)?;
         let from_a = a.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
         match b.dispatch(s, &from_a, &x, &w, DispatchOut::default()) {
             Err(Error::InvalidArgument { arg: "handle", .. }) => {}
@@ -1319,23 +1311,8 @@ fn two_streams_and_two_threads_on_one_group_are_ordered() {
             let me = &inputs[r.rank];
             let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
             let (s1, s2) = (&r.stream, &r.stream2);
-            let (x, w, idx) = (
-                up(s1, &me.tokens)?,
-                up(s1, &me.topk_weights)?,
-                up(s1, &me.topk_idx)?,
-            );
-            let want: Vec<u16> = {
-                let l = refr::layout(&shape, &me.topk_idx)?;
-                (0..c.tokens * c.hidden)
-                    .map(|i| {
-                        let t = i / c.hidden;
-                        let n = (0..r.world)
-                            .filter(|&d| l.is_token_in_rank[t * r.world + d])
-                            .count();
-                        bf16::from_f64(me.tokens[i].to_f64() * n as f64).to_bits()
-                    })
-                    .collect()
-            };
+            let (x, w, idx) = upload(s1, me)?;
+            let want = identity_combine(&shape, me)?;
             let mut out = s2
                 .alloc_zeros::<bf16>(c.tokens * c.hidden)
                 .map_err(Error::cuda("alloc"))?;
