@@ -57,8 +57,8 @@ MOE_EP_DEVICE void st_na_v4(int4* p, int4 v) {
 // aligned); no registers held, no completion to wait for.
 // MOE_EP_PREFETCH=0 turns every such hint off: the one compile-time switch
 // kept (MOE_EP_KERNEL_DEFINES="MOE_EP_PREFETCH=0", see build.rs), because
-// its measurements disagree (BENCHMARKS.md: no clear change in the second
-// session; in the fourth, dispatch without it 204 / 214 / 199 µs against
+// its measurements disagree (docs/perf-log/2026-11-30.md: no clear change
+// up to a9cf28f; at d9131bf, dispatch without it 204 / 214 / 199 µs against
 // 190 / 221 / 205 at 16 / 24 / 32 SMs), so the variant is still worth
 // building on other machines and sizes.
 #ifndef MOE_EP_PREFETCH

@@ -238,10 +238,6 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub(crate) fn load(comm: &Communicator) -> Result<Kernels> {
         let ctx = comm.context();
-        // Loading a function (`Module::function`) needs the context current
-        // on this thread, also when the module itself is already loaded.
-        ctx.bind_to_thread()
-            .map_err(Error::cuda("cuCtxSetCurrent"))?;
         let (layout, dispatch) = (Module::get(ctx, "layout")?, Module::get(ctx, "dispatch")?);
         let (pull, push) = (
             Module::get(ctx, "combine_pull")?,

@@ -588,10 +588,11 @@ fn baselines(
     // uneven splits: grouped send/recv with every rank, this one included
     // (NCCL copies the rows that stay here itself), the rows our dispatch
     // moves. Then the same without the self pair: the NVLink bytes alone.
-    let a2a = c.time("nccl", || nccl_exchange(c, &send, &recv, counts, row, true))?;
-    let peers = c.time("nccl-peers", || {
-        nccl_exchange(c, &send, &recv, counts, row, false)
-    })?;
+    let nccl = |with_self| {
+        exchange_rows(&c.comm, &c.stream, &send, &recv, counts, row, with_self).map_err(s)
+    };
+    let a2a = c.time("nccl", || nccl(true))?;
+    let peers = c.time("nccl-peers", || nccl(false))?;
     let own = counts[rank * world + rank] as u64 * row as u64;
     let peer = (rank + 1) % world;
     let dst = recv.peer_ptr(peer).ok_or("peer not reachable")?;
@@ -631,19 +632,6 @@ fn baselines(
         (report::BULK_LOAD_CEILING.to_string(), bulk_load, len, len),
         (report::COPY_ENGINE.to_string(), ce, len, len),
     ])
-}
-
-/// NCCL's exchange of this rank's dispatch rows (`moe_ep::testkit::nccl::exchange_rows`):
-/// with every rank when `with_self` (the all-to-all), else with the peers only.
-fn nccl_exchange(
-    c: &Ctx<'_>,
-    send: &moe_ep::SymmBuffer<u8>,
-    recv: &moe_ep::SymmBuffer<u8>,
-    counts: &[u32],
-    row: usize,
-    with_self: bool,
-) -> R<()> {
-    exchange_rows(&c.comm, &c.stream, send, recv, counts, row, with_self).map_err(s)
 }
 
 /// All ranks' statistics of every op, gathered in rank order.
