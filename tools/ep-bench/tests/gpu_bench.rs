@@ -76,7 +76,8 @@ fn run(args: &[&str]) -> (String, String) {
 fn assert_checked_rows(stdout: &str, ops: usize) {
     let rows: Vec<&str> = stdout
         .lines()
-        .filter(|l| l.starts_with("128") || l.starts_with("512"))
+        .map(str::trim_start)
+        .filter(|l| l.starts_with("128 ") || l.starts_with("512 "))
         .collect();
     assert!(
         rows.len() >= 2 * ops,
