@@ -42,6 +42,15 @@
 #define MOE_EP_ERR_CAPACITY 2       // needed/capacity in rows, peer = receiving rank
 #define MOE_EP_ERR_BAD_EXPERT 3     // needed = token, capacity = slot, expected = value
 #define MOE_EP_ERR_DUP_EXPERT 4     // needed = token, capacity = slot
+// (BAD_EXPERT and DUP_EXPERT: peer = the rank whose topk_idx it is; every
+// rank reports it, from the exchanged count rows.)
+#define MOE_EP_ERR_MISMATCH 5       // counter = MOE_EP_FIELD_*, peer = the rank that differs,
+                                    // expected = this rank's value, seen = the peer's
+
+// What a count row's tail carries that every rank must agree on.
+#define MOE_EP_FIELD_TOPK 1
+#define MOE_EP_FIELD_LAYOUT 2
+#define MOE_EP_FIELD_ALIGNMENT 3
 
 // Counters a wait can stall on.
 #define MOE_EP_CTR_LAYOUT_COUNTS 1
@@ -78,8 +87,23 @@ struct LayoutBufs {
 // One row of the count matrix, as rank s sends it: [E] tokens per expert,
 // [R] tokens per destination rank, then [R][SUBCHUNKS - 1]: for destination
 // d and j = 1..15, how many of s's tokens for d come before token
-// floor(j * T_s / SUBCHUNKS).
-__host__ __device__ inline int count_row(int R, int E) { return E + R * MOE_EP_SUBCHUNKS; }
+// floor(j * T_s / SUBCHUNKS), then the tail: what the receivers check
+// (MOE_EP_ROW_TAIL words from row_tail()).
+//   [0], [1]  s's first bad topk_idx entry (InfoOffsets::bad, high and low
+//             word; 0 = none)
+//   [2]       topk   [3] layout kind   [4] alignment   [5..7] 0
+#define MOE_EP_ROW_TAIL 8
+__host__ __device__ inline int row_tail(int R, int E) { return E + R * MOE_EP_SUBCHUNKS; }
+__host__ __device__ inline int count_row(int R, int E) { return row_tail(R, E) + MOE_EP_ROW_TAIL; }
+
+// The first bad entry of a rank's topk_idx as one word that atomicMax keeps
+// (the lowest token, then slot, wins): ~(token << 40 | slot << 36 | code << 32
+// | low 32 bits of the id clamped to int32). 0 = none.
+__host__ __device__ inline unsigned long long bad_entry_word(int t, int k, int code, long long v) {
+  const long long c = v < -2147483648ll ? -2147483648ll : (v > 2147483647ll ? 2147483647ll : v);
+  return ~(((unsigned long long)t << 40) | ((unsigned long long)k << 36) |
+           ((unsigned long long)code << 32) | (unsigned long long)(uint32_t)(int32_t)c);
+}
 
 // Offsets of the words inside LayoutBufs::info (R = world, E = experts,
 // El = experts per rank). Computed once by the exchange kernel.
@@ -92,9 +116,10 @@ __host__ __device__ inline int count_row(int R, int E) { return E + R * MOE_EP_S
 //   expert_start  [El + 1]     on me: padded block start of local expert j; [El] = total rows
 //   expert_count  [El]         on me: unpadded rows of local expert j
 //   rows_needed   [R]          rows each rank must hold (capacity check, in the call's layout)
+//   bad           [2]          this rank's first bad topk_idx entry (bad_entry_word), 8-byte aligned
 struct InfoOffsets {
   int32_t counts, dst_u_off, erow_base, src_u_off, my_slot_on, home_slot, expert_start,
-      expert_count, rows_needed, total;
+      expert_count, rows_needed, bad, total;
 };
 __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
   InfoOffsets o;
@@ -107,7 +132,8 @@ __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
   o.expert_start = o.home_slot + R + 1;
   o.expert_count = o.expert_start + El + 1;
   o.rows_needed = o.expert_count + El;
-  o.total = o.rows_needed + R;
+  o.bad = (o.rows_needed + R + 1) / 2 * 2;
+  o.total = o.bad + 2;
   return o;
 }
 
@@ -120,7 +146,7 @@ struct Workspace {
   uint64_t combine_done_off;  // uint64 [R src][MAX_BLOCKS]    written by peers
   uint64_t stage_off;      // bf16 [2 parity][stage_rows][H]   combine partials, by peers
   uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
-  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..4] item counters
+  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
   uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
   uint64_t _pad;

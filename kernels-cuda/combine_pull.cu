@@ -35,6 +35,7 @@ __device__ void combine_pull(const CombineParams& p) {
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
   const int lane = threadIdx.x & 31;
+  if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
   const uint64_t seq = next_seq(ws, 2, me);
   const ErrSink err = ws.err(p.op.error, me);
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.

@@ -143,6 +143,7 @@ __device__ void combine_push(const CombineParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
   const int n16 = p.op.hidden / 8, T = p.op.num_tokens, nb = p.op.num_blocks;
   const Ws ws = ws_of(p.op);
+  if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
   const int n = count_row(R, E);

@@ -133,6 +133,7 @@ __device__ void dispatch_body(const DispatchParams& p) {
   const bool scaled = p.scale_w != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
   const uint64_t seq = next_seq(ws, 1, me);
   const ErrSink err = ws.err(p.op.error, me);
 

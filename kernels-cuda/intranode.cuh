@@ -76,13 +76,25 @@ struct Ws {
            (size_t)parity * w.stage_rows * MOE_EP_MAX_TOPK;
   }
   // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per
-  // block. [3][0] is the error claim word (see ErrSink), [3][1..4] the
-  // item counters (claims).
+  // block. [3][0] is the error claim word (see ErrSink), [3][1..6] the
+  // item counters (claims), [3][8] the status word (status()).
   __device__ uint64_t* seq(int which, int me) const {
     return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
   }
   __device__ ErrSink err(ErrorInfo* host, int me) const {
     return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
+  }
+  // The rank's status: 0, or the code of an error that every rank found in
+  // the same layout exchange (bad routing on some rank, ranks that disagree,
+  // capacity). Written only by the exchange kernel; while it is set every
+  // kernel of the group returns at entry, before its sequence counter moves,
+  // so all ranks skip the same work and stay in step. The host clears it
+  // (EpGroup::check).
+  __device__ unsigned long long* status(int me) const {
+    return reinterpret_cast<unsigned long long*>(seq(3, me)) + 8;
+  }
+  __device__ bool stopped(int me) const {
+    return *reinterpret_cast<volatile unsigned long long*>(status(me)) != 0ull;
   }
   // Work-item counters of op `which` (1 dispatch, 2 combine): [3][1..4],
   // two per op, alternating with the op's sequence number (see ItemClaims).

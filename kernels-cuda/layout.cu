@@ -105,7 +105,6 @@ __device__ void layout_scan_body(const LayoutParams& p) {
   const int El = E / R, nG = expert_groups(E);
   const int b = blockIdx.x;
   int32_t* my_counts = p.op.bufs.info + info_offsets(R, E, El).counts + p.op.rank * count_row(R, E);
-  const ErrSink err = ws_of(p.op).err(p.op.error, p.op.rank);
 
   if (b < nG) {
     // Experts [e0, e0 + ng): their (token, slot) positions, counts at [e].
@@ -180,9 +179,10 @@ __device__ void layout_scan_body(const LayoutParams& p) {
       for (int k = 1; k < MOE_EP_MAX_TOPK; ++k) {
         if (k == bad_k) bad_v = v[k];
       }
-      const bool range = bad_code == MOE_EP_ERR_BAD_EXPERT;
-      report_error(err, bad_code, p.op.rank, -1, 0, range ? (uint64_t)E : 0, (uint64_t)bad_v, t,
-                   bad_k);
+      // Not reported here: the exchange sends it to every rank, and every
+      // rank reports it (the lowest bad token of the lowest such rank).
+      atomicMax(reinterpret_cast<unsigned long long*>(p.op.bufs.info + info_offsets(R, E, El).bad),
+                bad_entry_word(t, bad_k, bad_code, bad_v));
     }
   }
 }
@@ -203,12 +203,25 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const Ws ws = ws_of(p.op);
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.op.bufs.info;
+  if (ws.stopped(me)) return;  // an earlier exchange found an error: nothing runs until cleared
   const uint64_t seq = next_seq(ws, 0, me);
   const int parity = (int)(seq & 1);
   const ErrSink err = ws.err(p.op.error, me);
 
-  // Phase 1: my row to every rank, then one release flag each.
-  const int32_t* row = info + o.counts + me * n;
+  // Phase 1: my row (its tail: what the receivers check) to every rank,
+  // then one release flag each.
+  int32_t* row = info + o.counts + me * n;
+  if (threadIdx.x == 0) {
+    const unsigned long long bad = *reinterpret_cast<const unsigned long long*>(info + o.bad);
+    int32_t* tail = row + row_tail(R, E);
+    tail[0] = (int32_t)(uint32_t)(bad >> 32);
+    tail[1] = (int32_t)(uint32_t)bad;
+    tail[2] = p.op.topk;
+    tail[3] = (int32_t)p.op.layout;
+    tail[4] = p.op.alignment;
+    tail[5] = tail[6] = tail[7] = 0;
+  }
+  __syncthreads();
   for (int d = 0; d < R; ++d) {
     int32_t* dst = ws.counts(d, parity) + me * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, row[i]);
@@ -303,14 +316,42 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     info[o.expert_count + j] = tot[me * El + j];
   }
   __syncthreads();
+  // Phase 4: the verdict, from the gathered rows alone (the same on every
+  // rank): ranks that disagree, then the lowest rank's bad routing, then
+  // capacity. Any of them stops every rank's kernels from here on.
   if (threadIdx.x == 0) {
-    for (int d = 0; d < R; ++d) {
-      const int need = info[o.rows_needed + d];
-      if (need > p.op.recv_capacity) {
-        report_error(err, MOE_EP_ERR_CAPACITY, me, d, 0, 0, 0, need, p.op.recv_capacity);
-        break;
+    int code = 0;
+    for (int s = 0; s < R && code == 0; ++s) {
+      const int32_t* tail = C + s * n + row_tail(R, E);
+      const int32_t mine[3] = {p.op.topk, (int32_t)p.op.layout, p.op.alignment};
+      for (int f = 0; f < 3 && code == 0; ++f) {
+        if (tail[2 + f] != mine[f]) {
+          code = MOE_EP_ERR_MISMATCH;
+          report_error(err, code, me, s, MOE_EP_FIELD_TOPK + f, (uint64_t)(int64_t)mine[f],
+                       (uint64_t)(int64_t)tail[2 + f], 0, 0);
+        }
       }
     }
+    for (int s = 0; s < R && code == 0; ++s) {
+      const int32_t* tail = C + s * n + row_tail(R, E);
+      const unsigned long long w =
+          ((unsigned long long)(uint32_t)tail[0] << 32) | (unsigned long long)(uint32_t)tail[1];
+      if (w != 0ull) {
+        const unsigned long long key = ~w;
+        code = (int)((key >> 32) & 0xfu);
+        const int64_t v = (int32_t)(uint32_t)key;
+        report_error(err, code, me, s, 0, code == MOE_EP_ERR_BAD_EXPERT ? (uint64_t)E : 0,
+                     (uint64_t)v, key >> 40, (key >> 36) & 0xfu);
+      }
+    }
+    for (int d = 0; d < R && code == 0; ++d) {
+      const int need = info[o.rows_needed + d];
+      if (need > p.op.recv_capacity) {
+        code = MOE_EP_ERR_CAPACITY;
+        report_error(err, code, me, d, 0, 0, 0, need, p.op.recv_capacity);
+      }
+    }
+    if (code != 0) *ws.status(me) = (unsigned long long)code;
   }
 }
 
@@ -323,6 +364,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
+  if (ws_of(p.op).stopped(me)) return;  // the exchange found an error (or an earlier one did)
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   for (int t = gw; t < p.op.num_tokens; t += nw) {
@@ -337,6 +379,5 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       if (lane < K) st_relaxed_sys_s32(p.meta[d] + (size_t)ud * K + lane, dk == d ? erow : -1);
     }
   }
-  (void)me;
   fence_acq_rel_sys();
 }

@@ -969,63 +969,162 @@ fn cuda_graph_capture_and_replay() {
     });
 }
 
-/// An expert id out of range, then (next layout) an expert twice in one
-/// token's top-k: each is reported by the next call, naming topk_idx, the
-/// token and the slot.
+/// Identity round trip (rank-major layout, dispatch, combine of the received
+/// rows) of the small uniform case: bit for bit what the reference gives.
+/// The group still works after an error was reported and cleared.
+fn identity_round_trip(r: &Rank, group: &EpGroup, c: &Case, seed: u64) -> Result<()> {
+    let shape = shape_of(c, r.world);
+    let inputs = workload::rank_inputs(seed, &shape, &vec![c.tokens; r.world], c.routing);
+    let me = &inputs[r.rank];
+    let s = &r.stream;
+    let (x, w, idx) = upload(s, me)?;
+    let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+    let mut out = s
+        .alloc_zeros::<bf16>(c.tokens * c.hidden)
+        .map_err(Error::cuda("alloc"))?;
+    let d = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+    group.combine(s, &handle, &d.tokens, None, &mut out)?;
+    drop(d);
+    let got = bits(&down(s, &out, c.tokens * c.hidden)?);
+    group.check()?;
+    first_diff("identity combine after the error", &got, &identity_combine(&shape, me)?)
+}
+
+/// Asserts that `res` is the bad-routing error of rank 0 that `want`
+/// describes, on every rank, and that it came well before the timeout.
+fn expect_routing_error(res: Result<()>, want: &str, since: std::time::Instant) -> Result<()> {
+    match res {
+        Err(Error::InvalidDeviceData {
+            arg: "topk_idx",
+            detail,
+        }) if detail.contains(want) => {}
+        other => {
+            return Err(Error::InvalidState(format!(
+                "expected InvalidDeviceData for topk_idx ({want}), got {other:?}"
+            )))
+        }
+    }
+    let took = since.elapsed();
+    ensure(
+        took < Duration::from_secs(5),
+        || format!("the error took {took:?}: a rank waited for a timeout"),
+    )
+}
+
+/// An expert id out of range on rank 0, then (next step) an expert twice in
+/// one of rank 0's tokens: every rank refuses the dispatch or reports it at
+/// `check`, naming rank 0, the token and the slot, with no rank waiting for
+/// the timeout; after `check` every rank runs a correct round trip.
 #[test]
-fn bad_expert_id_is_reported() {
-    run_worlds("bad_expert_id_is_reported", 2, |r| {
-        let (t, k, e, h) = (16, 2, 8 * r.world, 1024);
-        let group = EpGroup::new(&r.comm, r.config(e, h, t)?)?;
+fn bad_expert_id_is_reported_on_every_rank() {
+    let c = small(16, 1024, 2, 16, Routing::Uniform);
+    run_worlds("bad_expert_id_is_reported_on_every_rank", 2, |r| {
+        let (t, k, e) = (c.tokens, c.topk, c.experts * r.world / 2);
+        let c = Case { experts: e, ..c };
+        let mut cfg = r.config(e, c.hidden, t)?;
+        cfg.timeout = Duration::from_secs(20);
+        let group = EpGroup::new(&r.comm, cfg)?;
         let s = &r.stream;
         let mut idx: Vec<i64> = (0..t * k).map(|i| (i % e) as i64).collect();
         if r.rank == 0 {
             idx[5] = e as i64 + 3;
         }
-        let d_idx = up(s, &idx)?;
-        let _handle = group.layout(s, TopkIdx::I64(&d_idx), k, RecvLayout::RankMajor)?;
-        s.synchronize().map_err(Error::cuda("sync"))?;
-        let res = group.check();
-        if r.rank == 0 {
-            match res {
-                Err(Error::InvalidDeviceData {
-                    arg: "topk_idx",
-                    detail,
-                }) if detail.contains("token 2 slot 1") => {}
+        let x = up(s, &vec![bf16::ONE; t * c.hidden])?;
+        let w = up(s, &vec![1f32; t * k])?;
+        let this = if r.rank == 0 { " (this rank)" } else { "" };
+        for step in 0..2 {
+            let want = if step == 0 {
+                format!("rank 0{this}: token 2 slot 1: expert id {} not in [-1, {e})", e + 3)
+            } else {
+                // Rank 0's token 3 names its slot-0 expert again in slot 1.
+                idx[5] = 5;
+                if r.rank == 0 {
+                    idx[7] = idx[6];
+                }
+                format!("rank 0{this}: token 3 slot 1: expert {} appears twice", idx[6])
+            };
+            let d_idx = up(s, &idx)?;
+            r.comm.barrier(s)?;
+            let since = std::time::Instant::now();
+            let res = (|| {
+                let handle = group.layout(s, TopkIdx::I64(&d_idx), k, RecvLayout::RankMajor)?;
+                let d = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+                drop(d);
+                group.check()
+            })();
+            let res = match res {
+                Err(e) => {
+                    // Refused at entry: check reports it once more and clears it.
+                    let again = group.check();
+                    ensure(
+                        format!("{again:?}") == format!("{:?}", Err::<(), _>(&e)),
+                        || format!("check after the refusal gave {again:?}, the op {e:?}"),
+                    )?;
+                    Err(e)
+                }
+                ok => ok,
+            };
+            expect_routing_error(res, &want, since)?;
+            group.check()?;
+            r.comm.barrier(s)?;
+        }
+        identity_round_trip(r, &group, &c, 5)?;
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
+/// One rank's layout differs from the others' in topk, in the layout kind,
+/// or in the expert-major alignment: every rank's check names the field and
+/// both values, nothing waits for the timeout, and after check the group
+/// runs a correct round trip.
+#[test]
+fn layout_that_differs_between_ranks_is_refused_everywhere() {
+    let c = small(64, 1024, 4, 16, Routing::Uniform);
+    run_worlds("layout_that_differs_between_ranks_is_refused_everywhere", 2, |r| {
+        let e = c.experts * r.world / 2;
+        let c = Case { experts: e, ..c };
+        let mut cfg = r.config(e, c.hidden, c.tokens)?;
+        cfg.timeout = Duration::from_secs(20);
+        let group = EpGroup::new(&r.comm, cfg)?;
+        let s = &r.stream;
+        let odd = r.rank == r.world - 1;
+        let em = |a| RecvLayout::ExpertMajor { alignment: a };
+        for (field, k, layout) in [
+            ("topk", if odd { 2 } else { 4 }, em(4)),
+            ("layout", 4, if odd { RecvLayout::RankMajor } else { em(1) }),
+            ("alignment", 4, em(if odd { 8 } else { 4 })),
+        ] {
+            // Token t's experts t, t + 3, t + 6, ... (mod e): all distinct.
+            let idx: Vec<i64> = (0..c.tokens * k)
+                .map(|i| ((i / k + (i % k) * 3) % e) as i64)
+                .collect();
+            let d_idx = up(s, &idx)?;
+            r.comm.barrier(s)?;
+            let since = std::time::Instant::now();
+            let res = (|| {
+                let handle = group.layout(s, TopkIdx::I64(&d_idx), k, layout)?;
+                drop(handle);
+                group.check()
+            })();
+            match &res {
+                Err(Error::InvalidArgument { arg, expected, .. })
+                    if *arg == field && expected.contains("the same value on every rank") => {}
                 other => {
                     return Err(Error::InvalidState(format!(
-                        "expected InvalidDeviceData for topk_idx, got {other:?}"
+                        "{field} differing on rank {}: expected InvalidArgument naming `{field}`, got {other:?}",
+                        r.world - 1
                     )))
                 }
             }
-        } else {
-            res?;
+            ensure(
+                since.elapsed() < Duration::from_secs(5),
+                || format!("{field}: the error took {:?}", since.elapsed()),
+            )?;
+            group.check()?;
+            r.comm.barrier(s)?;
         }
-        // Rank 0's token 3 names its slot-0 expert again in slot 1.
-        idx[5] = 5;
-        if r.rank == 0 {
-            idx[7] = idx[6];
-        }
-        let d_idx = up(s, &idx)?;
-        let _handle = group.layout(s, TopkIdx::I64(&d_idx), k, RecvLayout::RankMajor)?;
-        s.synchronize().map_err(Error::cuda("sync"))?;
-        let res = group.check();
-        if r.rank == 0 {
-            let want = format!("token 3 slot 1: expert {} appears twice", idx[6]);
-            match res {
-                Err(Error::InvalidDeviceData {
-                    arg: "topk_idx",
-                    detail,
-                }) if detail.contains(&want) => {}
-                other => {
-                    return Err(Error::InvalidState(format!(
-                        "expected InvalidDeviceData for topk_idx ({want}), got {other:?}"
-                    )))
-                }
-            }
-        } else {
-            res?;
-        }
+        identity_round_trip(r, &group, &c, 9)?;
         r.comm.barrier(s)?;
         Ok(())
     });

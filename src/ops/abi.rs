@@ -19,11 +19,15 @@ pub const SUBCHUNKS: usize = 16;
 /// Experts per block of the layout scan (`MOE_EP_SCAN_EXPERTS`).
 pub const SCAN_EXPERTS: usize = 4;
 
+/// Words of a count row's tail (`MOE_EP_ROW_TAIL`): the sender's first bad
+/// routing entry, topk, layout kind and alignment, checked by every receiver.
+pub const ROW_TAIL: usize = 8;
+
 /// Words in one rank's row of the count matrix (`count_row` in abi.cuh):
 /// `[E]` per expert, `[R]` per destination, `[R][SUBCHUNKS - 1]` sub-chunk
-/// starts per destination.
+/// starts per destination, then the [`ROW_TAIL`] words.
 pub fn count_row(r: usize, e: usize) -> usize {
-    e + r * SUBCHUNKS
+    e + r * SUBCHUNKS + ROW_TAIL
 }
 
 /// Error codes of [`ErrorInfo::code`].
@@ -33,6 +37,16 @@ pub mod code {
     pub const CAPACITY: i32 = 2;
     pub const BAD_EXPERT: i32 = 3;
     pub const DUP_EXPERT: i32 = 4;
+    pub const MISMATCH: i32 = 5;
+}
+/// What [`code::MISMATCH`] found different (`MOE_EP_FIELD_*`).
+pub fn field_name(f: i32) -> &'static str {
+    match f {
+        1 => "topk",
+        2 => "layout",
+        3 => "alignment",
+        _ => "unknown field",
+    }
 }
 /// Counters a wait can stall on (`MOE_EP_CTR_*`).
 pub fn counter_name(c: i32) -> &'static str {
@@ -186,6 +200,7 @@ pub struct InfoOffsets {
     pub expert_start: usize,
     pub expert_count: usize,
     pub rows_needed: usize,
+    pub bad: usize,
     pub total: usize,
 }
 
@@ -200,7 +215,8 @@ pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
     let expert_start = home_slot + r + 1;
     let expert_count = expert_start + el + 1;
     let rows_needed = expert_count + el;
-    let total = rows_needed + r;
+    let bad = (rows_needed + r).div_ceil(2) * 2;
+    let total = bad + 2;
     InfoOffsets {
         counts,
         dst_u_off,
@@ -211,6 +227,7 @@ pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
         expert_start,
         expert_count,
         rows_needed,
+        bad,
         total,
     }
 }

@@ -158,6 +158,27 @@ pub struct EpGroup {
     pub(crate) last_stream: Mutex<Option<Arc<CudaStream>>>,
 }
 
+/// Dropping a group first waits for the work it was given (the last op's
+/// stream follows every earlier op, see `EpGroup::turn`), so no kernel of it
+/// still reads or writes its workspace, handles' arrays or error report when
+/// they are released. A failed wait is printed, not raised (drop cannot
+/// fail); a peer timeout still ends that work within the group's timeout.
+impl Drop for EpGroup {
+    fn drop(&mut self) {
+        let last = self.last_stream.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(stream) = last.take() {
+            let res = self
+                .comm
+                .context()
+                .bind_to_thread()
+                .and_then(|()| stream.synchronize());
+            if let Err(e) = res {
+                eprintln!("moe-ep: waiting for the group's work in drop failed: {e}");
+            }
+        }
+    }
+}
+
 /// `NAME_r2`, `NAME_r4`, `NAME_r8`: a combine kernel per bound on the world.
 macro_rules! by_world {
     ($name:literal) => {
@@ -424,41 +445,103 @@ impl EpGroup {
         self.cfg.num_experts / self.comm.world()
     }
 
-    /// Reports (and clears) the first error the kernels recorded since the
-    /// last call. A timeout leaves the group unusable: its flags are out of
-    /// step with the peers'.
+    /// Waits for the group's work on this rank, then reports and clears the
+    /// first error its kernels recorded; after it returns the group takes
+    /// work again (unless a peer timed out).
+    ///
+    /// Errors of the routing (a bad or repeated expert id on any rank),
+    /// ranks that disagree in a layout (topk, layout, alignment) and
+    /// capacity are found by every rank in the same layout exchange: from
+    /// there on every rank's kernels return at entry, writing nothing, and
+    /// every op refuses with that error, until `check` on that rank clears
+    /// it. Call it on every rank after an error. A timeout leaves the group
+    /// unusable: its flags are out of step with the peers'.
     pub fn check(&self) -> Result<()> {
         if self.poisoned.load(Ordering::Relaxed) {
-            return Err(Error::InvalidState(
-                "an earlier peer timeout left this group unusable; create a new one".into(),
-            ));
+            return Err(Self::poisoned_error());
         }
+        // Every op of the group is ordered after the previous one (turn):
+        // the last stream's end is the end of all of them. A kernel that was
+        // to be skipped must not run after the status word is cleared.
+        let last = self.last_stream.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(stream) = last.as_ref() {
+            self.bind(stream)?;
+            stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        self.take_error()
+    }
+
+    /// The error kernels recorded, if any, without clearing it: what an op
+    /// refuses with at entry. Every rank found it in the same exchange, so
+    /// no peer's kernel waits for an op this rank does not launch.
+    pub(crate) fn pending_error(&self) -> Result<()> {
+        if self.poisoned.load(Ordering::Relaxed) {
+            return Err(Self::poisoned_error());
+        }
+        let e = self.error.read();
+        match e.code {
+            abi::code::OK => Ok(()),
+            // A timeout poisons the group at once.
+            abi::code::TIMEOUT => self.take_error(),
+            _ => Err(self.error_of(e)),
+        }
+    }
+
+    fn poisoned_error() -> Error {
+        Error::InvalidState(
+            "an earlier peer timeout left this group unusable; create a new one".into(),
+        )
+    }
+
+    /// Reads and clears the report, the claim and the status word.
+    fn take_error(&self) -> Result<()> {
         let e = self.error.read();
         if e.code == abi::code::OK {
             return Ok(());
         }
-        // Clear the report and the device-side claim word (ErrSink in
-        // common.cuh), so the next error is recorded too.
+        // Clear the report, the device-side claim word (ErrSink in
+        // common.cuh) and the status word that stops the kernels (Ws::status
+        // in intranode.cuh), so the next error is recorded and the next op
+        // runs.
         self.error.write(ErrorInfo::default());
-        let claim = self.ws_peers[self.comm.rank()] + self.w.seq_off + 3 * MAX_BLOCKS as u64 * 8;
+        let claims = self.ws_peers[self.comm.rank()] + self.w.seq_off + 3 * MAX_BLOCKS as u64 * 8;
         self.comm
             .context()
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        // SAFETY: the claim word lies inside the workspace (seq region).
-        unsafe { cudarc::driver::result::memset_d8_sync(claim, 0, 8) }
-            .map_err(Error::cuda("cuMemsetD8"))?;
-        Err(match e.code {
-            abi::code::TIMEOUT => {
-                self.poisoned.store(true, Ordering::Relaxed);
-                Error::PeerTimeout {
+        // SAFETY: both words lie inside the workspace (seq region [3][0] and
+        // [3][8]); no kernel of this group writes them while none runs, and
+        // the status word is written only by a layout exchange.
+        unsafe {
+            cudarc::driver::result::memset_d8_sync(claims, 0, 8)
+                .and_then(|()| cudarc::driver::result::memset_d8_sync(claims + 8 * 8, 0, 8))
+        }
+        .map_err(Error::cuda("cuMemsetD8"))?;
+        if e.code == abi::code::TIMEOUT {
+            self.poisoned.store(true, Ordering::Relaxed);
+        }
+        Err(self.error_of(e))
+    }
+
+    /// The error a device report stands for.
+    fn error_of(&self, e: ErrorInfo) -> Error {
+        let who = |peer: i32| {
+            if peer as usize == self.comm.rank() {
+                format!("rank {peer} (this rank)")
+            } else {
+                format!("rank {peer}")
+            }
+        };
+        match e.code {
+            abi::code::TIMEOUT => Error::PeerTimeout {
                     rank: e.rank as usize,
                     peer: e.peer as usize,
                     counter: abi::counter_name(e.counter),
                     expected: e.expected,
-                    seen: e.seen,
-                }
-            }
+                seen: e.seen,
+            },
             abi::code::CAPACITY => Error::CapacityExceeded {
                 what: if e.peer as usize == self.comm.rank() {
                     "recv_capacity (this rank)"
@@ -471,19 +554,34 @@ impl EpGroup {
             abi::code::BAD_EXPERT => Error::InvalidDeviceData {
                 arg: "topk_idx",
                 detail: format!(
-                    "token {} slot {}: expert id {} not in [-1, {})",
-                    e.needed, e.capacity, e.seen as i64, e.expected
+                    "{}: token {} slot {}: expert id {} not in [-1, {})",
+                    who(e.peer),
+                    e.needed,
+                    e.capacity,
+                    e.seen as i64,
+                    e.expected
                 ),
             },
             abi::code::DUP_EXPERT => Error::InvalidDeviceData {
                 arg: "topk_idx",
                 detail: format!(
-                    "token {} slot {}: expert {} appears twice in the token's top-k",
-                    e.needed, e.capacity, e.seen
+                    "{}: token {} slot {}: expert {} appears twice in the token's top-k",
+                    who(e.peer),
+                    e.needed,
+                    e.capacity,
+                    e.seen as i64
                 ),
             },
+            abi::code::MISMATCH => Error::arg(
+                abi::field_name(e.counter),
+                format!(
+                    "the same value on every rank in one layout (rank {} has {})",
+                    e.peer, e.seen as i64
+                ),
+                format!("{} on rank {}", e.expected as i64, self.comm.rank()),
+            ),
             c => Error::InvalidState(format!("unknown device error code {c}")),
-        })
+        }
     }
 
     pub(crate) fn timeout_ns(&self) -> u64 {

@@ -33,7 +33,10 @@ pub struct Handle {
     pub(crate) arena_at: ArenaOffsets,
     /// Expert-major: per received token, the rows of its experts here
     /// (`[R * max_tokens, K]`, written by the senders, so symmetric).
-    pub(crate) meta: Option<SymmBuffer<i32>>,
+    /// Allocated for every layout (`[R * max_tokens, MAX_TOPK]`) so that
+    /// every rank's pool allocations match whatever layout each asked for;
+    /// unused by rank-major handles.
+    pub(crate) meta: SymmBuffer<i32>,
     /// The group whose layout made it ([`EpGroup::id`]).
     pub(crate) group: u64,
     pub(crate) world: usize,
@@ -161,7 +164,10 @@ impl Handle {
             rank_pos: at(a.rank_pos),
             expert_pos: at(a.expert_pos),
             info: at(a.info),
-            meta: self.meta.as_ref().map_or(0, |m| m.device_ptr()),
+            meta: match self.layout {
+                RecvLayout::ExpertMajor { .. } => self.meta.device_ptr(),
+                RecvLayout::RankMajor => 0,
+            },
         }
     }
 }
@@ -181,7 +187,7 @@ impl EpGroup {
     pub(crate) fn turn(&self, name: &'static str, stream: &Arc<CudaStream>) -> Result<OpTurn<'_>> {
         let range = nvtx::range(name);
         let mut last = self.last_stream.lock().unwrap_or_else(|p| p.into_inner());
-        self.check()?;
+        self.pending_error()?;
         self.bind(stream)?;
         if let Some(prev) = last
             .as_ref()

@@ -140,14 +140,17 @@ impl EpGroup {
             .alloc_zeros::<i32>(arena_at.total)
             .map_err(Error::cuda("cuMemAlloc"))?;
         // Expert-major receivers need, per received token, its rows here:
-        // written by the senders, so symmetric. Collective allocation.
-        let meta = match layout {
-            RecvLayout::ExpertMajor { .. } => Some(
-                self.pool
-                    .alloc::<i32>(r * self.cfg.max_tokens_per_rank * topk)?,
-            ),
-            RecvLayout::RankMajor => None,
-        };
+        // written by the senders, so symmetric. Collective allocation, made
+        // for every layout and sized for the largest topk: a rank whose
+        // layout or topk differs (refused on the device, in the exchange)
+        // still makes the same pool allocations as its peers, so the pool's
+        // offsets stay equal on every rank.
+        // (Kept by every handle: dropping it early on a rank-major one would
+        // let the next allocation differ from an expert-major peer's.)
+        let meta = self
+            .pool
+            .alloc::<i32>(r * self.cfg.max_tokens_per_rank * MAX_TOPK)?;
+        let expert_major = matches!(layout, RecvLayout::ExpertMajor { .. });
         let handle = Handle {
             layout,
             num_tokens: t,
@@ -161,7 +164,7 @@ impl EpGroup {
         };
         // Every rank's meta as mapped here (the senders write them).
         let metas: Option<Peers> = match &handle.meta {
-            Some(m) => {
+            m if expert_major => {
                 let mut peers = [0u64; MAX_RANKS];
                 for (rank, p) in peers.iter_mut().enumerate().take(r) {
                     *p = m.peer_ptr(rank).ok_or_else(|| {
@@ -170,7 +173,7 @@ impl EpGroup {
                 }
                 Some(peers)
             }
-            None => None,
+            _ => None,
         };
         let p = LayoutParams {
             op: self.op_common(&handle),
@@ -193,7 +196,7 @@ impl EpGroup {
             self.k
                 .layout_exchange
                 .launch(stream, 1, THREADS, exchange_smem(e), &p)?;
-            if handle.meta.is_some() {
+            if expert_major {
                 self.k
                     .layout_meta
                     .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)?;

@@ -35,11 +35,15 @@ pub struct Communicator {
     ctx: Arc<CudaContext>,
     /// `node_of[r]`: index of rank r's host, in order of first appearance.
     node_of: Vec<usize>,
+    /// Held across every NCCL call on `backend` (NCCL takes one call at a
+    /// time per communicator): what makes `Sync` below sound.
+    calls: std::sync::Mutex<()>,
 }
 
-// SAFETY: NCCL communicators may be used from any thread, one call at a time;
-// every call here goes through &self on the owning rank's thread in practice.
-// The virtual backend is Send + Sync by itself.
+// SAFETY: NCCL communicators may be used from any thread, one call at a time:
+// every NCCL call on `raw` is made with `calls` held (all_gather_host,
+// check_async, and the window calls of `symm` through `nccl_calls`). The
+// virtual backend is Send + Sync by itself.
 unsafe impl Send for Communicator {}
 unsafe impl Sync for Communicator {}
 
@@ -83,6 +87,7 @@ impl Communicator {
             world,
             ctx: ctx.clone(),
             node_of: vec![0; world],
+            calls: std::sync::Mutex::new(()),
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -154,6 +159,7 @@ impl Communicator {
                     backend: Backend::Virtual(g),
                     ctx: ctx.clone(),
                     node_of: vec![0; world],
+                    calls: std::sync::Mutex::new(()),
                 })
             })
             .collect())
@@ -208,11 +214,18 @@ impl Communicator {
             .collect()
     }
 
+    /// The lock every NCCL call on this communicator holds (one call at a
+    /// time, from whichever thread).
+    pub(crate) fn nccl_calls(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Reports an asynchronous NCCL error, if any.
     pub fn check_async(&self) -> Result<()> {
         let Backend::Nccl { raw, .. } = self.backend else {
             return Ok(());
         };
+        let _one_call = self.nccl_calls();
         // SAFETY: raw is live for self's lifetime.
         let code = unsafe { nc::comm_get_async_error(raw)? };
         nc::check("ncclCommGetAsyncError(async)", code, Some(raw))
@@ -255,6 +268,7 @@ impl Communicator {
             let (s, _g1) = send.device_ptr(stream);
             let mut recv = recv;
             let (r, _g2) = recv.device_ptr_mut(stream);
+            let _one_call = self.nccl_calls();
             // SAFETY: both buffers live until the stream sync below.
             unsafe {
                 nc::all_gather(

@@ -166,6 +166,7 @@ impl Segment {
             return Ok(seg);
         }
         let raw = comm.raw().expect("an NCCL communicator");
+        let _one_call = comm.nccl_calls();
         let ptr = nc::mem_alloc(size)?;
         // SAFETY: ptr is a fresh ncclMemAlloc of `size` bytes; comm is live.
         let win = match unsafe { nc::window_register(raw, ptr, size, NCCL_WIN_COLL_SYMMETRIC) } {
@@ -384,6 +385,7 @@ impl Drop for Segment {
             return;
         };
         let Some(raw) = self.comm.raw() else { return };
+        let _one_call = self.comm.nccl_calls();
         let _ = self.comm.context().bind_to_thread();
         // SAFETY: registered and allocated in new; deregistered before freeing.
         unsafe {
