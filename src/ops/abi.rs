@@ -303,8 +303,11 @@ mod tests {
     #[test]
     fn info_offsets_are_contiguous() {
         let o = info_offsets(2, 256, 128);
-        assert_eq!(o.dst_u_off, 2 * (256 + 2 * 16));
-        assert_eq!(o.total, o.rows_needed + 2);
+        assert_eq!(o.dst_u_off, 2 * (256 + 2 * 16 + ROW_TAIL));
+        // `bad` (a u64 the scan's atomics use) on an even word, last.
+        assert_eq!(o.bad % 2, 0);
+        assert!(o.bad >= o.rows_needed + 2 && o.bad <= o.rows_needed + 3);
+        assert_eq!(o.total, o.bad + 2);
         assert_eq!(o.expert_count - o.expert_start, 129);
     }
 }
