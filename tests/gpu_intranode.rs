@@ -987,7 +987,11 @@ fn identity_round_trip(r: &Rank, group: &EpGroup, c: &Case, seed: u64) -> Result
     drop(d);
     let got = bits(&down(s, &out, c.tokens * c.hidden)?);
     group.check()?;
-    first_diff("identity combine after the error", &got, &identity_combine(&shape, me)?)
+    first_diff(
+        "identity combine after the error",
+        &got,
+        &identity_combine(&shape, me)?,
+    )
 }
 
 /// Asserts that `res` is the bad-routing error of rank 0 that `want`
@@ -1005,10 +1009,9 @@ fn expect_routing_error(res: Result<()>, want: &str, since: std::time::Instant) 
         }
     }
     let took = since.elapsed();
-    ensure(
-        took < Duration::from_secs(5),
-        || format!("the error took {took:?}: a rank waited for a timeout"),
-    )
+    ensure(took < Duration::from_secs(5), || {
+        format!("the error took {took:?}: a rank waited for a timeout")
+    })
 }
 
 /// An expert id out of range on rank 0, then (next step) an expert twice in
@@ -1034,14 +1037,20 @@ fn bad_expert_id_is_reported_on_every_rank() {
         let this = if r.rank == 0 { " (this rank)" } else { "" };
         for step in 0..2 {
             let want = if step == 0 {
-                format!("rank 0{this}: token 2 slot 1: expert id {} not in [-1, {e})", e + 3)
+                format!(
+                    "rank 0{this}: token 2 slot 1: expert id {} not in [-1, {e})",
+                    e + 3
+                )
             } else {
                 // Rank 0's token 3 names its slot-0 expert again in slot 1.
                 idx[5] = 5;
                 if r.rank == 0 {
                     idx[7] = idx[6];
                 }
-                format!("rank 0{this}: token 3 slot 1: expert {} appears twice", idx[6])
+                format!(
+                    "rank 0{this}: token 3 slot 1: expert {} appears twice",
+                    idx[6]
+                )
             };
             let d_idx = up(s, &idx)?;
             r.comm.barrier(s)?;
@@ -1058,9 +1067,10 @@ fn bad_expert_id_is_reported_on_every_rank() {
             })();
             if let (Err(e), false) = (&res, from_check) {
                 let again = group.check();
-                ensure(format!("{again:?}") == format!("{:?}", Err::<(), _>(e)), || {
-                    format!("check after the refusal gave {again:?}, the op {e:?}")
-                })?;
+                ensure(
+                    format!("{again:?}") == format!("{:?}", Err::<(), _>(e)),
+                    || format!("check after the refusal gave {again:?}, the op {e:?}"),
+                )?;
                 res = again;
             }
             expect_routing_error(res, &want, since)?;
@@ -1080,33 +1090,36 @@ fn bad_expert_id_is_reported_on_every_rank() {
 #[test]
 fn layout_that_differs_between_ranks_is_refused_everywhere() {
     let c = small(64, 1024, 4, 16, Routing::Uniform);
-    run_worlds("layout_that_differs_between_ranks_is_refused_everywhere", 2, |r| {
-        let e = c.experts * r.world / 2;
-        let c = Case { experts: e, ..c };
-        let mut cfg = r.config(e, c.hidden, c.tokens)?;
-        cfg.timeout = Duration::from_secs(20);
-        let group = EpGroup::new(&r.comm, cfg)?;
-        let s = &r.stream;
-        let odd = r.rank == r.world - 1;
-        let em = |a| RecvLayout::ExpertMajor { alignment: a };
-        for (field, k, layout) in [
-            ("topk", if odd { 2 } else { 4 }, em(4)),
-            ("layout", 4, if odd { RecvLayout::RankMajor } else { em(1) }),
-            ("alignment", 4, em(if odd { 8 } else { 4 })),
-        ] {
-            // Token t's experts t, t + 3, t + 6, ... (mod e): all distinct.
-            let idx: Vec<i64> = (0..c.tokens * k)
-                .map(|i| ((i / k + (i % k) * 3) % e) as i64)
-                .collect();
-            let d_idx = up(s, &idx)?;
-            r.comm.barrier(s)?;
-            let since = std::time::Instant::now();
-            let res = (|| {
-                let handle = group.layout(s, TopkIdx::I64(&d_idx), k, layout)?;
-                drop(handle);
-                group.check()
-            })();
-            match &res {
+    run_worlds(
+        "layout_that_differs_between_ranks_is_refused_everywhere",
+        2,
+        |r| {
+            let e = c.experts * r.world / 2;
+            let c = Case { experts: e, ..c };
+            let mut cfg = r.config(e, c.hidden, c.tokens)?;
+            cfg.timeout = Duration::from_secs(20);
+            let group = EpGroup::new(&r.comm, cfg)?;
+            let s = &r.stream;
+            let odd = r.rank == r.world - 1;
+            let em = |a| RecvLayout::ExpertMajor { alignment: a };
+            for (field, k, layout) in [
+                ("topk", if odd { 2 } else { 4 }, em(4)),
+                ("layout", 4, if odd { RecvLayout::RankMajor } else { em(1) }),
+                ("alignment", 4, em(if odd { 8 } else { 4 })),
+            ] {
+                // Token t's experts t, t + 3, t + 6, ... (mod e): all distinct.
+                let idx: Vec<i64> = (0..c.tokens * k)
+                    .map(|i| ((i / k + (i % k) * 3) % e) as i64)
+                    .collect();
+                let d_idx = up(s, &idx)?;
+                r.comm.barrier(s)?;
+                let since = std::time::Instant::now();
+                let res = (|| {
+                    let handle = group.layout(s, TopkIdx::I64(&d_idx), k, layout)?;
+                    drop(handle);
+                    group.check()
+                })();
+                match &res {
                 Err(Error::InvalidArgument { arg, expected, .. })
                     if *arg == field && expected.contains("the same value on every rank") => {}
                 other => {
@@ -1116,17 +1129,17 @@ fn layout_that_differs_between_ranks_is_refused_everywhere() {
                     )))
                 }
             }
-            ensure(
-                since.elapsed() < Duration::from_secs(5),
-                || format!("{field}: the error took {:?}", since.elapsed()),
-            )?;
-            group.check()?;
+                ensure(since.elapsed() < Duration::from_secs(5), || {
+                    format!("{field}: the error took {:?}", since.elapsed())
+                })?;
+                group.check()?;
+                r.comm.barrier(s)?;
+            }
+            identity_round_trip(r, &group, &c, 9)?;
             r.comm.barrier(s)?;
-        }
-        identity_round_trip(r, &group, &c, 9)?;
-        r.comm.barrier(s)?;
-        Ok(())
-    });
+            Ok(())
+        },
+    );
 }
 
 /// After a peer timeout the group refuses work; dropping it and making a new

@@ -165,7 +165,10 @@ pub struct EpGroup {
 /// fail); a peer timeout still ends that work within the group's timeout.
 impl Drop for EpGroup {
     fn drop(&mut self) {
-        let last = self.last_stream.get_mut().unwrap_or_else(|p| p.into_inner());
+        let last = self
+            .last_stream
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner());
         if let Some(stream) = last.take() {
             let res = self
                 .comm
@@ -536,10 +539,10 @@ impl EpGroup {
         };
         match e.code {
             abi::code::TIMEOUT => Error::PeerTimeout {
-                    rank: e.rank as usize,
-                    peer: e.peer as usize,
-                    counter: abi::counter_name(e.counter),
-                    expected: e.expected,
+                rank: e.rank as usize,
+                peer: e.peer as usize,
+                counter: abi::counter_name(e.counter),
+                expected: e.expected,
                 seen: e.seen,
             },
             abi::code::CAPACITY => Error::CapacityExceeded {
