@@ -113,6 +113,21 @@ fn pool_grows_past_one_segment_and_reuses() {
             c.offset() == off && !std::sync::Arc::ptr_eq(c.segment(), b.segment()),
             || "freed range not reused first-fit".into(),
         )?;
+        // A length whose bytes overflow is refused by name, on every rank,
+        // and the pool is unchanged.
+        let before = pool.num_segments();
+        match pool.alloc::<u64>(usize::MAX / 4) {
+            Err(Error::InvalidArgument { arg: "len", .. }) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "overflowing length: expected InvalidArgument for len, got {:?}",
+                    other.err()
+                )))
+            }
+        }
+        ensure(pool.num_segments() == before, || {
+            "the refused alloc grew the pool".into()
+        })?;
         Ok(())
     });
 }
@@ -385,4 +400,62 @@ fn process_rank_child() {
     );
     comm.barrier(&stream).unwrap();
     println!("process rank {rank}/{world}: received rank {left}'s pattern intact");
+}
+
+/// Virtual ranks: `abort` on one rank while a group and a pool buffer still
+/// hold its communicator fails every rank's next host collective at once
+/// (naming the rank that aborted); a new world and a new group then work.
+#[test]
+fn abort_while_a_group_holds_the_communicator() {
+    let Some(_) = gpus_or_skip("abort_while_a_group_holds_the_communicator", 1) else {
+        return;
+    };
+    let ctx = moe_ep::context(0).expect("GPU 0");
+    let world = 4;
+    let build = |round: usize| -> Vec<Result<(), String>> {
+        let comms = Communicator::virtual_world_with_timeout(&ctx, world, Duration::from_secs(20))
+            .expect("virtual world");
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let ctx = ctx.clone();
+                    s.spawn(move || -> Result<(), String> {
+                        let e = |e: Error| e.to_string();
+                        let stream = ctx.new_stream().map_err(|x| x.to_string())?;
+                        let mut cfg = moe_ep::GroupConfig::new(8 * world, 1024, 16);
+                        cfg.num_sms = 2;
+                        let group = moe_ep::EpGroup::new(&comm, cfg).map_err(e)?;
+                        let buf: SymmBuffer<u32> = group.pool().alloc(1024).map_err(e)?;
+                        comm.barrier(&stream).map_err(e)?;
+                        if round == 0 && comm.rank() == 1 {
+                            comm.abort().map_err(e)?;
+                        }
+                        let res = comm.barrier(&stream).map_err(e);
+                        drop((buf, group));
+                        res
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())))
+                .collect()
+        })
+    };
+    let t0 = Instant::now();
+    let aborted = build(0);
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+    for (rank, res) in aborted.iter().enumerate() {
+        match res {
+            Err(e) if e.contains("rank 1 aborted") => {}
+            other => panic!("rank {rank}: expected the abort of rank 1 named, got {other:?}"),
+        }
+    }
+    for (rank, res) in build(1).iter().enumerate() {
+        assert!(res.is_ok(), "new world, rank {rank}: {res:?}");
+    }
 }

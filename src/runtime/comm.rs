@@ -38,6 +38,8 @@ pub struct Communicator {
     /// Held across every NCCL call on `backend` (NCCL takes one call at a
     /// time per communicator): what makes `Sync` below sound.
     calls: std::sync::Mutex<()>,
+    /// Set by `abort`: no NCCL call on `backend` after it.
+    aborted: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time:
@@ -88,6 +90,7 @@ impl Communicator {
             ctx: ctx.clone(),
             node_of: vec![0; world],
             calls: std::sync::Mutex::new(()),
+            aborted: std::sync::atomic::AtomicBool::new(false),
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -160,6 +163,7 @@ impl Communicator {
                     ctx: ctx.clone(),
                     node_of: vec![0; world],
                     calls: std::sync::Mutex::new(()),
+                    aborted: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .collect())
@@ -192,8 +196,11 @@ impl Communicator {
         &self.ctx
     }
     /// The raw NCCL handle, for NCCL calls of the caller's own; `None` for a
-    /// virtual rank.
+    /// virtual rank and after [`Communicator::abort`].
     pub fn raw(&self) -> Option<ncclComm_t> {
+        if self.is_aborted() {
+            return None;
+        }
         match self.backend {
             Backend::Nccl { raw, .. } => Some(raw),
             Backend::Virtual(_) => None,
@@ -226,7 +233,8 @@ impl Communicator {
             return Ok(());
         };
         let _one_call = self.nccl_calls();
-        // SAFETY: raw is live for self's lifetime.
+        self.live()?;
+        // SAFETY: raw is live for self's lifetime (not aborted, checked above).
         let code = unsafe { nc::comm_get_async_error(raw)? };
         nc::check("ncclCommGetAsyncError(async)", code, Some(raw))
     }
@@ -269,6 +277,7 @@ impl Communicator {
             let mut recv = recv;
             let (r, _g2) = recv.device_ptr_mut(stream);
             let _one_call = self.nccl_calls();
+            self.live()?;
             // SAFETY: both buffers live until the stream sync below.
             unsafe {
                 nc::all_gather(
@@ -309,26 +318,43 @@ impl Communicator {
         self.all_gather_host(stream, &[0u8]).map(|_| ())
     }
 
-    /// Aborts the communicator (unblocks peers' pending NCCL calls; on a
-    /// virtual rank, fails every pending and later host collective).
-    pub fn abort(self: Arc<Self>) -> Result<()> {
+    /// Aborts the communicator: unblocks this rank's pending NCCL calls (on
+    /// a virtual rank, fails every pending and later host collective of the
+    /// world). Works while windows, pools and groups still hold it: from
+    /// then on their host collectives fail with `Error::InvalidState`
+    /// ("aborted"), and nothing more is freed through NCCL (its resources
+    /// went with the abort). Make a new communicator and group to go on.
+    pub fn abort(&self) -> Result<()> {
         if let Backend::Virtual(g) = &self.backend {
             g.abort();
             return Ok(());
         }
-        match Arc::try_unwrap(self) {
-            Ok(mut c) => match &mut c.backend {
-                Backend::Nccl { raw, owned } if *owned => {
-                    *owned = false;
-                    // SAFETY: we own raw and nothing else references it.
-                    unsafe { nc::comm_abort(*raw) }
-                }
-                _ => Ok(()),
-            },
-            Err(_) => Err(Error::InvalidState(
-                "abort: the communicator is still used by windows or groups".into(),
-            )),
+        let Backend::Nccl { raw, owned } = self.backend else {
+            return Ok(());
+        };
+        let _one_call = self.nccl_calls();
+        if self.aborted.swap(true, std::sync::atomic::Ordering::AcqRel) || !owned {
+            return Ok(());
         }
+        // SAFETY: we own raw; every later NCCL call on it is refused
+        // (`aborted`, checked with `calls` held), and drop skips its destroy.
+        unsafe { nc::comm_abort(raw) }
+    }
+
+    /// Refuses an NCCL call on an aborted communicator.
+    fn live(&self) -> Result<()> {
+        if self.aborted.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::InvalidState(format!(
+                "rank {}: the communicator was aborted; make a new one",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether [`Communicator::abort`] was called on this rank.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -338,6 +364,9 @@ impl Drop for Communicator {
         let Backend::Nccl { raw, owned: true } = self.backend else {
             return;
         };
+        if self.is_aborted() {
+            return; // ncclCommAbort freed it
+        }
         let _ = self.ctx.bind_to_thread();
         // SAFETY: we own raw; every window/segment holding an Arc is gone.
         unsafe {

@@ -165,8 +165,13 @@ impl Segment {
             register(&seg);
             return Ok(seg);
         }
-        let raw = comm.raw().expect("an NCCL communicator");
         let _one_call = comm.nccl_calls();
+        let raw = comm.raw().ok_or_else(|| {
+            Error::InvalidState(format!(
+                "rank {}: the communicator was aborted; make a new one",
+                comm.rank()
+            ))
+        })?;
         let ptr = nc::mem_alloc(size)?;
         // SAFETY: ptr is a fresh ncclMemAlloc of `size` bytes; comm is live.
         let win = match unsafe { nc::window_register(raw, ptr, size, NCCL_WIN_COLL_SYMMETRIC) } {
@@ -440,7 +445,21 @@ impl SymmPool {
     /// Allocates `len` elements of `T`, at the same offset on every rank.
     /// Collective by contract (same calls, same order, on every rank).
     pub fn alloc<T: Copy>(&self, len: usize) -> Result<SymmBuffer<T>> {
-        let bytes = (len.max(1) * std::mem::size_of::<T>()).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
+        let bytes = len
+            .max(1)
+            .checked_mul(std::mem::size_of::<T>())
+            .and_then(|b| b.checked_next_multiple_of(ALLOC_ALIGN))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::arg(
+                    "len",
+                    format!(
+                        "at most {} elements",
+                        isize::MAX as usize / std::mem::size_of::<T>().max(1)
+                    ),
+                    len,
+                )
+            })?;
         let mut slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
         let found = slots.iter_mut().enumerate().find_map(|(i, s)| {
             let j = s.free.iter().position(|&(_, l)| l >= bytes)?;
