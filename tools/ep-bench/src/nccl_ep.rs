@@ -669,6 +669,26 @@ pub struct Inputs {
     pub w: u64,
 }
 
+/// The first `n` values of `words` as written with `datatype` (int64, or
+/// int32 two to a word).
+fn decode(words: &[i64], n: usize, datatype: c_int) -> Vec<i64> {
+    if datatype == ffi::NCCL_INT64 {
+        return words[..n.min(words.len())].to_vec();
+    }
+    words
+        .iter()
+        .flat_map(|w| {
+            let b = w.to_ne_bytes();
+            [
+                i32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+                i32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+            ]
+        })
+        .take(n)
+        .map(i64::from)
+        .collect()
+}
+
 /// What NCCL EP received on this rank, on the host.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Received {
@@ -836,14 +856,15 @@ impl Runner {
             magic: ffi::MAGIC,
             dispatch_output_per_expert_alignment: spec.pairing.alignment,
         };
-        // SAFETY: a live group, a valid config; -1 = HT's top-k from the routing.
+        // SAFETY: a live group, a valid config. The header says -1 for HT,
+        // but 0.2.0 refuses it ("HT mode requires num_topk > 0").
         let rc = unsafe {
             (lib.init_handle)(
                 &mut r.handle,
                 r.group,
                 spec.pairing.layout,
                 &hcfg,
-                -1,
+                k as c_int,
                 std::ptr::null(),
             )
         };
@@ -875,6 +896,29 @@ impl Runner {
         // SAFETY: live handle, descriptors of live buffers, our stream.
         let rc = unsafe { (self.lib.update_handle)(self.handle, self.idx.ptr(), &info, stream) };
         self.lib.check("ncclEpUpdateHandle", rc, self.comm)
+    }
+
+    /// Turns the expert-major counters and offsets from int64 into int32
+    /// (for a library that refuses the former); whether anything changed.
+    pub fn counters_to_int32(&mut self) -> bool {
+        let mut changed = false;
+        for d in std::iter::once(&mut self.counts).chain(self.offsets.as_mut()) {
+            changed |= d.t.datatype != ffi::NCCL_INT32;
+            d.t.datatype = ffi::NCCL_INT32;
+        }
+        changed
+    }
+
+    /// Turns the flat received expert ids from int64 into int32 (for a
+    /// library that refuses the former); whether anything changed.
+    pub fn recv_idx_to_int32(&mut self) -> bool {
+        match self.recv_idx.as_mut() {
+            Some(d) if d.t.datatype != ffi::NCCL_INT32 => {
+                d.t.datatype = ffi::NCCL_INT32;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Forward dispatch of our `x`, `w` into its receive buffers.
@@ -1045,32 +1089,25 @@ impl Runner {
             st.memcpy_dtoh(&self.recv_w_buf.slice(0..nw), &mut weights)
                 .map_err(s)?;
         }
-        let idx = match &self.recv_idx_buf {
-            Some(b) if total > 0 => {
+        let idx = match (&self.recv_idx_buf, &self.recv_idx) {
+            (Some(b), Some(d)) if total > 0 => {
                 let mut v = vec![0i64; total * k];
                 st.memcpy_dtoh(&b.slice(0..total * k), &mut v).map_err(s)?;
-                Some(v)
+                Some(decode(&v, total * k, d.t.datatype))
             }
-            Some(_) => Some(Vec::new()),
-            None => None,
+            (Some(_), _) => Some(Vec::new()),
+            _ => None,
         };
         let raw = st.clone_dtoh(&self.counts_buf).map_err(s)?;
-        let offsets = match &self.offsets_buf {
-            Some(b) => Some(st.clone_dtoh(b).map_err(s)?),
-            None => None,
+        let offsets = match (&self.offsets_buf, &self.offsets) {
+            (Some(b), Some(d)) => {
+                let v = st.clone_dtoh(b).map_err(s)?;
+                Some(decode(&v, v.len(), d.t.datatype))
+            }
+            _ => None,
         };
         st.synchronize().map_err(s)?;
-        // Flat counters are int32: two to an i64 word.
-        let counts = if em {
-            raw
-        } else {
-            let bytes: Vec<u8> = raw.iter().flat_map(|v| v.to_ne_bytes()).collect();
-            bytes
-                .chunks_exact(4)
-                .take(raw.len())
-                .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]) as i64)
-                .collect()
-        };
+        let counts = decode(&raw, raw.len(), self.counts.t.datatype);
         Ok(Received {
             total,
             rows,
@@ -1466,6 +1503,13 @@ mod tests {
         // SAFETY: sizes points into d.
         assert_eq!(unsafe { *d.t.sizes.add(1) }, 5);
         assert_eq!((d.t.ndim, d.t.size), (2, 48));
+    }
+
+    #[test]
+    fn counters_of_either_width() {
+        let w = i64::from_ne_bytes([3, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]);
+        assert_eq!(decode(&[w, 9], 3, ffi::NCCL_INT32), vec![3, -1, 9]);
+        assert_eq!(decode(&[w, 9], 2, ffi::NCCL_INT64), vec![w, 9]);
     }
 
     #[test]
