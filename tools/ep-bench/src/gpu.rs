@@ -784,29 +784,9 @@ fn run_nccl_ep(
     // SAFETY: inputs are run_case's buffers of these sizes, alive until
     // after `ep` drops at the end of this function.
     let mut ep = unsafe { nccl_ep::Runner::new(lib, &c.comm, &c.stream, spec, inputs)? };
-    // Counters and received ids in int64 where its header allows it; int32
-    // where the library refuses that (said once).
-    if let Err(e) = ep.layout() {
-        if !ep.counters_to_int32() {
-            return Err(e);
-        }
-        ep.layout()
-            .map_err(|e2| format!("{e}; with int32 counters: {e2}"))?;
-        c.note_once(format!(
-            "ep-bench: NCCL EP refused int64 expert-major counters ({e}): int32 taken"
-        ));
-    }
+    ep.layout()?;
     ep.recv_total()?;
-    if let Err(e) = ep.dispatch() {
-        if !ep.recv_idx_to_int32() {
-            return Err(e);
-        }
-        ep.dispatch()
-            .map_err(|e2| format!("{e}; with int32 received ids: {e2}"))?;
-        c.note_once(format!(
-            "ep-bench: NCCL EP refused int64 received expert ids ({e}): int32 taken"
-        ));
-    }
+    ep.dispatch()?;
     let verdict = match checked {
         Some(ch) => {
             let got = ep.received()?;

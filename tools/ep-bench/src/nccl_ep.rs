@@ -784,7 +784,10 @@ impl Runner {
         let total_buf = stream.alloc_zeros::<i32>(1).map_err(s)?;
         let out_buf = stream.alloc_zeros::<bf16>(t * h).map_err(s)?;
         let out_w_buf = stream.alloc_zeros::<f32>(t * k).map_err(s)?;
-        let count_type = if em { ffi::NCCL_INT64 } else { ffi::NCCL_INT32 };
+        // Every counter in one type (0.2.0 asserts that they share it, and
+        // flat ones must be int32); the buffers are i64 words, read back
+        // by `decode`.
+        let count_type = ffi::NCCL_INT32;
         let mut r = Runner {
             lib,
             comm: raw,
@@ -808,8 +811,8 @@ impl Runner {
             counts: Desc::new(count_type, counts_buf.device_ptr(), &[e_local]),
             offsets: offsets_buf
                 .as_ref()
-                .map(|b| Desc::new(ffi::NCCL_INT64, b.device_ptr(), &[e_local])),
-            total: Desc::new(ffi::NCCL_INT32, total_buf.device_ptr(), &[1]),
+                .map(|b| Desc::new(count_type, b.device_ptr(), &[e_local])),
+            total: Desc::new(count_type, total_buf.device_ptr(), &[1]),
             out: Desc::new(ffi::NCCL_BFLOAT16, out_buf.device_ptr(), &[t, h]),
             out_w: Desc::new(ffi::NCCL_FLOAT32, out_w_buf.device_ptr(), &[t, k]),
             recv_x_buf,
@@ -896,29 +899,6 @@ impl Runner {
         // SAFETY: live handle, descriptors of live buffers, our stream.
         let rc = unsafe { (self.lib.update_handle)(self.handle, self.idx.ptr(), &info, stream) };
         self.lib.check("ncclEpUpdateHandle", rc, self.comm)
-    }
-
-    /// Turns the expert-major counters and offsets from int64 into int32
-    /// (for a library that refuses the former); whether anything changed.
-    pub fn counters_to_int32(&mut self) -> bool {
-        let mut changed = false;
-        for d in std::iter::once(&mut self.counts).chain(self.offsets.as_mut()) {
-            changed |= d.t.datatype != ffi::NCCL_INT32;
-            d.t.datatype = ffi::NCCL_INT32;
-        }
-        changed
-    }
-
-    /// Turns the flat received expert ids from int64 into int32 (for a
-    /// library that refuses the former); whether anything changed.
-    pub fn recv_idx_to_int32(&mut self) -> bool {
-        match self.recv_idx.as_mut() {
-            Some(d) if d.t.datatype != ffi::NCCL_INT32 => {
-                d.t.datatype = ffi::NCCL_INT32;
-                true
-            }
-            _ => false,
-        }
     }
 
     /// Forward dispatch of our `x`, `w` into its receive buffers.
