@@ -872,15 +872,20 @@ fn cross_check(
     let k = nccl_ep::compare_combine(comb, &ch.comb, &ch.emu, &exact, case.hidden);
     let what = format!("NCCL EP ({}) cross-check, {}", pairing.name(), case.label());
     match (&d, &k) {
-        (Ok(order), Ok(())) => {
+        (Ok(order), Ok(same_bits)) => {
             if !c.opts.quiet {
-                let ours = if ch.ok {
-                    "moe-ep's and the CPU reference's"
+                let rows = if ch.ok {
+                    "rows and weights equal the CPU reference's (so moe-ep's)"
                 } else {
-                    "the CPU reference's"
+                    "rows and weights equal the CPU reference's"
+                };
+                let comb = if *same_bits {
+                    "combine output equals moe-ep's bit for bit"
+                } else {
+                    "combine output equals, element by element, moe-ep's, the reference's emulation or the rounded exact sum"
                 };
                 c.note(&format!(
-                    "ep-bench: {what}: ok: {} rows {}; its weights and combine output equal {ours}",
+                    "ep-bench: {what}: ok: {} rows {}; {rows}; {comb}",
                     got.total,
                     order.words()
                 ));

@@ -1409,13 +1409,14 @@ pub fn compare_dispatch(
 /// NCCL EP's combine output (`[T * H]`) against ours, the reference's
 /// emulation of our arithmetic, and (computed only when needed) the exact
 /// sum `exact()` correctly rounded: every element must equal one of them.
+/// `Ok(true)` when every element equals ours bit for bit.
 pub fn compare_combine(
     got: &[bf16],
     ours: &[bf16],
     emu: &[bf16],
     exact: &dyn Fn() -> Result<Vec<f64>, String>,
     hidden: usize,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     if got.len() != emu.len() {
         return Err(format!(
             "NCCL EP combined {} values, the reference {}",
@@ -1424,9 +1425,14 @@ pub fn compare_combine(
         ));
     }
     let mut ex: Option<Vec<f64>> = None;
+    let mut all_ours = got.len() == ours.len();
     for (i, g) in got.iter().enumerate() {
         let b = g.to_bits();
-        if ours.get(i).is_some_and(|o| o.to_bits() == b) || emu[i].to_bits() == b {
+        if ours.get(i).is_some_and(|o| o.to_bits() == b) {
+            continue;
+        }
+        all_ours = false;
+        if emu[i].to_bits() == b {
             continue;
         }
         if ex.is_none() {
@@ -1452,7 +1458,7 @@ pub fn compare_combine(
             emu[i].to_bits()
         ));
     }
-    Ok(())
+    Ok(all_ours)
 }
 
 #[cfg(test)]
@@ -1696,8 +1702,15 @@ mod tests {
         let ours = v(&[1.0, 2.0, 3.0, 4.0]);
         let emu = v(&[1.0, 2.0, 3.0, 4.5]);
         let exact = || Ok(vec![1.0, 2.0, 3.25, 4.0]);
-        assert!(compare_combine(&v(&[1.0, 2.0, 3.0, 4.5]), &ours, &emu, &exact, 2).is_ok());
-        assert!(compare_combine(&v(&[1.0, 2.0, 3.25, 4.0]), &ours, &emu, &exact, 2).is_ok());
+        assert_eq!(compare_combine(&ours, &ours, &emu, &exact, 2), Ok(true));
+        assert_eq!(
+            compare_combine(&v(&[1.0, 2.0, 3.0, 4.5]), &ours, &emu, &exact, 2),
+            Ok(false)
+        );
+        assert_eq!(
+            compare_combine(&v(&[1.0, 2.0, 3.25, 4.0]), &ours, &emu, &exact, 2),
+            Ok(false)
+        );
         let e = compare_combine(&v(&[1.0, 2.5, 3.0, 4.0]), &ours, &emu, &exact, 2).unwrap_err();
         assert!(e.contains("token 0, element 1"), "{e}");
     }
