@@ -41,7 +41,7 @@ pub const PROFILE_DEFAULT_ITERS: usize = 3;
 
 /// The `--help` text above the options.
 const ABOUT: &str = "Time the moe-ep expert-parallel dispatch/combine kernels against \
-NCCL all-to-all and the NVLink ceilings.\n\nOptions marked LIST take a comma list \
+NCCL all-to-all, NCCL EP and the NVLink ceilings.\n\nOptions marked LIST take a comma list \
 (e.g. --tokens 512,1024,4096); the cartesian product of all lists is benchmarked, \
 tokens varying fastest.";
 
@@ -54,6 +54,12 @@ with MASTER_ADDR/MASTER_PORT exported) each process is one rank and the NCCL id
 is shared over TCP; MOE_EP_BENCH_RDZV_ADDR/MOE_EP_BENCH_RDZV_PORT override the
 address and port of that rendezvous. --virtual-ranks runs every rank in this
 process on GPU 0 instead (no launcher, no --gpus).
+
+NCCL EP: when libnccl_ep.so.0 loads (library path, or MOE_EP_NCCL_EP_LIBRARY),
+its HT flat / expert-major ops run beside ours on the same routing and SMs
+(rows nccl-ep-*, column vs NCCL-EP; --check cross-checks its outputs). It
+needs NCCL >= 2.30.4 as moe-ep's own NCCL (MOE_EP_NCCL_LIBRARY), and
+NCCL_EP_HOME / NCCL_HOME for its kernel compiler; absent, one line says so.
 
 Exit status: 0 ok, 1 runtime failure (or a failed --check), 2 usage error.";
 
@@ -276,9 +282,12 @@ pub struct Opts {
     /// Compare with the CPU reference once before timing
     #[arg(long)]
     pub check: bool,
-    /// Skip NCCL all-to-all and the hardware ceilings
+    /// Skip the baselines: NCCL all-to-all, NCCL EP and the hardware ceilings
     #[arg(long)]
     pub no_baselines: bool,
+    /// Skip NCCL EP only (libnccl_ep.so.0, measured beside ours when it loads)
+    #[arg(long)]
+    pub no_nccl_ep: bool,
     /// Nsight mode: no warm-up, each op runs exactly --iters times, no L2 flush,
     /// timed from a host barrier
     #[arg(long)]
@@ -666,7 +675,7 @@ mod tests {
         assert!(o.num_sms.is_empty() && !o.auto_num_sms());
         assert_eq!((o.warmup(), o.iters()), (5, 20));
         assert_eq!(o.ops, vec![Op::Layout, Op::Dispatch, Op::Combine]);
-        assert!(o.flush_l2() && o.gpu_start() && !o.no_baselines);
+        assert!(o.flush_l2() && o.gpu_start() && !o.no_baselines && !o.no_nccl_ep);
         assert!(!o.check && !o.profile && !o.quiet);
         let cases = o.cases();
         assert_eq!(cases.len(), 1);
@@ -726,6 +735,7 @@ mod tests {
             "dispatch,combine-bwd",
             "--check",
             "--no-baselines",
+            "--no-nccl-ep",
             "--seed",
             "42",
             "--start",
@@ -747,7 +757,7 @@ mod tests {
         assert_eq!(o.num_sms, vec![20, 24]);
         assert_eq!((o.warmup(), o.iters(), o.seed), (2, 7, 42));
         assert_eq!(o.ops, vec![Op::Dispatch, Op::CombineBwd]);
-        assert!(o.check && o.no_baselines && o.quiet);
+        assert!(o.check && o.no_baselines && o.no_nccl_ep && o.quiet);
         assert_eq!(o.cases().len(), 2 * 3 * 2);
         assert_eq!(
             run(&["--routing", "masked:0"]).routing.to_string(),

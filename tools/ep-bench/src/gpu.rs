@@ -16,20 +16,28 @@
 //! the peers only), an SM copy loop storing into the peer's symmetric buffer (the
 //! peer-store ceiling), the same with the SMs' bulk-copy units (the
 //! bulk-copy ceiling) and the copy engine's peer copy. Virtual ranks cross
-//! no NVLink, so they measure none of them. Rank 0 gathers every rank's
-//! statistics and returns them.
+//! no NVLink, so they measure none of them. NCCL EP, when its library
+//! loads, runs the same case beside ours on the same communicator, inputs
+//! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]). Rank 0 gathers every
+//! rank's statistics and returns them.
 
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
-use moe_ep::cuda::{result as cu, CudaContext, CudaEvent, CudaSlice, CudaStream};
+use indicatif::ProgressBar;
+
+use moe_ep::cuda::{result as cu, sys, CudaContext, CudaEvent, CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::nccl::{exchange_rows, StartGate};
 use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
 
+use crate::accounting::OpBytes;
 use crate::cli::{Case, Op, Opts, Routing, DEFAULT_NUM_SMS};
 use crate::launch::RankEnv;
+use crate::nccl_ep;
 use crate::report::{self, CaseResult, OpResult, Ranks, Stat};
 
 /// Errors travel as one line of text up to `main`.
@@ -103,15 +111,42 @@ struct Ctx<'a> {
     /// they meet at the host barrier once all have enqueued, then each opens
     /// its own gate).
     start: StartGate,
+    /// NCCL EP, when it runs beside ours.
+    nccl_ep: Option<&'static nccl_ep::Lib>,
+    /// Rank 0's progress bar (lines are printed around it).
+    bar: ProgressBar,
+    /// The notes already printed (each once per run).
+    said: RefCell<Vec<String>>,
 }
 
 impl Ctx<'_> {
-    /// Runs `f` warm-up + iters times; returns the per-iteration times (us).
+    /// Rank 0 prints `line` on stderr.
+    fn note(&self, line: &str) {
+        if self.comm.rank() == 0 {
+            self.bar.suspend(|| eprintln!("{line}"));
+        }
+    }
+
+    /// [`Ctx::note`], once per run.
+    fn note_once(&self, line: String) {
+        if self.comm.rank() == 0 && !self.said.borrow().contains(&line) {
+            self.note(&line);
+            self.said.borrow_mut().push(line);
+        }
+    }
+
+    /// [`Ctx::time_with`] under `--start` as given.
+    fn time(&self, what: &str, f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+        self.time_with(what, self.opts.gpu_start(), f)
+    }
+
+    /// Runs `f` warm-up + iters times; returns the per-iteration times (us);
+    /// `gpu_start`: behind the start gate (else from the host barrier).
     /// With `MOE_EP_BENCH_ENQUEUE=1` each rank also prints the median host
     /// time `f` took to enqueue its work (inside the timed span: the stream
     /// is empty when the start event is recorded).
-    fn time(&self, what: &str, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
-        let (iters, gpu_start) = (self.opts.iters(), self.opts.gpu_start());
+    fn time_with(&self, what: &str, gpu_start: bool, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+        let iters = self.opts.iters();
         for _ in 0..self.opts.warmup() {
             f()?;
         }
@@ -319,7 +354,8 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
     let root = comm.rank() == 0;
     let flush = stream.alloc_zeros::<u8>(256 << 20).map_err(s)?;
     let start = StartGate::new(&stream).map_err(s)?;
-    let c = Ctx {
+    let bar = report::progress(cases.len(), root && !opts.quiet);
+    let mut c = Ctx {
         opts,
         timer: Timer::new(&ctx)?,
         stream,
@@ -327,7 +363,11 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
         comm,
         flush,
         start,
+        nccl_ep: None,
+        bar: bar.clone(),
+        said: RefCell::new(Vec::new()),
     };
+    c.nccl_ep = nccl_ep_baseline(&c)?;
     let world = c.comm.world();
     let ranks = if c.comm.is_virtual() {
         Ranks::Virtual
@@ -335,7 +375,6 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
         Ranks::Nccl
     };
     let gpu_name = ctx.name().unwrap_or_else(|_| "GPU".into());
-    let bar = report::progress(cases.len(), root && !opts.quiet);
     let mut said = None;
     let mut results = Vec::new();
     for case in cases {
@@ -366,15 +405,61 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
             ranks,
             gpu_name: gpu_name.clone(),
             check: r.1,
+            nccl_ep_check: r.2,
         });
     }
     bar.finish_and_clear();
     Ok(if root { results } else { Vec::new() })
 }
 
+/// Whether NCCL EP runs beside ours on this rank's communicator: `None`
+/// with one line from rank 0 when it cannot (not on every rank, virtual
+/// ranks, the library absent or unfit), silently with `--no-baselines` or
+/// `--no-nccl-ep`. Collective on NCCL ranks (they agree).
+fn nccl_ep_baseline(c: &Ctx<'_>) -> R<Option<&'static nccl_ep::Lib>> {
+    if c.opts.no_baselines || c.opts.no_nccl_ep {
+        return Ok(None);
+    }
+    if c.comm.is_virtual() || c.comm.raw().is_none() {
+        c.note("ep-bench: NCCL EP baseline left out: not applicable to virtual ranks (it needs an NCCL communicator)");
+        return Ok(None);
+    }
+    let mine = nccl_ep::load();
+    let all = c
+        .comm
+        .all_gather_host(&c.stream, &[mine.is_ok() as u8])
+        .map_err(s)?;
+    let missing: Vec<String> = (all.iter().enumerate())
+        .filter(|(_, &v)| v != 1)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    match mine {
+        Err(why) => {
+            c.note(&format!("ep-bench: NCCL EP baseline left out: {why}"));
+            Ok(None)
+        }
+        Ok(_) if !missing.is_empty() => {
+            c.note(&format!(
+                "ep-bench: NCCL EP baseline left out: it did not load on rank(s) {}",
+                missing.join(", ")
+            ));
+            Ok(None)
+        }
+        Ok(lib) => {
+            c.note(&format!("ep-bench: NCCL EP baseline: {}", lib.describe()));
+            Ok(Some(lib))
+        }
+    }
+}
+
 /// One case on one rank: our ops (and, on NCCL ranks, the baselines), all
-/// ranks' statistics gathered, and the `--check` outcome when asked for.
-fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<bool>)> {
+/// ranks' statistics gathered, the `--check` outcome when asked for, and
+/// that of NCCL EP's cross-check.
+fn run_case(
+    c: &Ctx<'_>,
+    case: &Case,
+    world: usize,
+) -> R<(Vec<OpResult>, Option<bool>, Option<bool>)> {
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
     let shape = Shape {
@@ -459,25 +544,30 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
     let mut mine: Vec<Measured> = Vec::new();
 
     // --check: dispatch and combine against the CPU reference, once.
-    let check = if opts.check {
+    let checked = if opts.check {
         let inputs: Vec<RankInput> = (0..world)
             .map(|r| rank_input(case, opts.seed, r, routing[r].clone()))
             .collect();
-        let ok = check_case(
+        Some(check_case(
             c,
             &group,
             &handle,
-            &shape,
-            &inputs,
+            shape,
+            inputs,
             layout,
             (&xv, &wv),
             (&mut recv, &mut recv_w),
             &mut out,
-        )?;
-        let all = c.comm.all_gather_host(s_, &[ok as u8]).map_err(s)?;
-        Some(all.iter().all(|&v| v == 1))
+        )?)
     } else {
         None
+    };
+    let check = match &checked {
+        Some(ch) => {
+            let all = c.comm.all_gather_host(s_, &[ch.ok as u8]).map_err(s)?;
+            Some(all.iter().all(|&v| v == 1))
+        }
+        None => None,
     };
 
     for &op in &opts.ops {
@@ -549,7 +639,269 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<(Vec<OpResult>, Option<
             case.num_sms,
         )?);
     }
-    Ok((gather(c, mine)?, check))
+
+    // NCCL EP on the same communicator, inputs and SM count.
+    let mut nccl_ep_check = None;
+    if let Some(lib) = c.nccl_ep {
+        match nccl_ep::pairing(case, world) {
+            Err(why) => c.note(&format!(
+                "ep-bench: NCCL EP: {}: not applicable: {why}",
+                case.label()
+            )),
+            Ok(pairing) => {
+                let spec = nccl_ep::Spec {
+                    tokens: t,
+                    hidden: h,
+                    topk: k,
+                    experts: case.experts,
+                    world,
+                    num_sms: case.num_sms,
+                    recv_rows: cap,
+                    pairing,
+                };
+                let inputs = nccl_ep::Inputs {
+                    topk_idx: DeviceRegion::device_ptr(&idx),
+                    x: DeviceRegion::device_ptr(&x),
+                    w: DeviceRegion::device_ptr(&w),
+                };
+                let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
+                // Every rank keeps its rows only when every rank has them.
+                let code = match &ran {
+                    Ok((_, Some(true))) => 1u8,
+                    Ok((_, Some(false))) => 2,
+                    Ok((_, None)) => 3,
+                    Err(_) => 0,
+                };
+                let all = c.comm.all_gather_host(s_, &[code]).map_err(s)?;
+                match ran {
+                    Ok((rows, v)) if all.iter().all(|&a| a != 0) => {
+                        mine.extend(rows);
+                        nccl_ep_check = v.map(|_| all.iter().all(|&a| a == 1));
+                    }
+                    Ok(_) => c.note(&format!(
+                        "ep-bench: NCCL EP: {}: failed on another rank; its rows left out",
+                        case.label()
+                    )),
+                    Err(e) => eprintln!(
+                        "ep-bench: rank {rank}: NCCL EP: {}: {e}; its rows left out",
+                        case.label()
+                    ),
+                }
+            }
+        }
+    }
+    Ok((gather(c, mine)?, check, nccl_ep_check))
+}
+
+/// How long a probed call may take while its stream is held before it is
+/// deemed to wait for the GPU.
+const PROBE_WAIT: Duration = Duration::from_secs(3);
+
+/// A host-pinned word mapped for the GPU: the probe's gate.
+struct HostWord {
+    host: *mut u32,
+    device: u64,
+}
+
+impl HostWord {
+    /// A zero word (the context bound to this thread).
+    fn new() -> R<HostWord> {
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: four bytes; the result is checked.
+        let host = unsafe { cu::malloc_host(4, flags) }.map_err(s)? as *mut u32;
+        // SAFETY: valid for one u32.
+        unsafe { host.write_volatile(0) };
+        let mut device = 0u64;
+        // SAFETY: host is a live mapped allocation.
+        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: allocated above, freed once.
+            let _ = unsafe { cu::free_host(host.cast()) };
+            return Err(format!("cuMemHostGetDevicePointer: {rc:?}"));
+        }
+        Ok(HostWord { host, device })
+    }
+}
+
+impl Drop for HostWord {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new; the stream that waited on it has drained.
+        if let Err(e) = unsafe { cu::free_host(self.host.cast()) } {
+            eprintln!("ep-bench: cuMemFreeHost failed: {e}");
+        }
+    }
+}
+
+/// Whether `f` returns while `stream` is held, as behind `--start gpu`'s
+/// gate: `f`'s work is enqueued behind a host-mapped word that a watchdog
+/// sets after [`PROBE_WAIT`] should `f` not have returned by then. A call
+/// that waits for the GPU inside (a stream synchronisation, a blocking
+/// copy) would never return behind the gate, which opens only after it.
+fn returns_while_held(stream: &Arc<CudaStream>, f: impl FnOnce() -> R<()>) -> R<bool> {
+    let word = HostWord::new()?;
+    // SAFETY: a live mapped word; flags 0 = wait until it is >= 1.
+    let rc = unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), word.device, 1, 0) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuStreamWaitValue32: {rc:?}"));
+    }
+    let addr = word.host as usize;
+    // SAFETY: the word lives until the stream has drained, below.
+    let open = move || unsafe { (addr as *mut u32).write_volatile(1) };
+    let (tx, rx) = mpsc::channel::<()>();
+    let (ran, fired) = std::thread::scope(|scope| {
+        let dog = scope.spawn(move || {
+            let late = rx.recv_timeout(PROBE_WAIT).is_err();
+            if late {
+                open();
+            }
+            late
+        });
+        let ran = f();
+        let _ = tx.send(());
+        open();
+        (ran, dog.join().unwrap_or(true))
+    });
+    stream.synchronize().map_err(s)?;
+    drop(word);
+    ran?;
+    Ok(!fired)
+}
+
+/// NCCL EP beside one case: its group and handle, its layout (handle
+/// update), dispatch and combine once (the cross-check under `--check`),
+/// then the rows of the NCCL EP ops matching `--ops`, timed as ours are.
+/// An op whose call waits for the GPU (probed first) is timed from the
+/// host barrier, said once per run.
+fn run_nccl_ep(
+    c: &Ctx<'_>,
+    lib: &'static nccl_ep::Lib,
+    case: &Case,
+    spec: nccl_ep::Spec,
+    inputs: nccl_ep::Inputs,
+    checked: Option<&Checked>,
+    bytes: &dyn Fn(Op) -> OpBytes,
+) -> R<(Vec<Measured>, Option<bool>)> {
+    // SAFETY: inputs are run_case's buffers of these sizes, alive until
+    // after `ep` drops at the end of this function.
+    let mut ep = unsafe { nccl_ep::Runner::new(lib, &c.comm, &c.stream, spec, inputs)? };
+    ep.layout()?;
+    ep.recv_total()?;
+    ep.dispatch()?;
+    let verdict = match checked {
+        Some(ch) => {
+            let got = ep.received()?;
+            ep.combine()?;
+            let comb = ep.combined()?;
+            Some(cross_check(c, case, spec.pairing, ch, &got, &comb))
+        }
+        None => {
+            ep.combine()?;
+            None
+        }
+    };
+    // Its rows, one per NCCL EP op that some op of ours asks for.
+    let mut ops: Vec<(Op, &'static str)> = Vec::new();
+    for &op in &c.opts.ops {
+        let name = nccl_ep::row_name(op);
+        if !ops.iter().any(|&(_, n)| n == name) {
+            ops.push((op, name));
+        }
+    }
+    let run = |ep: &mut nccl_ep::Runner, op: Op| match op {
+        Op::Layout => ep.layout(),
+        Op::Dispatch => ep.dispatch(),
+        Op::Combine | Op::CombinePush => ep.combine(),
+        Op::DispatchBwd => ep.dispatch_bwd(),
+        Op::CombineBwd => ep.combine_bwd(),
+    };
+    // Every call once untimed before it is probed (its kernels are
+    // compiled at first use). A backward pass it refuses is left out alone.
+    let mut primed = Vec::new();
+    for (op, name) in ops {
+        match run(&mut ep, op) {
+            Ok(()) => primed.push((op, name)),
+            Err(e) if matches!(op, Op::DispatchBwd | Op::CombineBwd) => {
+                c.note_once(format!("ep-bench: NCCL EP's {name} left out: {e}"))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let ops = primed;
+    c.stream.synchronize().map_err(s)?;
+    let mut out = Vec::new();
+    for (op, name) in ops {
+        let mut f = || run(&mut ep, op);
+        let mut gpu = c.opts.gpu_start();
+        if gpu {
+            let held = returns_while_held(&c.stream, &mut f)?;
+            let all = c
+                .comm
+                .all_gather_host(&c.stream, &[held as u8])
+                .map_err(s)?;
+            gpu = all.iter().all(|&v| v == 1);
+            if !gpu {
+                c.note_once(format!(
+                    "ep-bench: NCCL EP's {name} waits for the GPU inside its call: timed from \
+                     the host barrier (as --start host)"
+                ));
+            }
+        }
+        let samples = c.time_with(name, gpu, f)?;
+        let b = bytes(op);
+        out.push((name.to_string(), samples, b.nvlink, b.logical));
+    }
+    drop(ep);
+    Ok((out, verdict))
+}
+
+/// NCCL EP's dispatch output and combine against the reference and ours
+/// ([`nccl_ep::compare_dispatch`], [`nccl_ep::compare_combine`]); says how
+/// it went (rank 0 when it passed, every failing rank when not).
+fn cross_check(
+    c: &Ctx<'_>,
+    case: &Case,
+    pairing: nccl_ep::Pairing,
+    ch: &Checked,
+    got: &nccl_ep::Received,
+    comb: &[bf16],
+) -> bool {
+    let rank = c.comm.rank();
+    let d = nccl_ep::compare_dispatch(&ch.want, got, case.layout, case.hidden, case.topk);
+    let exact =
+        || refr::combine_f64(&ch.shape, &ch.inputs, &ch.outs, rank, case.layout, false).map_err(s);
+    let k = nccl_ep::compare_combine(comb, &ch.comb, &ch.emu, &exact, case.hidden);
+    let what = format!("NCCL EP ({}) cross-check, {}", pairing.name(), case.label());
+    match (&d, &k) {
+        (Ok(order), Ok(same_bits)) => {
+            if !c.opts.quiet {
+                let rows = if ch.ok {
+                    "rows and weights equal the CPU reference's (so moe-ep's)"
+                } else {
+                    "rows and weights equal the CPU reference's"
+                };
+                let comb = if *same_bits {
+                    "combine output equals moe-ep's bit for bit"
+                } else {
+                    "combine output equals, element by element, moe-ep's, the reference's emulation or the rounded exact sum"
+                };
+                c.note(&format!(
+                    "ep-bench: {what}: ok: {} rows {}; {rows}; {comb}",
+                    got.total,
+                    order.words()
+                ));
+            }
+            true
+        }
+        _ => {
+            if let Err(e) = &d {
+                eprintln!("ep-bench: rank {rank}: {what}: FAILED: dispatch: {e}");
+            }
+            if let Err(e) = &k {
+                eprintln!("ep-bench: rank {rank}: {what}: FAILED: {e}");
+            }
+            false
+        }
+    }
 }
 
 /// NCCL grouped send/recv of this rank's dispatch rows to every rank (the
@@ -666,6 +1018,24 @@ fn gather(c: &Ctx<'_>, mine: Vec<Measured>) -> R<Vec<OpResult>> {
         .collect())
 }
 
+/// What `--check` compared, kept for NCCL EP's cross-check.
+struct Checked {
+    /// Ours passed (this rank).
+    ok: bool,
+    /// The case's shape.
+    shape: Shape,
+    /// Every rank's inputs.
+    inputs: Vec<RankInput>,
+    /// The reference's dispatch output of this rank.
+    want: refr::DispatchOutput,
+    /// Every rank's reference dispatch rows (identity expert outputs).
+    outs: Vec<Vec<bf16>>,
+    /// The reference's emulation of our combine on this rank.
+    emu: Vec<bf16>,
+    /// Our combine output on this rank.
+    comb: Vec<bf16>,
+}
+
 /// Dispatch bit for bit and combine (identity experts) bit for bit against
 /// the reference's emulation of the kernel arithmetic.
 #[allow(clippy::too_many_arguments)]
@@ -673,15 +1043,15 @@ fn check_case(
     c: &Ctx<'_>,
     group: &EpGroup,
     handle: &moe_ep::Handle,
-    shape: &Shape,
-    inputs: &[RankInput],
+    shape: Shape,
+    inputs: Vec<RankInput>,
     layout: RecvLayout,
     (x, w): (&dyn DeviceRegion<bf16>, &dyn DeviceRegion<f32>),
     (recv, recv_w): (&mut moe_ep::SymmBuffer<bf16>, &mut moe_ep::SymmBuffer<f32>),
     out: &mut CudaSlice<bf16>,
-) -> R<bool> {
+) -> R<Checked> {
     let (rank, s_) = (c.comm.rank(), &c.stream);
-    let want = refr::dispatch(shape, inputs, rank, layout).map_err(s)?;
+    let want = refr::dispatch(&shape, &inputs, rank, layout).map_err(s)?;
     let d = group
         .dispatch(
             s_,
@@ -710,10 +1080,10 @@ fn check_case(
     s_.synchronize().map_err(s)?;
     group.check().map_err(s)?;
     let outs: Vec<Vec<bf16>> = (0..shape.num_ranks)
-        .map(|d| refr::dispatch(shape, inputs, d, layout).map(|o| o.tokens))
+        .map(|d| refr::dispatch(&shape, &inputs, d, layout).map(|o| o.tokens))
         .collect::<Result<_, Error>>()
         .map_err(s)?;
-    let emu = refr::combine_emulated(shape, inputs, &outs, rank, layout, false).map_err(s)?;
+    let emu = refr::combine_emulated(&shape, &inputs, &outs, rank, layout, false).map_err(s)?;
     let same = |a: &[bf16], b: &[bf16]| {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     };
@@ -725,5 +1095,13 @@ fn check_case(
             same(&comb, &emu)
         );
     }
-    Ok(ok)
+    Ok(Checked {
+        ok,
+        shape,
+        inputs,
+        want,
+        outs,
+        emu,
+        comb,
+    })
 }

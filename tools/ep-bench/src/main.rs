@@ -1,6 +1,8 @@
 //! `ep-bench`: launcher and profiler for the `moe-ep` expert-parallel
-//! dispatch/combine kernels, compared against NCCL all-to-all and hardware
-//! ceilings (peer stores and loads, bulk copies, the copy engine).
+//! dispatch/combine kernels, compared against NCCL all-to-all, NCCL EP
+//! (NVIDIA's expert-parallel library, when `libnccl_ep.so.0` loads:
+//! [`nccl_ep`]) and hardware ceilings (peer stores and loads, bulk copies,
+//! the copy engine).
 //!
 //! Without a launcher, `ep-bench` re-executes itself once per GPU (rank `r`
 //! uses device `r`); under torchrun, Open MPI or Slurm every process is one
@@ -41,6 +43,7 @@ mod accounting;
 mod cli;
 mod gpu;
 mod launch;
+mod nccl_ep;
 mod plot;
 mod report;
 
@@ -214,6 +217,21 @@ fn emit(opts: &Opts, results: &[CaseResult]) -> u8 {
                 "--check: {} case(s) differ from the CPU reference: {}",
                 failed.len(),
                 failed.join("; ")
+            ),
+        );
+    }
+    let ep_failed: Vec<String> = results
+        .iter()
+        .filter(|r| r.nccl_ep_check == Some(false))
+        .map(|r| r.case.label())
+        .collect();
+    if !ep_failed.is_empty() {
+        code = fail_code(
+            EXIT_FAILURE,
+            &format!(
+                "--check: NCCL EP's outputs differ from moe-ep's and the CPU reference's in {} case(s): {}",
+                ep_failed.len(),
+                ep_failed.join("; ")
             ),
         );
     }

@@ -8,7 +8,10 @@
 //! `vs NCCL` = our NVLink GB/s / `nccl-alltoall` NVLink GB/s, `vs peers` =
 //! the same over `nccl-peers` (NCCL moving only the NVLink bytes, not the
 //! rows that stay on the GPU), `vs ceiling` = our NVLink GB/s /
-//! `peer-store-ceiling` NVLink GB/s. Virtual ranks have no baselines, so no
+//! `peer-store-ceiling` NVLink GB/s. `vs NCCL-EP` = the median time of
+//! NCCL EP's row for the same op ([`crate::nccl_ep::row_name`]) over ours:
+//! a time ratio, since both move the same rows (at world 1 none crosses
+//! NVLink), above 1.00x faster. Virtual ranks have no baselines, so no
 //! ratios; every record of theirs says `ranks: virtual`.
 
 use std::io::IsTerminal;
@@ -37,6 +40,18 @@ pub const BULK_LOAD_CEILING: &str = "bulk-load-ceiling";
 pub const BULK_COPY_CEILING: &str = "bulk-copy-ceiling";
 /// Op name of the copy-engine (`cudaMemcpyPeerAsync`-style) baseline.
 pub const COPY_ENGINE: &str = "copy-engine";
+/// Prefix of NCCL EP's rows.
+pub const NCCL_EP_PREFIX: &str = "nccl-ep-";
+/// NCCL EP's `ncclEpUpdateHandle` (its layout).
+pub const NCCL_EP_LAYOUT: &str = "nccl-ep-layout";
+/// NCCL EP's forward dispatch.
+pub const NCCL_EP_DISPATCH: &str = "nccl-ep-dispatch";
+/// NCCL EP's forward combine.
+pub const NCCL_EP_COMBINE: &str = "nccl-ep-combine";
+/// NCCL EP's backward combine (the data movement of our dispatch-bwd).
+pub const NCCL_EP_DISPATCH_BWD: &str = "nccl-ep-dispatch-bwd";
+/// NCCL EP's backward dispatch (the data movement of our combine-bwd).
+pub const NCCL_EP_COMBINE_BWD: &str = "nccl-ep-combine-bwd";
 
 /// Summary of one rank's timing samples, in microseconds (µs).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -170,6 +185,9 @@ pub struct CaseResult {
     pub gpu_name: String,
     /// `--check` outcome: `Some(true)` passed, `Some(false)` failed, `None` not run.
     pub check: Option<bool>,
+    /// `--check`'s cross-check of NCCL EP's outputs (same words; `None`
+    /// also when NCCL EP did not run).
+    pub nccl_ep_check: Option<bool>,
 }
 
 impl CaseResult {
@@ -183,6 +201,30 @@ impl CaseResult {
         let ours = op.nvlink_gbps();
         let base = self.op(baseline)?.nvlink_gbps();
         (op.is_ours() && ours > 0.0 && base > 0.0).then(|| ours / base)
+    }
+
+    /// NCCL EP's median time for the op over ours (`vs NCCL-EP`), when
+    /// both ran and `op` is ours.
+    pub fn vs_nccl_ep(&self, op: &OpResult) -> Option<f64> {
+        let ours = Op::from_name(&op.op)?;
+        let base = self.op(crate::nccl_ep::row_name(ours))?.stat().median_us;
+        let mine = op.stat().median_us;
+        (base.is_finite() && mine.is_finite() && base > 0.0 && mine > 0.0).then(|| base / mine)
+    }
+
+    /// Whether NCCL EP's rows are in this result.
+    pub fn has_nccl_ep(&self) -> bool {
+        self.ops.iter().any(|o| o.op.starts_with(NCCL_EP_PREFIX))
+    }
+
+    /// The `--check` outcome that row `op` shows: NCCL EP's rows show the
+    /// cross-check, every other row the case's check.
+    pub fn check_of(&self, op: &OpResult) -> Option<bool> {
+        if op.op.starts_with(NCCL_EP_PREFIX) {
+            self.nccl_ep_check
+        } else {
+            self.check
+        }
     }
 
     /// `8 virtual ranks on one NVIDIA H200` or `2 x NVIDIA H200`.
@@ -279,7 +321,8 @@ fn render_columns(header: &[String], right: &[bool], rows: &[Vec<String>]) -> St
 /// (ranks, GPU name, fixed settings), then one row per (case, op) with the
 /// case columns that vary in the sweep, op, median/min/max µs (slowest
 /// rank), NVLink GB/s, logical GB/s, vs NCCL, vs peers, vs ceiling (not for
-/// virtual ranks, which have no baselines) and `check` when `--check` ran.
+/// virtual ranks, which have no baselines), vs NCCL-EP (when NCCL EP ran)
+/// and `check` when `--check` ran (NCCL EP's rows: its cross-check).
 pub fn table(results: &[CaseResult]) -> String {
     let Some(first) = results.first() else {
         return "ep-bench: no results\n".to_string();
@@ -309,7 +352,10 @@ pub fn table(results: &[CaseResult]) -> String {
     }
     out.push('\n');
 
-    let with_check = results.iter().any(|r| r.check.is_some());
+    let with_check = results
+        .iter()
+        .any(|r| r.check.is_some() || r.nccl_ep_check.is_some());
+    let with_ep = results.iter().any(CaseResult::has_nccl_ep);
     let mut header: Vec<String> = varying.iter().map(|&i| CASE_FIELDS[i].into()).collect();
     // Every case column is a number but the layout.
     let mut right: Vec<bool> = varying.iter().map(|&i| i != 4).collect();
@@ -331,6 +377,7 @@ pub fn table(results: &[CaseResult]) -> String {
     ];
     let columns = columns[..6 + ratios.len()]
         .iter()
+        .chain(with_ep.then_some(&"vs NCCL-EP"))
         .chain(with_check.then_some(&"check"));
     for h in columns {
         header.push(h.to_string());
@@ -364,8 +411,15 @@ pub fn table(results: &[CaseResult]) -> String {
                 bw(op.row_logical_bytes(), op.logical_gbps()),
             ]);
             row.extend(ratios.iter().map(|b| ratio(b)));
+            if with_ep {
+                row.push(
+                    res.vs_nccl_ep(op)
+                        .filter(|r| r.is_finite())
+                        .map_or("-".into(), |r| format!("{r:.2}x")),
+                );
+            }
             if with_check {
-                row.push(check_word(res.check, "ok", "FAILED", "-").into());
+                row.push(check_word(res.check_of(op), "ok", "FAILED", "-").into());
             }
             rows.push(row);
         }
@@ -440,6 +494,7 @@ struct OpRecord<'a> {
     vs_nccl: Option<f64>,
     vs_nccl_peers: Option<f64>,
     vs_ceiling: Option<f64>,
+    vs_nccl_ep: Option<f64>,
 }
 
 impl<'a> OpRecord<'a> {
@@ -460,6 +515,7 @@ impl<'a> OpRecord<'a> {
             vs_nccl: res.ratio(op, NCCL_ALLTOALL),
             vs_nccl_peers: res.ratio(op, NCCL_PEERS),
             vs_ceiling: res.ratio(op, PEER_STORE_CEILING),
+            vs_nccl_ep: res.vs_nccl_ep(op),
         }
     }
 }
@@ -470,9 +526,10 @@ impl<'a> OpRecord<'a> {
 /// "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
 /// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "logical_bytes",
 /// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
-/// "per_rank": [{"rank", "median_us", "min_us", "max_us", "nvlink_bytes",
-/// "logical_bytes"}]}]}]}`. Times in µs, bytes in B, bandwidths in GB/s;
-/// unknown values are `null`; `ranks` is `"nccl"` or `"virtual"`.
+/// "vs_nccl_ep", "per_rank": [{"rank", "median_us", "min_us", "max_us",
+/// "nvlink_bytes", "logical_bytes"}]}], "nccl_ep_check"}]}`. Times in µs,
+/// bytes in B, bandwidths in GB/s; unknown values are `null`; `ranks` is
+/// `"nccl"` or `"virtual"`.
 pub fn json(results: &[CaseResult]) -> String {
     #[derive(Serialize)]
     struct RankRecord {
@@ -496,6 +553,7 @@ pub fn json(results: &[CaseResult]) -> String {
         gpu_name: &'a str,
         check: Option<bool>,
         ops: Vec<OpWithRanks<'a>>,
+        nccl_ep_check: Option<bool>,
     }
     #[derive(Serialize)]
     struct Doc<'a> {
@@ -529,6 +587,7 @@ pub fn json(results: &[CaseResult]) -> String {
                             .collect(),
                     })
                     .collect(),
+                nccl_ep_check: res.nccl_ep_check,
             })
             .collect(),
     };
@@ -538,9 +597,10 @@ pub fn json(results: &[CaseResult]) -> String {
 /// Header plus one line per (case, op): `tokens, hidden, topk, experts,
 /// layout, num_sms, mode, dtype, routing, world, gpu_name, op, baseline,
 /// median_us, min_us, max_us, slowest_rank, nvlink_bytes, logical_bytes,
-/// nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling, check,
-/// per_rank_median_us, ranks`. Times in µs, bytes in B, GB/s; unknown values
-/// are empty; `check` is `ok` / `failed` / empty; `per_rank_median_us` is
+/// nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling,
+/// vs_nccl_ep, check, per_rank_median_us, ranks`. Times in µs, bytes in B,
+/// GB/s; unknown values are empty; `check` is `ok` / `failed` / empty (the
+/// row's: NCCL EP's rows give the cross-check); `per_rank_median_us` is
 /// `rank0;rank1;...`; `ranks` is `nccl` or `virtual`.
 pub fn csv(results: &[CaseResult]) -> String {
     #[derive(Serialize)]
@@ -568,7 +628,7 @@ pub fn csv(results: &[CaseResult]) -> String {
                 },
                 OpRecord::new(res, op),
                 Tail {
-                    check: check_word(res.check, "ok", "failed", ""),
+                    check: check_word(res.check_of(op), "ok", "failed", ""),
                     per_rank_median_us: per_rank.join(";"),
                     ranks: res.ranks,
                 },
@@ -651,6 +711,7 @@ pub(crate) mod tests {
             ranks: Ranks::Nccl,
             gpu_name: "NVIDIA H200".to_string(),
             check,
+            nccl_ep_check: None,
         }
     }
 
@@ -809,7 +870,7 @@ pub(crate) mod tests {
             header.join(","),
             "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,world,gpu_name,op,\
              baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,logical_bytes,\
-             nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,check,\
+             nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,vs_nccl_ep,check,\
              per_rank_median_us,ranks"
         );
         let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
@@ -883,5 +944,46 @@ pub(crate) mod tests {
         assert!(res[1]["ops"][0]["per_rank"][0]["median_us"].is_null());
         // Empty inputs are valid too.
         assert!(serde_json::from_str::<serde_json::Value>(&json(&[])).is_ok());
+    }
+
+    #[test]
+    fn nccl_ep_rows_and_ratios() {
+        let mut r = sample(1024, 7168, Some(true));
+        // NCCL EP: dispatch 150 µs (ours 100: 1.50x), layout 3 µs (ours 6: 0.50x).
+        r.ops.push(op(
+            NCCL_EP_DISPATCH,
+            &[150.0, 140.0],
+            &[3_000_000, 2_000_000],
+        ));
+        r.ops.push(op(NCCL_EP_LAYOUT, &[3.0, 2.0], &[0, 0]));
+        r.nccl_ep_check = Some(false);
+        let d = r.op("dispatch").unwrap();
+        assert!((r.vs_nccl_ep(d).unwrap() - 1.5).abs() < 1e-9);
+        assert!((r.vs_nccl_ep(r.op("layout").unwrap()).unwrap() - 0.5).abs() < 1e-9);
+        assert_eq!(r.vs_nccl_ep(r.op("combine").unwrap()), None);
+        assert_eq!(r.vs_nccl_ep(r.op(NCCL_EP_DISPATCH).unwrap()), None);
+        let t = table(std::slice::from_ref(&r));
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[1].ends_with("vs NCCL-EP  check"), "{}", lines[1]);
+        let row = |name: &str| {
+            *lines
+                .iter()
+                .find(|l| l.split_whitespace().next() == Some(name))
+                .unwrap()
+        };
+        assert!(row("dispatch").ends_with("1.50x  ok"), "{t}");
+        assert!(row(NCCL_EP_DISPATCH).ends_with("FAILED"), "{t}");
+        let doc: serde_json::Value = serde_json::from_str(&json(&[r.clone()])).unwrap();
+        assert_eq!(doc["results"][0]["nccl_ep_check"], false);
+        assert_eq!(doc["results"][0]["ops"][1]["vs_nccl_ep"], 1.5);
+        let text = csv(&[r]);
+        let mut rd = csv::Reader::from_reader(text.as_bytes());
+        let h: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        let at = |n: &str| h.iter().position(|x| x == n).unwrap();
+        let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+        assert_eq!(&rows[1][at("vs_nccl_ep")], "1.5");
+        assert_eq!(&rows[5][at("check")], "failed");
+        // Without NCCL EP rows the table has no such column.
+        assert!(!table(&[sample(1024, 7168, None)]).contains("NCCL-EP"));
     }
 }
