@@ -1506,6 +1506,53 @@ fn two_streams_and_two_threads_on_one_group_are_ordered() {
     );
 }
 
+/// An input written on another stream (a cudarc slice whose own stream is
+/// held at a closed gate, then copies the tokens in): dispatch on the op's
+/// stream waits for that stream first, so combine's output is right.
+#[test]
+fn inputs_written_on_another_stream_are_waited_for() {
+    let c = small(256, 4096, 8, 64, Routing::Uniform);
+    run_worlds("inputs_written_on_another_stream_are_waited_for", 2, |r| {
+        use moe_ep::testkit::nccl::StartGate;
+        let shape = shape_of(&c, r.world);
+        let inputs = workload::rank_inputs(43, &shape, &vec![c.tokens; r.world], c.routing);
+        let me = &inputs[r.rank];
+        let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+        let s = &r.stream;
+        let n = c.tokens * c.hidden;
+        let (good, w, idx) = upload(s, me)?;
+        let mut out = s.alloc_zeros::<bf16>(n).map_err(Error::cuda("alloc"))?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        let other = r.ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+        let mut x = other.alloc_zeros::<bf16>(n).map_err(Error::cuda("alloc"))?;
+        other.synchronize().map_err(Error::cuda("sync"))?;
+        let gate = StartGate::new(&other)?;
+        let run = (|| {
+            gate.enqueue(&r.comm, &other)?;
+            other
+                .memcpy_dtod(&good, &mut x)
+                .map_err(Error::cuda("cuMemcpyDtoD"))?;
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            let d = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+            group.combine(s, &handle, &d.tokens, None, &mut out)?;
+            Ok::<_, Error>((handle, d))
+        })();
+        // The other stream (and with it the ops) waits until here.
+        gate.open();
+        let kept = run?;
+        let got = bits(&down(s, &out, n)?);
+        drop(kept);
+        group.check()?;
+        first_diff(
+            "combine of tokens copied in on another stream",
+            &got,
+            &identity_combine(&shape, me)?,
+        )?;
+        r.comm.barrier(s)?;
+        Ok(())
+    });
+}
+
 /// Host memory pretending to be a device region: only an `unsafe impl` can
 /// make one, and the group's checks still catch it.
 struct HostRegion(Vec<bf16>);

@@ -9,7 +9,9 @@
 //! buffer refused with `Error::NotSymmetric`); `tests/gpu_symm.rs` (pool
 //! buffers as regions).
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceSlice};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceSlice};
 use half::bf16;
 
 use super::abi::MAX_RANKS;
@@ -36,6 +38,12 @@ pub unsafe trait DeviceRegion<T> {
     /// True when empty.
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// The stream the region's memory is ordered on, if it has one
+    /// (cudarc's slices and views): an op on another stream waits for the
+    /// work enqueued there first, and that stream waits for the op's.
+    fn home_stream(&self) -> Option<&Arc<CudaStream>> {
+        None
     }
     /// Size in bytes, or an error naming `arg` when it does not fit a `usize`.
     fn num_bytes_checked(&self, arg: &'static str) -> Result<usize> {
@@ -93,6 +101,9 @@ unsafe impl<T> DeviceRegion<T> for CudaSlice<T> {
         let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
         p
     }
+    fn home_stream(&self) -> Option<&Arc<CudaStream>> {
+        Some(self.stream())
+    }
     fn len(&self) -> usize {
         CudaSlice::len(self)
     }
@@ -106,6 +117,9 @@ unsafe impl<T> DeviceRegion<T> for CudaView<'_, T> {
         let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
         p
     }
+    fn home_stream(&self) -> Option<&Arc<CudaStream>> {
+        Some(self.stream())
+    }
     fn len(&self) -> usize {
         CudaView::len(self)
     }
@@ -116,6 +130,9 @@ unsafe impl<T> DeviceRegion<T> for CudaViewMut<'_, T> {
     fn device_ptr(&self) -> u64 {
         let (p, _sync) = DevicePtr::device_ptr(self, self.stream());
         p
+    }
+    fn home_stream(&self) -> Option<&Arc<CudaStream>> {
+        Some(self.stream())
     }
     fn len(&self) -> usize {
         CudaViewMut::len(self)
@@ -231,6 +248,9 @@ impl EpGroup {
     ) -> Result<()> {
         check_len(arg, r.len(), want, what)?;
         r.num_bytes_checked(arg)?;
+        if let Some(home) = r.home_stream() {
+            self.order_with(home)?;
+        }
         if want == 0 {
             return Ok(());
         }

@@ -156,6 +156,8 @@ pub struct EpGroup {
     pub(crate) id: u64,
     /// The stream of the group's last op (see `OpTurn`).
     pub(crate) last_stream: Mutex<Option<Arc<CudaStream>>>,
+    /// The current op's stream and its buffers' streams (`OpTurn`).
+    pub(crate) op_streams: Mutex<super::handle::OpStreams>,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
@@ -422,6 +424,7 @@ impl EpGroup {
             k,
             id: NEXT_GROUP.fetch_add(1, Ordering::Relaxed),
             last_stream: Mutex::new(None),
+            op_streams: Mutex::new(Default::default()),
             cfg,
         })
     }

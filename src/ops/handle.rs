@@ -177,8 +177,35 @@ impl Handle {
 /// one group are serialised), and an op on another stream than the group's
 /// previous one is ordered after everything enqueued there so far.
 pub(crate) struct OpTurn<'a> {
+    group: &'a EpGroup,
     _range: Range,
     _turn: MutexGuard<'a, Option<Arc<CudaStream>>>,
+}
+
+/// The op's stream and the other streams its buffers are ordered on
+/// ([`DeviceRegion::home_stream`]), while the op holds the group's turn.
+#[derive(Default)]
+pub(crate) struct OpStreams {
+    op: Option<Arc<CudaStream>>,
+    homes: Vec<Arc<CudaStream>>,
+}
+
+impl Drop for OpTurn<'_> {
+    /// After the op's launches: every buffer's own stream waits for them
+    /// (what it does next with the buffer comes after the op).
+    fn drop(&mut self) {
+        let mut st = self
+            .group
+            .op_streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Some(op) = st.op.take() else { return };
+        for home in st.homes.drain(..) {
+            if let Err(e) = home.join(&op) {
+                eprintln!("moe-ep: ordering a buffer's stream after the op failed: {e}");
+            }
+        }
+    }
 }
 
 impl EpGroup {
@@ -207,10 +234,33 @@ impl EpGroup {
                 .map_err(Error::cuda("cuStreamWaitEvent"))?;
         }
         *last = Some(stream.clone());
+        *self.op_streams.lock().unwrap_or_else(|p| p.into_inner()) = OpStreams {
+            op: Some(stream.clone()),
+            homes: Vec::new(),
+        };
         Ok(OpTurn {
+            group: self,
             _range: range,
             _turn: last,
         })
+    }
+
+    /// Orders the current op after the work enqueued so far on `home` (a
+    /// buffer's own stream, when it is not the op's), once per op; the op's
+    /// end orders `home` after it ([`OpTurn`]'s drop).
+    pub(crate) fn order_with(&self, home: &Arc<CudaStream>) -> Result<()> {
+        let mut st = self.op_streams.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(op) = st.op.clone() else {
+            return Ok(());
+        };
+        if home.cu_stream() == op.cu_stream()
+            || st.homes.iter().any(|h| h.cu_stream() == home.cu_stream())
+        {
+            return Ok(());
+        }
+        op.join(home).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        st.homes.push(home.clone());
+        Ok(())
     }
 
     /// [`EpGroup::turn`] for an op on `handle`, which must be this group's.
