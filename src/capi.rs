@@ -539,7 +539,7 @@ const _: () = {
 /// order, until the work enqueued with it has finished; an output is written
 /// by nothing else meanwhile. The ops check length, alignment and that the
 /// memory is device memory of the group's GPU, as for every region, and
-/// [`disjoint`] that no output overlaps another buffer of the call.
+/// the C ABI that no output overlaps another buffer of the call.
 pub struct CRegion<T> {
     ptr: u64,
     len: usize,

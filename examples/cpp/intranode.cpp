@@ -28,7 +28,8 @@
 namespace {
 
 constexpr size_t kExperts = 64, kHidden = 2048, kTokens = 256, kTopk = 8;
-constexpr int kIters = 20;
+// Timed iterations (INTRANODE_ITERS overrides; one warm-up before them).
+int kIters = 20;
 
 // Throws the library's message on an error.
 void ok(moe_ep_status_t s, const char *what) {
@@ -295,6 +296,7 @@ int usage() {
 
 int main(int argc, char **argv) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // more queues for virtual ranks
+  if (const char *it = std::getenv("INTRANODE_ITERS")) kIters = std::max(1, std::atoi(it));
   std::printf("moe-ep %s\n", moe_ep_version_string());
   int gpus = 0;
   moe_ep_status_t st = moe_ep_device_count(&gpus);
