@@ -10,7 +10,8 @@
 //! Layers, each calling only the one below: `sys` (raw NCCL, loaded at run
 //! time) → [`runtime`] (contexts, modules, communicator) → [`symm`] (the
 //! symmetric-memory pool) → [`ops`] (layout, dispatch, combine) → this file.
-//! [`reference`](mod@reference) is the CPU implementation everything is checked against.
+//! [`reference`](mod@reference) is the CPU implementation everything is checked against;
+//! [`capi`] is the C ABI (`include/moe_ep.h`) over this file's API.
 //!
 //! Cargo features: `testkit` (seeded workloads and baseline copy kernels for
 //! the tests and ep-bench), `raw` (the raw layers for tools that measure
@@ -18,6 +19,7 @@
 //! `runtime::Module` / `Function` with their launches, and `UniqueId`'s
 //! inner `ncclUniqueId`), `multi-gpu` (the GPU tests).
 
+pub mod capi;
 pub mod error;
 pub(crate) mod kernels;
 pub mod ops;

@@ -1,0 +1,366 @@
+// moe-ep from C++17 through the C ABI (include/moe_ep.h): layout, dispatch,
+// identity experts and combine on every rank, the round trip checked bit
+// for bit on the host, both backward passes checked against it, and the
+// ops timed with CUDA events.
+//
+//   make -C examples/cpp                  # after `cargo build --release`
+//   examples/cpp/intranode --virtual 4    # 4 virtual ranks on GPU 0
+//   examples/cpp/intranode --gpus 2       # 2 GPUs, one NCCL rank each (--gpus 1 too)
+//   examples/cpp/intranode                # every local GPU (a power of two), or 2 virtual ranks
+//
+// One thread per rank. Exit status 0 when every rank's checks pass.
+#include "moe_ep.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr size_t kExperts = 64, kHidden = 2048, kTokens = 256, kTopk = 8;
+// Timed iterations (INTRANODE_ITERS overrides; one warm-up before them).
+int kIters = 20;
+
+// Throws the library's message on an error.
+void ok(moe_ep_status_t s, const char *what) {
+  if (s != MOE_EP_OK)
+    throw std::runtime_error(std::string(what) + ": " + moe_ep_status_name(s) + ": " +
+                             moe_ep_last_error());
+}
+void cuda(cudaError_t e, const char *what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);
+  return uint16_t(u >> 16);
+}
+float from_bf16(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The same seeded routing as examples/intranode.rs: K distinct experts per
+// token, every 4th token leaves its last slot unrouted (-1).
+struct Routing {
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  std::vector<uint16_t> x;
+};
+Routing routing(int rank) {
+  uint64_t state = 0x5EED ^ uint64_t(rank);
+  auto below = [&](size_t n) {
+    state += 0x9E3779B97F4A7C15ull;
+    uint64_t z = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return size_t((z ^ (z >> 31)) % n);
+  };
+  Routing r;
+  for (size_t t = 0; t < kTokens; t++) {
+    size_t start = below(kExperts), stride = 2 * below(kExperts / 2) + 1;
+    for (size_t j = 0; j < kTopk; j++) r.idx.push_back(int64_t((start + j * stride) % kExperts));
+    if (t % 4 == 3) r.idx[(t + 1) * kTopk - 1] = -1;
+  }
+  for (size_t i = 0; i < kTokens * kTopk; i++) r.w.push_back(float(i % 5) / 4.0f);
+  for (size_t i = 0; i < kTokens * kHidden; i++)
+    r.x.push_back(to_bf16((float(below(4096)) - 2048.0f) / 512.0f));
+  return r;
+}
+
+// A host barrier for the threads of one process (C++17 has none).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> l(m_);
+    int gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      gen_++;
+      cv_.notify_all();
+    } else {
+      cv_.wait(l, [&] { return gen != gen_; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, count_ = 0, gen_ = 0;
+};
+
+template <class T>
+T *device_copy(const std::vector<T> &host, cudaStream_t s) {
+  T *d = nullptr;
+  cuda(cudaMalloc(&d, host.size() * sizeof(T)), "cudaMalloc");
+  // Drained first: virtual ranks share the driver's pageable staging buffers.
+  cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  cuda(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return d;
+}
+template <class T>
+std::vector<T> host_copy(const T *d, size_t n, cudaStream_t s) {
+  std::vector<T> h(n);
+  cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  cuda(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return h;
+}
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2] * 1000.0;  // ms -> us
+}
+
+struct RankResult {
+  std::string line;
+  bool passed = false;
+};
+
+// One rank's work, collective with its peers.
+RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *host_barrier) {
+  int rank = 0, world = 0;
+  ok(moe_ep_comm_rank(comm, &rank), "moe_ep_comm_rank");
+  ok(moe_ep_comm_world(comm, &world), "moe_ep_comm_world");
+  cuda(cudaSetDevice(device), "cudaSetDevice");
+
+  moe_ep_group_config_t cfg = MOE_EP_GROUP_CONFIG_INIT;
+  cfg.num_experts = kExperts;
+  cfg.hidden = kHidden;
+  cfg.max_tokens_per_rank = kTokens;
+  uint32_t fit = 0;  // ranks that share a GPU must all fit on it at once
+  ok(moe_ep_comm_max_sms(comm, kExperts, &fit), "moe_ep_comm_max_sms");
+  cfg.num_sms = std::min<uint32_t>(24, fit);
+
+  // Every allocation before the group exists (the group's barrier orders the
+  // ranks after it); nothing that waits for the whole GPU while peers wait.
+  Routing r = routing(rank);
+  int64_t *d_idx = device_copy(r.idx, s);
+  float *d_w = device_copy(r.w, s);
+  uint16_t *d_x = device_copy(r.x, s);
+  uint16_t *d_out = nullptr, *d_grad = nullptr;
+  cuda(cudaMalloc(&d_out, kTokens * kHidden * 2), "cudaMalloc");
+  cuda(cudaMalloc(&d_grad, kTokens * kHidden * 2), "cudaMalloc");
+  cudaEvent_t ev[4];
+  for (auto &e : ev) cuda(cudaEventCreate(&e), "cudaEventCreate");
+
+  moe_ep_group_t *group = nullptr;
+  ok(moe_ep_group_create(comm, &cfg, &group), "moe_ep_group_create");
+  uint64_t cap = 0;
+  ok(moe_ep_group_recv_capacity(group, &cap), "moe_ep_group_recv_capacity");
+
+  moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
+  la.topk_idx = {d_idx, kTokens * kTopk};
+  la.topk_idx_dtype = MOE_EP_DTYPE_I64;
+  la.topk = kTopk;
+  la.layout = MOE_EP_LAYOUT_RANK_MAJOR;
+  moe_ep_dispatch_args_t da = MOE_EP_DISPATCH_ARGS_INIT;
+  da.x = {d_x, kTokens * kHidden};
+  da.topk_weights = {d_w, kTokens * kTopk};
+
+  // The library checks what it can: a short input and host memory are
+  // refused naming the argument, before anything is enqueued.
+  std::string refused;
+  {
+    moe_ep_handle_t *h = nullptr;
+    ok(moe_ep_layout(group, s, &la, &h), "moe_ep_layout");
+    moe_ep_dispatch_args_t bad = da;
+    bad.x.len -= 1;
+    moe_ep_dispatched_t *d = nullptr;
+    moe_ep_status_t st = moe_ep_dispatch(group, s, h, &bad, &d);
+    bool named = st == MOE_EP_ERR_INVALID_ARGUMENT && std::strstr(moe_ep_last_error(), "`x`");
+    bad = da;
+    bad.topk_weights = {r.w.data(), r.w.size()};
+    st = moe_ep_dispatch(group, s, h, &bad, &d);
+    named = named && st == MOE_EP_ERR_INVALID_ARGUMENT &&
+            std::strstr(moe_ep_last_error(), "`topk_weights`");
+    refused = named ? "short `x` and host `topk_weights` refused by name" : "FAILED: bad arguments accepted";
+    ok(moe_ep_handle_destroy(h), "moe_ep_handle_destroy");
+    ok(moe_ep_group_check(group), "moe_ep_group_check");
+  }
+
+  std::vector<float> t_layout, t_dispatch, t_combine;
+  moe_ep_handle_counts_t counts = MOE_EP_HANDLE_COUNTS_INIT;
+  for (int it = 0; it <= kIters; it++) {  // iteration 0 warms up
+    moe_ep_handle_t *h = nullptr;
+    moe_ep_dispatched_t *d = nullptr;
+    cuda(cudaEventRecord(ev[0], s), "cudaEventRecord");
+    ok(moe_ep_layout(group, s, &la, &h), "moe_ep_layout");
+    cuda(cudaEventRecord(ev[1], s), "cudaEventRecord");
+    ok(moe_ep_dispatch(group, s, h, &da, &d), "moe_ep_dispatch");
+    cuda(cudaEventRecord(ev[2], s), "cudaEventRecord");
+    moe_ep_recv_buffers_t recv = MOE_EP_RECV_BUFFERS_INIT;
+    ok(moe_ep_dispatched_buffers(d, &recv), "moe_ep_dispatched_buffers");
+    // Identity experts: the received rows are their own outputs, read in
+    // place from symmetric memory by each token's home rank.
+    moe_ep_combine_args_t ca = MOE_EP_COMBINE_ARGS_INIT;
+    ca.expert_out = {recv.tokens.ptr, recv.tokens.len};
+    ca.out = {d_out, kTokens * kHidden};
+    ok(moe_ep_combine(group, s, h, &ca), "moe_ep_combine");
+    cuda(cudaEventRecord(ev[3], s), "cudaEventRecord");
+    if (it == kIters) {
+      // Backward passes: dispatch's backward of the same rows is the same
+      // sum; combine's backward of x sends x where dispatch sent it.
+      moe_ep_dispatch_backward_args_t db = MOE_EP_DISPATCH_BACKWARD_ARGS_INIT;
+      db.grad_recv_tokens = {recv.tokens.ptr, recv.tokens.len};
+      db.grad_tokens = {d_grad, kTokens * kHidden};
+      ok(moe_ep_dispatch_backward(group, s, h, &db), "moe_ep_dispatch_backward");
+      std::vector<uint16_t> got_recv =
+          host_copy(static_cast<const uint16_t *>(recv.tokens.ptr), recv.tokens.len, s);
+      moe_ep_combine_backward_args_t cb = MOE_EP_COMBINE_BACKWARD_ARGS_INIT;
+      cb.grad_out = {d_x, kTokens * kHidden};
+      moe_ep_buffer_t *gexp = nullptr;
+      ok(moe_ep_combine_backward(group, s, h, &cb, &gexp), "moe_ep_combine_backward");
+      moe_ep_buf_mut_t gb;
+      ok(moe_ep_buffer_get(gexp, &gb), "moe_ep_buffer_get");
+      ok(moe_ep_handle_counts(h, s, &counts), "moe_ep_handle_counts");
+      std::vector<uint16_t> got_gexp = host_copy(static_cast<const uint16_t *>(gb.ptr), gb.len, s);
+      size_t n = counts.recv_rows * kHidden;
+      if (!std::equal(got_recv.begin(), got_recv.begin() + n, got_gexp.begin()))
+        throw std::runtime_error("combine backward of x differs from dispatch's received rows");
+      ok(moe_ep_buffer_free(gexp), "moe_ep_buffer_free");
+    }
+    cuda(cudaEventSynchronize(ev[3]), "cudaEventSynchronize");
+    if (it > 0) {
+      float ms[3];
+      for (int k = 0; k < 3; k++) cuda(cudaEventElapsedTime(&ms[k], ev[k], ev[k + 1]), "elapsed");
+      t_layout.push_back(ms[0]);
+      t_dispatch.push_back(ms[1]);
+      t_combine.push_back(ms[2]);
+    }
+    ok(moe_ep_dispatched_destroy(d), "moe_ep_dispatched_destroy");
+    ok(moe_ep_handle_destroy(h), "moe_ep_handle_destroy");
+  }
+  ok(moe_ep_group_check(group), "moe_ep_group_check");  // errors only the GPU saw
+  std::vector<uint16_t> got = host_copy(d_out, kTokens * kHidden, s);
+  std::vector<uint16_t> grad = host_copy(d_grad, kTokens * kHidden, s);
+
+  // Every rank done with the GPU before any frees (cudaFree waits for the GPU).
+  if (host_barrier) host_barrier->wait();
+  ok(moe_ep_group_destroy(group), "moe_ep_group_destroy");
+  for (auto &e : ev) cudaEventDestroy(e);
+  cudaFree(d_idx), cudaFree(d_w), cudaFree(d_x), cudaFree(d_out), cudaFree(d_grad);
+
+  // Each output row is its input row times the number of ranks it reached.
+  RankResult res;
+  for (size_t t = 0; t < kTokens; t++) {
+    uint32_t hit = 0;
+    for (size_t j = 0; j < kTopk; j++) {
+      int64_t e = r.idx[t * kTopk + j];
+      if (e >= 0) hit |= 1u << (size_t(e) / (kExperts / size_t(world)));
+    }
+    float n = float(__builtin_popcount(hit));
+    for (size_t c = 0; c < kHidden; c++) {
+      size_t i = t * kHidden + c;
+      uint16_t want = to_bf16(from_bf16(r.x[i]) * n);
+      if (got[i] != want || grad[i] != want) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "FAILED: token %zu, column %zu: combine %g, backward %g, want %g",
+                      t, c, from_bf16(got[i]), from_bf16(grad[i]), from_bf16(want));
+        res.line = buf;
+        return res;
+      }
+    }
+  }
+  char buf[400];
+  std::snprintf(buf, sizeof buf,
+                "%llu tokens received (capacity %llu), %u SMs; out = x * ranks reached, bit for bit "
+                "(combine and dispatch backward), combine backward = dispatch; %s; median of %d: "
+                "layout %.1f us, dispatch %.1f us, combine %.1f us",
+                (unsigned long long)counts.recv_tokens, (unsigned long long)cap, cfg.num_sms,
+                refused.c_str(), kIters, median(t_layout), median(t_dispatch), median(t_combine));
+  res.line = buf;
+  res.passed = refused.rfind("FAILED", 0) != 0;
+  return res;
+}
+
+int usage() {
+  std::fprintf(stderr, "usage: intranode [--virtual W | --gpus N]   (W, N in 1, 2, 4, 8)\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // more queues for virtual ranks
+  if (const char *it = std::getenv("INTRANODE_ITERS")) kIters = std::max(1, std::atoi(it));
+  std::printf("moe-ep %s\n", moe_ep_version_string());
+  int gpus = 0;
+  moe_ep_status_t st = moe_ep_device_count(&gpus);
+  if (st != MOE_EP_OK || gpus == 0) {
+    std::printf("no GPU: %s\n", st != MOE_EP_OK ? moe_ep_last_error() : "0 devices");
+    return 0;
+  }
+  bool virt = gpus == 1;
+  int world = virt ? 2 : 1 << (31 - __builtin_clz(unsigned(std::min(gpus, 8))));
+  if (argc == 3 && std::strcmp(argv[1], "--virtual") == 0) {
+    virt = true, world = std::atoi(argv[2]);
+  } else if (argc == 3 && std::strcmp(argv[1], "--gpus") == 0) {
+    virt = false, world = std::atoi(argv[2]);
+  } else if (argc != 1) {
+    return usage();
+  }
+  if (world < 1 || world > 8 || (world & (world - 1)) || (!virt && world > gpus)) return usage();
+
+  const size_t n = size_t(world);
+  std::vector<moe_ep_comm_t *> comms(n, nullptr);
+  std::vector<cudaStream_t> streams(n, nullptr);
+  std::vector<RankResult> results(n);
+  Barrier barrier(world);
+  try {
+    if (virt) {
+      cuda(cudaSetDevice(0), "cudaSetDevice");
+      ok(moe_ep_comm_create_virtual(0, world, comms.data()), "moe_ep_comm_create_virtual");
+    }
+    // Streams made one after another: the driver spreads them over its queues.
+    for (int r = 0; r < world; r++) {
+      cuda(cudaSetDevice(virt ? 0 : r), "cudaSetDevice");
+      cuda(cudaStreamCreateWithFlags(&streams[size_t(r)], cudaStreamNonBlocking), "cudaStreamCreate");
+    }
+  } catch (const std::exception &e) {
+    std::printf("FAILED: %s\n", e.what());
+    return 1;
+  }
+  moe_ep_unique_id_t id;
+  if (!virt && moe_ep_unique_id_create(&id) != MOE_EP_OK) {
+    std::printf("FAILED: moe_ep_unique_id_create: %s\n", moe_ep_last_error());
+    return 1;
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; r++) {
+    threads.emplace_back([&, r] {
+      size_t i = size_t(r);
+      int device = virt ? 0 : r;
+      try {
+        if (!virt) ok(moe_ep_comm_init(device, &id, r, world, &comms[i]), "moe_ep_comm_init");
+        results[i] = run_rank(comms[i], device, streams[i], &barrier);
+      } catch (const std::exception &e) {
+        results[i].line = std::string("FAILED: ") + e.what();
+      }
+    });
+  }
+  for (auto &t : threads) t.join();
+  bool all = true;
+  for (int r = 0; r < world; r++) {
+    std::printf("rank %d of %d (%s): %s\n", r, world, virt ? "virtual, GPU 0" : "NCCL",
+                results[size_t(r)].line.c_str());
+    all = all && results[size_t(r)].passed;
+    moe_ep_comm_destroy(comms[size_t(r)]);
+    cudaStreamDestroy(streams[size_t(r)]);
+  }
+  std::printf("%s\n", all ? "passed" : "FAILED");
+  return all ? 0 : 1;
+}

@@ -1,0 +1,355 @@
+/*
+ * moe_ep.h: the C ABI of moe-ep (expert-parallel layout, dispatch and
+ * combine over NVLink), for C and C++ runtimes.
+ *
+ * Link against libmoe_ep.so (or libmoe_ep.a plus -lpthread -ldl -lm -lrt
+ * -lgcc_s). The kernels are embedded in the library; the CUDA driver
+ * (libcuda) and NCCL (libnccl.so.2, or MOE_EP_NCCL_LIBRARY) are loaded at
+ * run time, so nothing here needs the CUDA toolkit or NCCL headers: a
+ * cudaStream_t or CUstream converts to moe_ep_stream_t, an ncclComm_t to
+ * struct ncclComm *.
+ *
+ * Conventions, for every function:
+ *   - The return value is a moe_ep_status_t; MOE_EP_OK is 0. On failure
+ *     moe_ep_last_error() holds a message naming the argument and what was
+ *     expected (per thread, valid until the next failing call of that
+ *     thread). No call aborts or unwinds into the caller: a bug inside the
+ *     library is MOE_EP_ERR_INTERNAL.
+ *   - Every struct with `size` and `magic` first is versioned: initialise it
+ *     with its MOE_EP_*_INIT macro (which sets both, every other field to 0 =
+ *     the default), then set the fields you need. A newer library accepts
+ *     the smaller struct of an older header (fields it lacks take their
+ *     defaults); a struct larger than the library knows is accepted only
+ *     when the extra bytes are zero. A wrong magic or a size below the
+ *     first version's is refused with MOE_EP_ERR_INVALID_ARGUMENT naming the
+ *     argument and the struct. Output structs are filled up to their `size`.
+ *   - Buffers are (device pointer, element count) pairs; the element type is
+ *     the one the field documents. {NULL, 0} is "not given" where a buffer
+ *     is optional and an empty buffer where it is not; NULL with a nonzero
+ *     count is refused. The library checks what it can, as the Rust API
+ *     does: every buffer long enough, device memory of the group's GPU,
+ *     token rows 16-byte aligned, outputs overlapping no input or other
+ *     output of the call; each failure names the field. What C cannot show
+ *     and the caller promises (the obligations of the Rust API's unsafe
+ *     DeviceRegion traits): each buffer is one live allocation of at least
+ *     `len` elements that stays allocated, and is not written by anyone
+ *     else outside stream order, until the work enqueued with it has
+ *     finished; an output is written by nothing else meanwhile.
+ *   - Streams: every op is enqueued on the caller's stream and never waits
+ *     on the host unless it says so. A stream must belong to the primary
+ *     context of the communicator's device (the CUDA runtime's context) and
+ *     must stay valid until the group, and every handle and result made on
+ *     it, are destroyed. Ops of one group on different streams are ordered
+ *     after each other by the library.
+ *   - Collective calls (marked "collective") are made by every rank of the
+ *     communicator, in the same order: on virtual ranks, each rank from its
+ *     own thread at the same time.
+ *   - Handles (moe_ep_comm_t, moe_ep_group_t, ...) are opaque; a destroy
+ *     function takes NULL and does nothing. A group holds its communicator,
+ *     so destroying the communicator first is allowed.
+ */
+#ifndef MOE_EP_H
+#define MOE_EP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The library version this header belongs to, and its ABI version. */
+#define MOE_EP_VERSION_MAJOR 0
+#define MOE_EP_VERSION_MINOR 1
+#define MOE_EP_VERSION_PATCH 0
+#define MOE_EP_ABI_VERSION 1
+
+/* ---- status codes ---------------------------------------------------- */
+
+typedef enum moe_ep_status {
+  MOE_EP_OK = 0,
+  MOE_EP_ERR_INVALID_ARGUMENT = 1,   /* names the argument and what was expected */
+  MOE_EP_ERR_NOT_SYMMETRIC = 2,      /* a buffer zero copy needs is not symmetric memory */
+  MOE_EP_ERR_CAPACITY_EXCEEDED = 3,  /* receive rows over the group's capacity */
+  MOE_EP_ERR_PEER_TIMEOUT = 4,       /* a wait on another GPU timed out: destroy the group */
+  MOE_EP_ERR_COLLECTIVE_FAILED = 5,  /* a host collective of virtual ranks failed */
+  MOE_EP_ERR_INVALID_DEVICE_DATA = 6,/* e.g. an expert id out of range, seen on the GPU */
+  MOE_EP_ERR_NO_DRIVER = 7,          /* no usable CUDA driver */
+  MOE_EP_ERR_NOT_ENOUGH_GPUS = 8,
+  MOE_EP_ERR_CUDA = 9,               /* a CUDA driver call failed */
+  MOE_EP_ERR_NCCL_LIBRARY = 10,      /* libnccl not found or lacks a symbol */
+  MOE_EP_ERR_NCCL_VERSION = 11,      /* libnccl older than the headers built against */
+  MOE_EP_ERR_NCCL = 12,              /* an NCCL call failed */
+  MOE_EP_ERR_MODULE = 13,            /* no kernel image for this GPU */
+  MOE_EP_ERR_INVALID_STATE = 14,     /* e.g. an aborted communicator */
+  MOE_EP_ERR_IO = 15,
+  MOE_EP_ERR_INTERNAL = 16           /* a bug in the library (a caught panic) */
+} moe_ep_status_t;
+
+/* Element types (0 is no type, so that a zeroed field is refused). */
+typedef enum moe_ep_dtype {
+  MOE_EP_DTYPE_BF16 = 1,
+  MOE_EP_DTYPE_F32 = 2,
+  MOE_EP_DTYPE_I32 = 3,
+  MOE_EP_DTYPE_I64 = 4,
+  MOE_EP_DTYPE_U8 = 5
+} moe_ep_dtype_t;
+
+/* Receive layouts (moe_ep_layout_args_t.layout). */
+typedef enum moe_ep_recv_layout {
+  MOE_EP_LAYOUT_RANK_MAJOR = 0,   /* one row per (token, rank), grouped by source rank */
+  MOE_EP_LAYOUT_EXPERT_MAJOR = 1  /* one row per (token, local expert), blocks padded to `alignment` */
+} moe_ep_recv_layout_t;
+
+/* Kernel families (moe_ep_group_config_t.mode). Only high throughput exists;
+ * the low-latency mode will add a value and fields at the end of the config. */
+typedef enum moe_ep_mode {
+  MOE_EP_MODE_HIGH_THROUGHPUT = 0
+} moe_ep_mode_t;
+
+/* ---- opaque handles ---------------------------------------------------- */
+
+typedef struct moe_ep_comm moe_ep_comm_t;             /* one rank of a world */
+typedef struct moe_ep_group moe_ep_group_t;           /* an expert-parallel group */
+typedef struct moe_ep_handle moe_ep_handle_t;         /* the routing of one batch (layout) */
+typedef struct moe_ep_buffer moe_ep_buffer_t;         /* a symmetric buffer of a group's pool */
+typedef struct moe_ep_dispatched moe_ep_dispatched_t; /* what a dispatch received */
+
+/* A CUDA stream: cudaStream_t and CUstream are both `struct CUstream_st *`. */
+typedef struct CUstream_st *moe_ep_stream_t;
+/* ncclComm_t is `struct ncclComm *`. */
+struct ncclComm;
+
+/* ---- buffers ------------------------------------------------------------ */
+
+typedef struct moe_ep_buf {      /* an input: read only */
+  const void *ptr;               /* device address */
+  size_t len;                    /* elements */
+} moe_ep_buf_t;
+
+typedef struct moe_ep_buf_mut {  /* an output */
+  void *ptr;
+  size_t len;
+} moe_ep_buf_mut_t;
+
+/* ---- versioned structs -------------------------------------------------- */
+
+#define MOE_EP_MAGIC_VERSION_INFO 0x4d4f4501u
+#define MOE_EP_MAGIC_GROUP_CONFIG 0x4d4f4502u
+#define MOE_EP_MAGIC_LAYOUT_ARGS 0x4d4f4503u
+#define MOE_EP_MAGIC_DISPATCH_ARGS 0x4d4f4504u
+#define MOE_EP_MAGIC_COMBINE_ARGS 0x4d4f4505u
+#define MOE_EP_MAGIC_COMBINE_BACKWARD_ARGS 0x4d4f4506u
+#define MOE_EP_MAGIC_DISPATCH_BACKWARD_ARGS 0x4d4f4507u
+#define MOE_EP_MAGIC_RECV_BUFFERS 0x4d4f4508u
+#define MOE_EP_MAGIC_HANDLE_COUNTS 0x4d4f4509u
+
+/* Output of moe_ep_version. */
+typedef struct moe_ep_version_info {
+  uint32_t size;
+  uint32_t magic;
+  uint32_t major, minor, patch;  /* library version */
+  uint32_t abi_version;          /* MOE_EP_ABI_VERSION of the library */
+  int32_t nccl_headers_version;  /* NCCL_VERSION_CODE built against, e.g. 22809 */
+  uint32_t reserved;
+} moe_ep_version_info_t;
+#define MOE_EP_VERSION_INFO_INIT {sizeof(moe_ep_version_info_t), MOE_EP_MAGIC_VERSION_INFO, 0, 0, 0, 0, 0, 0}
+
+/* Sizes fixed when a group is created; the same on every rank. */
+typedef struct moe_ep_group_config {
+  uint32_t size;
+  uint32_t magic;
+  uint64_t num_experts;          /* over all ranks; a multiple of the world size */
+  uint64_t hidden;               /* token width in bf16 elements; a multiple of 8 */
+  uint64_t max_tokens_per_rank;  /* most tokens a rank passes to one layout */
+  uint64_t recv_capacity;        /* rows of the receive buffers; 0: world * max_tokens_per_rank */
+  uint32_t num_sms;              /* SMs of the data kernels; 0: 24 */
+  uint32_t combine_chunks;       /* pushed combine's pipeline depth 1, 2, 4, 8, 16; 0: 4 */
+  uint32_t mode;                 /* moe_ep_mode_t; 0: high throughput */
+  uint32_t timeout_ms;           /* bound on every wait for another GPU; 0: 10000 */
+} moe_ep_group_config_t;
+#define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0}
+
+typedef struct moe_ep_layout_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t topk_idx;         /* [T, topk] of topk_idx_dtype; -1 = not routed */
+  uint32_t topk_idx_dtype;       /* MOE_EP_DTYPE_I32 or MOE_EP_DTYPE_I64 */
+  uint32_t topk;
+  uint32_t layout;               /* moe_ep_recv_layout_t */
+  uint32_t alignment;            /* expert-major block granularity in rows (>= 1); rank-major: 0 */
+} moe_ep_layout_args_t;
+#define MOE_EP_LAYOUT_ARGS_INIT {sizeof(moe_ep_layout_args_t), MOE_EP_MAGIC_LAYOUT_ARGS, {0, 0}, 0, 0, 0, 0}
+
+typedef struct moe_ep_dispatch_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t x;                    /* [T, hidden] bf16 */
+  moe_ep_buf_t topk_weights;         /* [T, topk] f32 */
+  moe_ep_buf_mut_t recv_tokens;      /* optional, symmetric: [recv_capacity, hidden] bf16 (zero copy) */
+  moe_ep_buf_mut_t recv_topk_weights;/* optional, symmetric: rank-major [recv_capacity, topk], expert-major [recv_capacity] f32 */
+} moe_ep_dispatch_args_t;
+#define MOE_EP_DISPATCH_ARGS_INIT {sizeof(moe_ep_dispatch_args_t), MOE_EP_MAGIC_DISPATCH_ARGS, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
+
+typedef struct moe_ep_combine_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t expert_out;       /* [recv_capacity, hidden] bf16 in the handle's layout */
+  moe_ep_buf_t weights;          /* optional, expert-major only: [recv_capacity] f32 */
+  moe_ep_buf_mut_t out;          /* [T, hidden] bf16 */
+} moe_ep_combine_args_t;
+#define MOE_EP_COMBINE_ARGS_INIT {sizeof(moe_ep_combine_args_t), MOE_EP_MAGIC_COMBINE_ARGS, {0, 0}, {0, 0}, {0, 0}}
+
+typedef struct moe_ep_combine_backward_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t grad_out;             /* [T, hidden] bf16 */
+  moe_ep_buf_t weights;              /* optional, expert-major only: [recv_capacity] f32 */
+  moe_ep_buf_mut_t grad_expert_out;  /* optional, symmetric: [recv_capacity, hidden] bf16 */
+} moe_ep_combine_backward_args_t;
+#define MOE_EP_COMBINE_BACKWARD_ARGS_INIT {sizeof(moe_ep_combine_backward_args_t), MOE_EP_MAGIC_COMBINE_BACKWARD_ARGS, {0, 0}, {0, 0}, {0, 0}}
+
+typedef struct moe_ep_dispatch_backward_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t grad_recv_tokens;         /* [recv_capacity, hidden] bf16 */
+  moe_ep_buf_t grad_recv_topk_weights;   /* optional, with grad_topk_weights */
+  moe_ep_buf_mut_t grad_tokens;          /* [T, hidden] bf16 */
+  moe_ep_buf_mut_t grad_topk_weights;    /* optional: [T, topk] f32 */
+} moe_ep_dispatch_backward_args_t;
+#define MOE_EP_DISPATCH_BACKWARD_ARGS_INIT {sizeof(moe_ep_dispatch_backward_args_t), MOE_EP_MAGIC_DISPATCH_BACKWARD_ARGS, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
+
+/* Output of moe_ep_dispatched_buffers: the receive buffers of a dispatch
+ * (the caller's where given, else pool buffers owned by the result). */
+typedef struct moe_ep_recv_buffers {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_mut_t tokens;        /* [recv_capacity, hidden] bf16 */
+  moe_ep_buf_mut_t topk_weights;  /* rank-major [recv_capacity, topk], expert-major [recv_capacity] f32 */
+  moe_ep_buf_mut_t topk_idx;      /* local expert ids, shaped as the weights, i32; -1 = none */
+  moe_ep_buf_mut_t src;           /* [recv_capacity, 2] i32: (source rank, source token) */
+} moe_ep_recv_buffers_t;
+#define MOE_EP_RECV_BUFFERS_INIT {sizeof(moe_ep_recv_buffers_t), MOE_EP_MAGIC_RECV_BUFFERS, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
+
+/* Output of moe_ep_handle_counts. */
+typedef struct moe_ep_handle_counts {
+  uint32_t size;
+  uint32_t magic;
+  uint64_t num_tokens;           /* tokens of this rank */
+  uint64_t topk;
+  uint64_t recv_rows;            /* rows received here in the handle's layout (expert-major: padded) */
+  uint64_t recv_tokens;          /* tokens received here */
+  uint64_t num_local_experts;
+} moe_ep_handle_counts_t;
+#define MOE_EP_HANDLE_COUNTS_INIT {sizeof(moe_ep_handle_counts_t), MOE_EP_MAGIC_HANDLE_COUNTS, 0, 0, 0, 0, 0}
+
+/* An NCCL unique id (ncclUniqueId's 128 bytes). */
+typedef struct moe_ep_unique_id {
+  char internal[128];
+} moe_ep_unique_id_t;
+
+/* ---- version and errors ------------------------------------------------- */
+
+uint32_t moe_ep_abi_version(void);
+moe_ep_status_t moe_ep_version(moe_ep_version_info_t *out);
+/* "0.1.0 (ABI 1, NCCL headers 2.28.9)"; static storage. */
+const char *moe_ep_version_string(void);
+/* The message of this thread's last failing call ("" if none). */
+const char *moe_ep_last_error(void);
+/* "MOE_EP_ERR_INVALID_ARGUMENT", ...; static storage. */
+const char *moe_ep_status_name(moe_ep_status_t status);
+
+/* ---- devices and communicators ----------------------------------------- */
+
+moe_ep_status_t moe_ep_device_count(int *out);
+/* A fresh NCCL unique id (rank 0 makes it and sends it to the others). */
+moe_ep_status_t moe_ep_unique_id_create(moe_ep_unique_id_t *out);
+/* Collective: this rank's NCCL communicator on GPU `device`, owned by the
+ * returned handle. */
+moe_ep_status_t moe_ep_comm_init(int device, const moe_ep_unique_id_t *id, int rank, int world,
+                                 moe_ep_comm_t **out);
+/* Collective over `nccl`: wraps the caller's NCCL communicator on GPU
+ * `device`. It is never finalized, destroyed or aborted by the library; it
+ * must outlive the returned handle and every group made from it. */
+moe_ep_status_t moe_ep_comm_borrow_nccl(int device, struct ncclComm *nccl, moe_ep_comm_t **out);
+/* `world` virtual ranks on GPU `device`, written to comms[0..world): give
+ * each to its own thread, with its own stream (not the default stream). */
+moe_ep_status_t moe_ep_comm_create_virtual(int device, int world, moe_ep_comm_t **comms);
+moe_ep_status_t moe_ep_comm_destroy(moe_ep_comm_t *comm);
+moe_ep_status_t moe_ep_comm_rank(const moe_ep_comm_t *comm, int *out);
+moe_ep_status_t moe_ep_comm_world(const moe_ep_comm_t *comm, int *out);
+/* The most SMs a group of `num_experts` may ask for on this communicator
+ * (virtual ranks share one GPU's SMs). */
+moe_ep_status_t moe_ep_comm_max_sms(const moe_ep_comm_t *comm, uint64_t num_experts, uint32_t *out);
+/* Unblocks pending NCCL calls; groups on it then refuse work. Never aborts a
+ * borrowed NCCL communicator. */
+moe_ep_status_t moe_ep_comm_abort(moe_ep_comm_t *comm);
+
+/* ---- groups ---------------------------------------------------------------- */
+
+/* Checks a config against a world size without a GPU. */
+moe_ep_status_t moe_ep_group_config_validate(const moe_ep_group_config_t *cfg, int world);
+/* Collective: validates the config, compares it between ranks, allocates
+ * the symmetric workspace. */
+moe_ep_status_t moe_ep_group_create(const moe_ep_comm_t *comm, const moe_ep_group_config_t *cfg,
+                                    moe_ep_group_t **out);
+/* Waits for the group's work, then frees it. */
+moe_ep_status_t moe_ep_group_destroy(moe_ep_group_t *group);
+/* Waits for the group's work on this rank, returns and clears the first
+ * error its kernels recorded. Call it on every rank after any error. */
+moe_ep_status_t moe_ep_group_check(const moe_ep_group_t *group);
+moe_ep_status_t moe_ep_group_recv_capacity(const moe_ep_group_t *group, uint64_t *out);
+
+/* ---- symmetric memory -------------------------------------------------- */
+
+/* Collective: `len` elements of `dtype` from the group's pool, at the same
+ * offset on every rank (zero-copy receive buffers). */
+moe_ep_status_t moe_ep_pool_alloc(const moe_ep_group_t *group, moe_ep_dtype_t dtype, size_t len,
+                                  moe_ep_buffer_t **out);
+/* Returns the range to the pool; do it once the work using it has finished
+ * (or is ordered before the group's later ops). */
+moe_ep_status_t moe_ep_buffer_free(moe_ep_buffer_t *buffer);
+moe_ep_status_t moe_ep_buffer_get(const moe_ep_buffer_t *buffer, moe_ep_buf_mut_t *out);
+/* *out = 1 when [ptr, ptr + bytes) lies in symmetric memory of the group's
+ * communicator, else 0. */
+moe_ep_status_t moe_ep_is_symm_backed(const moe_ep_group_t *group, const void *ptr, size_t bytes,
+                                      int *out);
+
+/* ---- ops (collective, on the caller's stream) -------------------------- */
+
+moe_ep_status_t moe_ep_layout(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                              const moe_ep_layout_args_t *args, moe_ep_handle_t **out);
+moe_ep_status_t moe_ep_handle_destroy(moe_ep_handle_t *handle);
+/* Copies the handle's counts to the host (synchronises `stream`). */
+moe_ep_status_t moe_ep_handle_counts(const moe_ep_handle_t *handle, moe_ep_stream_t stream,
+                                     moe_ep_handle_counts_t *out);
+/* Unpadded (token, expert) rows per local expert, on the device (i32),
+ * valid while the handle lives. */
+moe_ep_status_t moe_ep_handle_tokens_per_local_expert(const moe_ep_handle_t *handle,
+                                                      moe_ep_buf_t *out);
+
+moe_ep_status_t moe_ep_dispatch(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                const moe_ep_handle_t *handle, const moe_ep_dispatch_args_t *args,
+                                moe_ep_dispatched_t **out);
+moe_ep_status_t moe_ep_dispatched_buffers(const moe_ep_dispatched_t *dispatched,
+                                          moe_ep_recv_buffers_t *out);
+/* Returns its pool buffers (not the caller's) to the pool; as moe_ep_buffer_free. */
+moe_ep_status_t moe_ep_dispatched_destroy(moe_ep_dispatched_t *dispatched);
+
+moe_ep_status_t moe_ep_combine(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                               const moe_ep_handle_t *handle, const moe_ep_combine_args_t *args);
+/* *out receives a pool buffer when args->grad_expert_out is not given (else
+ * NULL; `out` may then be NULL). */
+moe_ep_status_t moe_ep_combine_backward(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                        const moe_ep_handle_t *handle,
+                                        const moe_ep_combine_backward_args_t *args,
+                                        moe_ep_buffer_t **out);
+moe_ep_status_t moe_ep_dispatch_backward(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                         const moe_ep_handle_t *handle,
+                                         const moe_ep_dispatch_backward_args_t *args);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOE_EP_H */

@@ -1,0 +1,1461 @@
+//! The C ABI: `include/moe_ep.h`, built into `libmoe_ep.so` and
+//! `libmoe_ep.a` (the crate's `cdylib` and `staticlib`).
+//!
+//! Every function is `extern "C"`, returns a status code and catches panics
+//! ([`MOE_EP_ERR_INTERNAL`]); a failing call leaves the Rust [`Error`]'s text
+//! in a thread-local message (`moe_ep_last_error`). Versioned structs (size
+//! and magic first) are read through [`Versioned`]: a wrong magic or a size
+//! below the first version's is refused naming the argument and the struct,
+//! a smaller (older) struct takes defaults for the fields it lacks, and a
+//! larger (newer) one is accepted when its extra bytes are zero.
+//!
+//! The header is written by hand; `tests/capi.rs` compiles it as C11 and
+//! C++17, builds `tests/capi/abi_test.c` against the static and the shared
+//! library, and compares every struct's size and field offsets as the C
+//! compiler lays them out with the `#[repr(C)]` mirrors here.
+//!
+//! Buffers arrive as `(device pointer, element count)` and become
+//! [`CRegion`]s, this module's implementation of the unsafe
+//! [`DeviceRegion`] / [`DeviceRegionMut`] traits; the caller's obligations
+//! are those of the traits, stated in the header. The ops check lengths,
+//! alignment and device memory as they do for Rust callers, and this module
+//! adds that no output overlaps another buffer of the call.
+
+#![allow(clippy::missing_safety_doc)] // the header states each function's contract
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use half::bf16;
+
+use crate::error::{Error, Result};
+use crate::ops::{
+    DeviceRegion, DeviceRegionMut, DispatchOut, EpGroup, GroupConfig, Handle, Mode, RecvBuf,
+    RecvLayout, TopkIdx,
+};
+use crate::runtime::{Communicator, UniqueId};
+use crate::symm::SymmBuffer;
+
+/// The ABI version of this library (`MOE_EP_ABI_VERSION`).
+pub const ABI_VERSION: u32 = 1;
+
+/// `moe_ep_status_t`.
+pub type Status = c_int;
+pub const MOE_EP_OK: Status = 0;
+pub const MOE_EP_ERR_INVALID_ARGUMENT: Status = 1;
+pub const MOE_EP_ERR_NOT_SYMMETRIC: Status = 2;
+pub const MOE_EP_ERR_CAPACITY_EXCEEDED: Status = 3;
+pub const MOE_EP_ERR_PEER_TIMEOUT: Status = 4;
+pub const MOE_EP_ERR_COLLECTIVE_FAILED: Status = 5;
+pub const MOE_EP_ERR_INVALID_DEVICE_DATA: Status = 6;
+pub const MOE_EP_ERR_NO_DRIVER: Status = 7;
+pub const MOE_EP_ERR_NOT_ENOUGH_GPUS: Status = 8;
+pub const MOE_EP_ERR_CUDA: Status = 9;
+pub const MOE_EP_ERR_NCCL_LIBRARY: Status = 10;
+pub const MOE_EP_ERR_NCCL_VERSION: Status = 11;
+pub const MOE_EP_ERR_NCCL: Status = 12;
+pub const MOE_EP_ERR_MODULE: Status = 13;
+pub const MOE_EP_ERR_INVALID_STATE: Status = 14;
+pub const MOE_EP_ERR_IO: Status = 15;
+pub const MOE_EP_ERR_INTERNAL: Status = 16;
+
+/// Every status with its name, in code order.
+pub const STATUS_NAMES: [(Status, &CStr); 17] = [
+    (MOE_EP_OK, c"MOE_EP_OK"),
+    (MOE_EP_ERR_INVALID_ARGUMENT, c"MOE_EP_ERR_INVALID_ARGUMENT"),
+    (MOE_EP_ERR_NOT_SYMMETRIC, c"MOE_EP_ERR_NOT_SYMMETRIC"),
+    (
+        MOE_EP_ERR_CAPACITY_EXCEEDED,
+        c"MOE_EP_ERR_CAPACITY_EXCEEDED",
+    ),
+    (MOE_EP_ERR_PEER_TIMEOUT, c"MOE_EP_ERR_PEER_TIMEOUT"),
+    (
+        MOE_EP_ERR_COLLECTIVE_FAILED,
+        c"MOE_EP_ERR_COLLECTIVE_FAILED",
+    ),
+    (
+        MOE_EP_ERR_INVALID_DEVICE_DATA,
+        c"MOE_EP_ERR_INVALID_DEVICE_DATA",
+    ),
+    (MOE_EP_ERR_NO_DRIVER, c"MOE_EP_ERR_NO_DRIVER"),
+    (MOE_EP_ERR_NOT_ENOUGH_GPUS, c"MOE_EP_ERR_NOT_ENOUGH_GPUS"),
+    (MOE_EP_ERR_CUDA, c"MOE_EP_ERR_CUDA"),
+    (MOE_EP_ERR_NCCL_LIBRARY, c"MOE_EP_ERR_NCCL_LIBRARY"),
+    (MOE_EP_ERR_NCCL_VERSION, c"MOE_EP_ERR_NCCL_VERSION"),
+    (MOE_EP_ERR_NCCL, c"MOE_EP_ERR_NCCL"),
+    (MOE_EP_ERR_MODULE, c"MOE_EP_ERR_MODULE"),
+    (MOE_EP_ERR_INVALID_STATE, c"MOE_EP_ERR_INVALID_STATE"),
+    (MOE_EP_ERR_IO, c"MOE_EP_ERR_IO"),
+    (MOE_EP_ERR_INTERNAL, c"MOE_EP_ERR_INTERNAL"),
+];
+
+/// `moe_ep_dtype_t`.
+pub const MOE_EP_DTYPE_BF16: c_int = 1;
+pub const MOE_EP_DTYPE_F32: c_int = 2;
+pub const MOE_EP_DTYPE_I32: c_int = 3;
+pub const MOE_EP_DTYPE_I64: c_int = 4;
+pub const MOE_EP_DTYPE_U8: c_int = 5;
+/// `moe_ep_recv_layout_t`.
+pub const MOE_EP_LAYOUT_RANK_MAJOR: u32 = 0;
+pub const MOE_EP_LAYOUT_EXPERT_MAJOR: u32 = 1;
+/// `moe_ep_mode_t`.
+pub const MOE_EP_MODE_HIGH_THROUGHPUT: u32 = 0;
+
+/// The code of an error.
+pub fn status_of(e: &Error) -> Status {
+    match e {
+        Error::InvalidArgument { .. } => MOE_EP_ERR_INVALID_ARGUMENT,
+        Error::NotSymmetric { .. } => MOE_EP_ERR_NOT_SYMMETRIC,
+        Error::CapacityExceeded { .. } => MOE_EP_ERR_CAPACITY_EXCEEDED,
+        Error::PeerTimeout { .. } => MOE_EP_ERR_PEER_TIMEOUT,
+        Error::CollectiveFailed { .. } => MOE_EP_ERR_COLLECTIVE_FAILED,
+        Error::InvalidDeviceData { .. } => MOE_EP_ERR_INVALID_DEVICE_DATA,
+        Error::NoDriver(_) => MOE_EP_ERR_NO_DRIVER,
+        Error::NotEnoughGpus { .. } => MOE_EP_ERR_NOT_ENOUGH_GPUS,
+        Error::Cuda { .. } => MOE_EP_ERR_CUDA,
+        Error::NcclLibrary(_) => MOE_EP_ERR_NCCL_LIBRARY,
+        Error::NcclVersion { .. } => MOE_EP_ERR_NCCL_VERSION,
+        Error::Nccl { .. } => MOE_EP_ERR_NCCL,
+        Error::Module { .. } => MOE_EP_ERR_MODULE,
+        Error::InvalidState(_) => MOE_EP_ERR_INVALID_STATE,
+        Error::Io(_) => MOE_EP_ERR_IO,
+    }
+}
+
+// ---- errors and panics ------------------------------------------------
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+}
+
+/// Runs one call: its error becomes a status and the thread's message, a
+/// panic becomes [`MOE_EP_ERR_INTERNAL`].
+fn ffi(f: impl FnOnce() -> Result<()>) -> Status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => MOE_EP_OK,
+        Ok(Err(e)) => {
+            set_last_error(&e.to_string());
+            status_of(&e)
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            // Catching the panic may itself not unwind into C.
+            let _ = catch_unwind(|| {
+                set_last_error(&format!(
+                    "internal error in moe-ep (a panic, caught at the C ABI): {what}"
+                ))
+            });
+            MOE_EP_ERR_INTERNAL
+        }
+    }
+}
+
+// ---- versioned structs ------------------------------------------------
+
+/// The first two fields of every versioned struct.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Head {
+    size: u32,
+    magic: u32,
+}
+
+/// A `#[repr(C)]` struct that starts with `size` and `magic`.
+///
+/// # Safety
+/// `Self` is `#[repr(C)]`, starts with two `u32` (size, magic), and every
+/// bit pattern of its bytes is a valid value (integers and raw pointers).
+pub unsafe trait Versioned: Copy {
+    /// The C name.
+    const NAME: &'static str;
+    /// The value of `magic`.
+    const MAGIC: u32;
+    /// The init macro.
+    const INIT: &'static str;
+    /// The size of the struct's first version: the smallest accepted.
+    const MIN_SIZE: usize;
+    /// The struct with size and magic set, every other field zero.
+    fn init() -> Self;
+}
+
+/// Checks size and magic of a struct at `p`, returning its size.
+unsafe fn head<T: Versioned>(p: *const T, arg: &'static str) -> Result<usize> {
+    if p.is_null() {
+        return Err(Error::arg(
+            arg,
+            format!("a pointer to a {}", T::NAME),
+            "NULL",
+        ));
+    }
+    // SAFETY: the caller passes a struct, which starts with these 8 bytes.
+    let h = unsafe { std::ptr::read_unaligned(p as *const Head) };
+    if h.magic != T::MAGIC {
+        return Err(Error::arg(
+            arg,
+            format!(
+                "a {} with magic {:#x} (initialise it with {})",
+                T::NAME,
+                T::MAGIC,
+                T::INIT
+            ),
+            format!("magic {:#x}", h.magic),
+        ));
+    }
+    let size = h.size as usize;
+    if size < T::MIN_SIZE {
+        return Err(Error::arg(
+            arg,
+            format!(
+                "a {} of size >= {} (initialise it with {})",
+                T::NAME,
+                T::MIN_SIZE,
+                T::INIT
+            ),
+            format!("size {size}"),
+        ));
+    }
+    Ok(size)
+}
+
+/// Reads a caller's input struct (see the module's rules).
+unsafe fn read_in<T: Versioned>(p: *const T, arg: &'static str) -> Result<T> {
+    // SAFETY: p points to a struct of `size` bytes, as the caller declared.
+    unsafe {
+        let size = head(p, arg)?;
+        let mine = std::mem::size_of::<T>();
+        if size > mine {
+            let extra = std::slice::from_raw_parts((p as *const u8).add(mine), size - mine);
+            if extra.iter().any(|&b| b != 0) {
+                return Err(Error::arg(
+                    arg,
+                    format!(
+                        "a {} whose fields past the {mine} bytes this library (ABI {ABI_VERSION}) knows are zero",
+                        T::NAME
+                    ),
+                    format!("size {size} with nonzero fields this library does not know"),
+                ));
+            }
+        }
+        let mut out = T::init();
+        std::ptr::copy_nonoverlapping(
+            p as *const u8,
+            &mut out as *mut T as *mut u8,
+            size.min(mine),
+        );
+        Ok(out)
+    }
+}
+
+/// Fills a caller's output struct up to its size (size and magic kept).
+unsafe fn write_out<T: Versioned>(p: *mut T, arg: &'static str, value: &T) -> Result<()> {
+    // SAFETY: as read_in; the first 8 bytes are the caller's and kept.
+    unsafe {
+        let size = head(p, arg)?.min(std::mem::size_of::<T>());
+        let h = std::mem::size_of::<Head>();
+        std::ptr::copy_nonoverlapping(
+            (value as *const T as *const u8).add(h),
+            (p as *mut u8).add(h),
+            size - h,
+        );
+    }
+    Ok(())
+}
+
+macro_rules! versioned {
+    ($t:ty, $name:literal, $magic:expr, $init:literal, $min:expr) => {
+        // SAFETY: repr(C), size and magic first, integer and pointer fields.
+        unsafe impl Versioned for $t {
+            const NAME: &'static str = $name;
+            const MAGIC: u32 = $magic;
+            const INIT: &'static str = $init;
+            const MIN_SIZE: usize = $min;
+            fn init() -> Self {
+                // SAFETY: all-zero bytes are a valid value (integers, null pointers).
+                let mut v: Self = unsafe { std::mem::zeroed() };
+                v.size = std::mem::size_of::<Self>() as u32;
+                v.magic = $magic;
+                v
+            }
+        }
+    };
+}
+
+/// `moe_ep_buf_t`: an input buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CBuf {
+    pub ptr: *const c_void,
+    pub len: usize,
+}
+
+/// `moe_ep_buf_mut_t`: an output buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CBufMut {
+    pub ptr: *mut c_void,
+    pub len: usize,
+}
+
+impl CBufMut {
+    fn of(ptr: u64, len: usize) -> CBufMut {
+        CBufMut {
+            ptr: ptr as *mut c_void,
+            len,
+        }
+    }
+}
+
+/// `moe_ep_version_info_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CVersionInfo {
+    pub size: u32,
+    pub magic: u32,
+    pub major: u32,
+    pub minor: u32,
+    pub patch: u32,
+    pub abi_version: u32,
+    pub nccl_headers_version: i32,
+    pub reserved: u32,
+}
+
+/// `moe_ep_group_config_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CGroupConfig {
+    pub size: u32,
+    pub magic: u32,
+    pub num_experts: u64,
+    pub hidden: u64,
+    pub max_tokens_per_rank: u64,
+    pub recv_capacity: u64,
+    pub num_sms: u32,
+    pub combine_chunks: u32,
+    pub mode: u32,
+    pub timeout_ms: u32,
+}
+
+/// `moe_ep_layout_args_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CLayoutArgs {
+    pub size: u32,
+    pub magic: u32,
+    pub topk_idx: CBuf,
+    pub topk_idx_dtype: u32,
+    pub topk: u32,
+    pub layout: u32,
+    pub alignment: u32,
+}
+
+/// `moe_ep_dispatch_args_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CDispatchArgs {
+    pub size: u32,
+    pub magic: u32,
+    pub x: CBuf,
+    pub topk_weights: CBuf,
+    pub recv_tokens: CBufMut,
+    pub recv_topk_weights: CBufMut,
+}
+
+/// `moe_ep_combine_args_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CCombineArgs {
+    pub size: u32,
+    pub magic: u32,
+    pub expert_out: CBuf,
+    pub weights: CBuf,
+    pub out: CBufMut,
+}
+
+/// `moe_ep_combine_backward_args_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CCombineBackwardArgs {
+    pub size: u32,
+    pub magic: u32,
+    pub grad_out: CBuf,
+    pub weights: CBuf,
+    pub grad_expert_out: CBufMut,
+}
+
+/// `moe_ep_dispatch_backward_args_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CDispatchBackwardArgs {
+    pub size: u32,
+    pub magic: u32,
+    pub grad_recv_tokens: CBuf,
+    pub grad_recv_topk_weights: CBuf,
+    pub grad_tokens: CBufMut,
+    pub grad_topk_weights: CBufMut,
+}
+
+/// `moe_ep_recv_buffers_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CRecvBuffers {
+    pub size: u32,
+    pub magic: u32,
+    pub tokens: CBufMut,
+    pub topk_weights: CBufMut,
+    pub topk_idx: CBufMut,
+    pub src: CBufMut,
+}
+
+/// `moe_ep_handle_counts_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CHandleCounts {
+    pub size: u32,
+    pub magic: u32,
+    pub num_tokens: u64,
+    pub topk: u64,
+    pub recv_rows: u64,
+    pub recv_tokens: u64,
+    pub num_local_experts: u64,
+}
+
+/// `moe_ep_unique_id_t`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUniqueId {
+    pub internal: [c_char; 128],
+}
+
+// The sizes of the first versions, as the header lays them out (64-bit).
+versioned!(
+    CVersionInfo,
+    "moe_ep_version_info_t",
+    0x4d4f_4501,
+    "MOE_EP_VERSION_INFO_INIT",
+    32
+);
+versioned!(
+    CGroupConfig,
+    "moe_ep_group_config_t",
+    0x4d4f_4502,
+    "MOE_EP_GROUP_CONFIG_INIT",
+    56
+);
+versioned!(
+    CLayoutArgs,
+    "moe_ep_layout_args_t",
+    0x4d4f_4503,
+    "MOE_EP_LAYOUT_ARGS_INIT",
+    40
+);
+versioned!(
+    CDispatchArgs,
+    "moe_ep_dispatch_args_t",
+    0x4d4f_4504,
+    "MOE_EP_DISPATCH_ARGS_INIT",
+    72
+);
+versioned!(
+    CCombineArgs,
+    "moe_ep_combine_args_t",
+    0x4d4f_4505,
+    "MOE_EP_COMBINE_ARGS_INIT",
+    56
+);
+versioned!(
+    CCombineBackwardArgs,
+    "moe_ep_combine_backward_args_t",
+    0x4d4f_4506,
+    "MOE_EP_COMBINE_BACKWARD_ARGS_INIT",
+    56
+);
+versioned!(
+    CDispatchBackwardArgs,
+    "moe_ep_dispatch_backward_args_t",
+    0x4d4f_4507,
+    "MOE_EP_DISPATCH_BACKWARD_ARGS_INIT",
+    72
+);
+versioned!(
+    CRecvBuffers,
+    "moe_ep_recv_buffers_t",
+    0x4d4f_4508,
+    "MOE_EP_RECV_BUFFERS_INIT",
+    72
+);
+versioned!(
+    CHandleCounts,
+    "moe_ep_handle_counts_t",
+    0x4d4f_4509,
+    "MOE_EP_HANDLE_COUNTS_INIT",
+    48
+);
+
+// The first versions are the structs as they are now (ABI 1); the C test
+// asserts the same sizes with _Static_assert, and tests/capi.rs compares
+// every field offset with the C compiler's.
+const _: () = {
+    use std::mem::size_of;
+    assert!(
+        size_of::<usize>() == 8,
+        "the C ABI is laid out for 64-bit targets"
+    );
+    assert!(size_of::<CBuf>() == 16 && size_of::<CBufMut>() == 16);
+    assert!(size_of::<CVersionInfo>() == CVersionInfo::MIN_SIZE);
+    assert!(size_of::<CGroupConfig>() == CGroupConfig::MIN_SIZE);
+    assert!(size_of::<CLayoutArgs>() == CLayoutArgs::MIN_SIZE);
+    assert!(size_of::<CDispatchArgs>() == CDispatchArgs::MIN_SIZE);
+    assert!(size_of::<CCombineArgs>() == CCombineArgs::MIN_SIZE);
+    assert!(size_of::<CCombineBackwardArgs>() == CCombineBackwardArgs::MIN_SIZE);
+    assert!(size_of::<CDispatchBackwardArgs>() == CDispatchBackwardArgs::MIN_SIZE);
+    assert!(size_of::<CRecvBuffers>() == CRecvBuffers::MIN_SIZE);
+    assert!(size_of::<CHandleCounts>() == CHandleCounts::MIN_SIZE);
+    assert!(size_of::<CUniqueId>() == 128);
+};
+
+// ---- buffers ------------------------------------------------------------
+
+/// A C caller's `(device pointer, element count)`: the C ABI's
+/// [`DeviceRegion`] and [`DeviceRegionMut`].
+///
+/// Made only from a call's arguments and dropped when the call returns.
+/// What the library cannot check, the C caller promises (header, "Buffers"):
+/// the address is one live allocation of at least `len` elements of `T`
+/// that stays allocated, and is written by no one else outside stream
+/// order, until the work enqueued with it has finished; an output is written
+/// by nothing else meanwhile. The ops check length, alignment and that the
+/// memory is device memory of the group's GPU, as for every region, and
+/// the C ABI that no output overlaps another buffer of the call.
+pub struct CRegion<T> {
+    ptr: u64,
+    len: usize,
+    _t: PhantomData<*const T>,
+}
+
+// SAFETY: the C caller's promise above stands in for ownership, which C
+// cannot show; everything checkable is checked by the ops.
+unsafe impl<T> DeviceRegion<T> for CRegion<T> {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+// SAFETY: as above; outputs are checked disjoint from the call's other buffers.
+unsafe impl<T> DeviceRegionMut<T> for CRegion<T> {}
+
+impl<T> CRegion<T> {
+    /// A buffer; NULL only with `len == 0`, its bytes within the address space.
+    fn new(arg: &'static str, ptr: *const c_void, len: usize) -> Result<CRegion<T>> {
+        if ptr.is_null() && len > 0 {
+            return Err(Error::arg(
+                arg,
+                "a device pointer (NULL only with len 0)",
+                format!("NULL with len {len}"),
+            ));
+        }
+        let fits = len
+            .checked_mul(std::mem::size_of::<T>())
+            .and_then(|b| (ptr as u64).checked_add(b as u64));
+        if fits.is_none() {
+            return Err(Error::arg(
+                arg,
+                "a buffer inside the address space",
+                format!("{ptr:p} with len {len}"),
+            ));
+        }
+        Ok(CRegion {
+            ptr: ptr as u64,
+            len,
+            _t: PhantomData,
+        })
+    }
+    /// An optional buffer: `{NULL, 0}` is not given.
+    fn opt(arg: &'static str, ptr: *const c_void, len: usize) -> Result<Option<CRegion<T>>> {
+        if ptr.is_null() && len == 0 {
+            return Ok(None);
+        }
+        Self::new(arg, ptr, len).map(Some)
+    }
+    fn span(&self, arg: &'static str) -> Span {
+        (arg, self.ptr, (self.len * std::mem::size_of::<T>()) as u64)
+    }
+}
+
+/// A buffer's name, address and size in bytes.
+type Span = (&'static str, u64, u64);
+
+fn span_of<T>(arg: &'static str, r: &Option<CRegion<T>>) -> Option<Span> {
+    r.as_ref().map(|r| r.span(arg))
+}
+
+/// Refuses an output that overlaps an input or another output, naming it.
+fn disjoint(outs: &[Option<Span>], ins: &[Option<Span>]) -> Result<()> {
+    let live = |s: &&Option<Span>| matches!(s, Some((_, _, n)) if *n > 0);
+    let outs: Vec<Span> = outs.iter().filter(live).map(|s| s.unwrap()).collect();
+    let ins: Vec<Span> = ins.iter().filter(live).map(|s| s.unwrap()).collect();
+    for (i, &(name, a, n)) in outs.iter().enumerate() {
+        let others = ins.iter().chain(outs[i + 1..].iter());
+        for &(other, b, m) in others {
+            if a < b + m && b < a + n {
+                return Err(Error::arg(
+                    name,
+                    format!("an output that overlaps no other buffer of the call (it overlaps `{other}`)"),
+                    format!("[{a:#x}, {:#x}) and [{b:#x}, {:#x})", a + n, b + m),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---- handles --------------------------------------------------------------
+
+/// `moe_ep_comm_t`.
+pub struct CComm(Arc<Communicator>);
+/// `moe_ep_group_t`.
+pub struct CGroup(EpGroup);
+/// `moe_ep_handle_t`.
+pub struct CHandle(Handle);
+/// `moe_ep_buffer_t`: a pool buffer of one element type.
+pub enum CBuffer {
+    Bf16(SymmBuffer<bf16>),
+    F32(SymmBuffer<f32>),
+    I32(SymmBuffer<i32>),
+    I64(SymmBuffer<i64>),
+    U8(SymmBuffer<u8>),
+}
+/// `moe_ep_dispatched_t`: the receive buffers of a dispatch; the pool's
+/// are owned here, the caller's only named.
+pub struct CDispatched {
+    tokens: Kept<bf16>,
+    topk_weights: Kept<f32>,
+    topk_idx: SymmBuffer<i32>,
+    src: SymmBuffer<i32>,
+}
+
+/// A receive buffer's address and length, and the pool buffer if it is one.
+struct Kept<T> {
+    ptr: u64,
+    len: usize,
+    _pool: Option<SymmBuffer<T>>,
+}
+
+impl<T> Kept<T> {
+    fn of(b: RecvBuf<'_, T>) -> Kept<T> {
+        let (ptr, len) = (b.device_ptr(), b.len());
+        let pool = match b {
+            RecvBuf::Pool(s) => Some(s),
+            RecvBuf::Caller(_) => None,
+        };
+        Kept {
+            ptr,
+            len,
+            _pool: pool,
+        }
+    }
+}
+
+impl CBuffer {
+    fn ptr_len(&self) -> (u64, usize) {
+        match self {
+            CBuffer::Bf16(b) => (b.device_ptr(), b.len()),
+            CBuffer::F32(b) => (b.device_ptr(), b.len()),
+            CBuffer::I32(b) => (b.device_ptr(), b.len()),
+            CBuffer::I64(b) => (b.device_ptr(), b.len()),
+            CBuffer::U8(b) => (b.device_ptr(), b.len()),
+        }
+    }
+}
+
+/// A handle argument: refuses NULL, naming `arg`.
+unsafe fn obj<'a, T>(p: *const T, arg: &'static str) -> Result<&'a T> {
+    // SAFETY: a non-null handle is one this library returned and the caller
+    // has not destroyed (the header's contract).
+    unsafe { p.as_ref() }.ok_or_else(|| Error::arg(arg, "a live handle", "NULL"))
+}
+
+/// An out-parameter: refuses NULL, naming `arg`.
+fn out_ptr<T>(p: *mut T, arg: &'static str) -> Result<*mut T> {
+    if p.is_null() {
+        return Err(Error::arg(arg, "a pointer to write the result to", "NULL"));
+    }
+    Ok(p)
+}
+
+fn boxed<T>(v: T) -> *mut T {
+    Box::into_raw(Box::new(v))
+}
+
+fn to_usize(arg: &'static str, v: u64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::arg(arg, "a value that fits size_t", v))
+}
+
+fn device_of(arg: &'static str, device: c_int) -> Result<usize> {
+    usize::try_from(device).map_err(|_| Error::arg(arg, "a device ordinal >= 0", device))
+}
+
+/// The caller's stream, wrapped without taking it over: it must belong to
+/// the communicator's context (checked with `cuStreamGetCtx`).
+unsafe fn stream_of(ctx: &Arc<CudaContext>, s: *mut c_void) -> Result<Arc<CudaStream>> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()
+        .map_err(Error::cuda("cuCtxSetCurrent"))?;
+    let mut owner: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: any stream value is accepted; a dead one is an error code.
+    let rc = unsafe { sys::cuStreamGetCtx(s as sys::CUstream, &mut owner) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::arg(
+            "stream",
+            "a live CUDA stream",
+            format!("{s:p} (cuStreamGetCtx: {rc:?})"),
+        ));
+    }
+    if owner != ctx.cu_ctx() {
+        return Err(Error::arg(
+            "stream",
+            format!(
+                "a stream of the primary context of the communicator's GPU {}",
+                ctx.ordinal()
+            ),
+            format!("{s:p}, a stream of another context"),
+        ));
+    }
+    // SAFETY: a live stream of this context (checked); the header makes the
+    // caller keep it alive while the group and what it made with it live,
+    // and the crate orders its own work on it.
+    Ok(unsafe { ctx.wrap_borrowed_stream(s as sys::CUstream) })
+}
+
+// ---- version and errors -------------------------------------------------
+
+#[no_mangle]
+pub extern "C" fn moe_ep_abi_version() -> u32 {
+    ABI_VERSION
+}
+
+fn version_info() -> CVersionInfo {
+    let num = |s: &str| s.parse::<u32>().unwrap_or(0);
+    CVersionInfo {
+        major: num(env!("CARGO_PKG_VERSION_MAJOR")),
+        minor: num(env!("CARGO_PKG_VERSION_MINOR")),
+        patch: num(env!("CARGO_PKG_VERSION_PATCH")),
+        abi_version: ABI_VERSION,
+        nccl_headers_version: crate::kernels::NCCL_HEADERS_VERSION_CODE,
+        ..CVersionInfo::init()
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_version(out: *mut CVersionInfo) -> Status {
+    ffi(|| unsafe { write_out(out, "out", &version_info()) })
+}
+
+#[no_mangle]
+pub extern "C" fn moe_ep_version_string() -> *const c_char {
+    static S: OnceLock<CString> = OnceLock::new();
+    S.get_or_init(|| {
+        let headers = crate::NcclVersion::from_code(crate::kernels::NCCL_HEADERS_VERSION_CODE);
+        CString::new(format!(
+            "{} (ABI {ABI_VERSION}, NCCL headers {headers})",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .unwrap_or_default()
+    })
+    .as_ptr()
+}
+
+#[no_mangle]
+pub extern "C" fn moe_ep_last_error() -> *const c_char {
+    LAST_ERROR
+        .try_with(|l| l.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
+}
+
+#[no_mangle]
+pub extern "C" fn moe_ep_status_name(status: Status) -> *const c_char {
+    STATUS_NAMES
+        .iter()
+        .find(|(s, _)| *s == status)
+        .map_or(c"MOE_EP_UNKNOWN_STATUS".as_ptr(), |(_, n)| n.as_ptr())
+}
+
+// ---- devices and communicators -----------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_device_count(out: *mut c_int) -> Status {
+    ffi(|| {
+        let out = out_ptr(out, "out")?;
+        let n = crate::device_count()?;
+        // SAFETY: checked non-null; the caller's int.
+        unsafe { *out = n.min(c_int::MAX as usize) as c_int };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_unique_id_create(out: *mut CUniqueId) -> Status {
+    ffi(|| {
+        let out = out_ptr(out, "out")?;
+        let bytes = UniqueId::generate()?.to_bytes();
+        // SAFETY: checked non-null; 128 bytes.
+        unsafe { (*out).internal = bytes.map(|b| b as c_char) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_init(
+    device: c_int,
+    id: *const CUniqueId,
+    rank: c_int,
+    world: c_int,
+    out: *mut *mut CComm,
+) -> Status {
+    ffi(|| {
+        let out = out_ptr(out, "out")?;
+        let id = unsafe { obj(id, "id") }?;
+        let world = usize::try_from(world).map_err(|_| Error::arg("world", ">= 1", world))?;
+        let rank = usize::try_from(rank)
+            .map_err(|_| Error::arg("rank", format!("a rank in 0..{world}"), rank))?;
+        let device = device_of("device", device)?;
+        let ctx = crate::context(device)?;
+        let id = UniqueId::from_bytes(id.internal.map(|b| b as u8));
+        let comm = Communicator::init(&ctx, &id, rank, world)?;
+        // SAFETY: checked non-null.
+        unsafe { *out = boxed(CComm(comm)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_borrow_nccl(
+    device: c_int,
+    nccl: *mut c_void,
+    out: *mut *mut CComm,
+) -> Status {
+    ffi(|| {
+        let out = out_ptr(out, "out")?;
+        if nccl.is_null() {
+            return Err(Error::arg("nccl", "a live ncclComm_t", "NULL"));
+        }
+        let device = device_of("device", device)?;
+        let ctx = crate::context(device)?;
+        let raw = nccl as crate::sys::nccl::ncclComm_t;
+        // SAFETY: the caller's live communicator (the header's contract).
+        let on = unsafe { crate::runtime::nccl_call::comm_cu_device(raw)? };
+        if on != device {
+            return Err(Error::arg(
+                "nccl",
+                format!("a communicator of GPU {device} (the `device` argument)"),
+                format!("a communicator of GPU {on}"),
+            ));
+        }
+        // SAFETY: live, of this device, outliving the handle (the contract).
+        let comm = unsafe { Communicator::borrow_raw(&ctx, raw)? };
+        // SAFETY: checked non-null.
+        unsafe { *out = boxed(CComm(comm)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_create_virtual(
+    device: c_int,
+    world: c_int,
+    comms: *mut *mut CComm,
+) -> Status {
+    ffi(|| {
+        let comms = out_ptr(comms, "comms")?;
+        let world = usize::try_from(world)
+            .ok()
+            .filter(|&w| w >= 1)
+            .ok_or_else(|| Error::arg("world", "at least 1 virtual rank", world))?;
+        let device = device_of("device", device)?;
+        let ctx = crate::context(device)?;
+        let all = Communicator::virtual_world(&ctx, world)?;
+        for (r, c) in all.into_iter().enumerate() {
+            // SAFETY: the caller's array of `world` pointers.
+            unsafe { *comms.add(r) = boxed(CComm(c)) };
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_destroy(comm: *mut CComm) -> Status {
+    ffi(|| {
+        if !comm.is_null() {
+            // SAFETY: a handle of ours, destroyed once (the contract).
+            drop(unsafe { Box::from_raw(comm) });
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_rank(comm: *const CComm, out: *mut c_int) -> Status {
+    ffi(|| {
+        let c = unsafe { obj(comm, "comm") }?;
+        let out = out_ptr(out, "out")?;
+        unsafe { *out = c.0.rank() as c_int };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_world(comm: *const CComm, out: *mut c_int) -> Status {
+    ffi(|| {
+        let c = unsafe { obj(comm, "comm") }?;
+        let out = out_ptr(out, "out")?;
+        unsafe { *out = c.0.world() as c_int };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_max_sms(
+    comm: *const CComm,
+    num_experts: u64,
+    out: *mut u32,
+) -> Status {
+    ffi(|| {
+        let c = unsafe { obj(comm, "comm") }?;
+        let out = out_ptr(out, "out")?;
+        let e = to_usize("num_experts", num_experts)?;
+        let n = crate::ops::residency(&c.0, e)?.max_blocks_per_rank();
+        unsafe { *out = n.min(u32::MAX as usize) as u32 };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_abort(comm: *mut CComm) -> Status {
+    ffi(|| unsafe { obj(comm, "comm") }?.0.abort())
+}
+
+// ---- groups -------------------------------------------------------------
+
+fn group_config(c: &CGroupConfig) -> Result<GroupConfig> {
+    let mut g = GroupConfig::new(
+        to_usize("num_experts", c.num_experts)?,
+        to_usize("hidden", c.hidden)?,
+        to_usize("max_tokens_per_rank", c.max_tokens_per_rank)?,
+    );
+    g.recv_capacity = to_usize("recv_capacity", c.recv_capacity)?;
+    if c.num_sms != 0 {
+        g.num_sms = c.num_sms as usize;
+    }
+    if c.combine_chunks != 0 {
+        g.combine_chunks = c.combine_chunks as usize;
+    }
+    g.mode = match c.mode {
+        MOE_EP_MODE_HIGH_THROUGHPUT => Mode::HighThroughput,
+        m => {
+            return Err(Error::arg(
+                "mode",
+                "MOE_EP_MODE_HIGH_THROUGHPUT (0); the low-latency mode is not implemented yet",
+                m,
+            ))
+        }
+    };
+    if c.timeout_ms != 0 {
+        g.timeout = Duration::from_millis(c.timeout_ms as u64);
+    }
+    Ok(g)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_config_validate(
+    cfg: *const CGroupConfig,
+    world: c_int,
+) -> Status {
+    ffi(|| {
+        let cfg = group_config(&unsafe { read_in(cfg, "cfg") }?)?;
+        let world = usize::try_from(world).map_err(|_| Error::arg("world", ">= 1", world))?;
+        cfg.validate(world)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_create(
+    comm: *const CComm,
+    cfg: *const CGroupConfig,
+    out: *mut *mut CGroup,
+) -> Status {
+    ffi(|| {
+        let cfg = group_config(&unsafe { read_in(cfg, "cfg") }?)?;
+        let c = unsafe { obj(comm, "comm") }?;
+        let out = out_ptr(out, "out")?;
+        let g = EpGroup::new(&c.0, cfg)?;
+        unsafe { *out = boxed(CGroup(g)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_destroy(group: *mut CGroup) -> Status {
+    ffi(|| {
+        if !group.is_null() {
+            // SAFETY: a handle of ours, destroyed once; dropping waits for its work.
+            drop(unsafe { Box::from_raw(group) });
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_check(group: *const CGroup) -> Status {
+    ffi(|| unsafe { obj(group, "group") }?.0.check())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_recv_capacity(group: *const CGroup, out: *mut u64) -> Status {
+    ffi(|| {
+        let g = unsafe { obj(group, "group") }?;
+        let out = out_ptr(out, "out")?;
+        unsafe { *out = g.0.recv_capacity() as u64 };
+        Ok(())
+    })
+}
+
+// ---- symmetric memory ---------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_pool_alloc(
+    group: *const CGroup,
+    dtype: c_int,
+    len: usize,
+    out: *mut *mut CBuffer,
+) -> Status {
+    ffi(|| {
+        let g = unsafe { obj(group, "group") }?;
+        let out = out_ptr(out, "out")?;
+        let pool = g.0.pool();
+        let b = match dtype {
+            MOE_EP_DTYPE_BF16 => CBuffer::Bf16(pool.alloc(len)?),
+            MOE_EP_DTYPE_F32 => CBuffer::F32(pool.alloc(len)?),
+            MOE_EP_DTYPE_I32 => CBuffer::I32(pool.alloc(len)?),
+            MOE_EP_DTYPE_I64 => CBuffer::I64(pool.alloc(len)?),
+            MOE_EP_DTYPE_U8 => CBuffer::U8(pool.alloc(len)?),
+            d => return Err(Error::arg("dtype", "a moe_ep_dtype_t (1..=5)", d)),
+        };
+        unsafe { *out = boxed(b) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_buffer_free(buffer: *mut CBuffer) -> Status {
+    ffi(|| {
+        if !buffer.is_null() {
+            // SAFETY: a handle of ours, freed once.
+            drop(unsafe { Box::from_raw(buffer) });
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_buffer_get(buffer: *const CBuffer, out: *mut CBufMut) -> Status {
+    ffi(|| {
+        let b = unsafe { obj(buffer, "buffer") }?;
+        let out = out_ptr(out, "out")?;
+        let (p, n) = b.ptr_len();
+        unsafe { *out = CBufMut::of(p, n) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_is_symm_backed(
+    group: *const CGroup,
+    ptr: *const c_void,
+    bytes: usize,
+    out: *mut c_int,
+) -> Status {
+    ffi(|| {
+        let g = unsafe { obj(group, "group") }?;
+        let out = out_ptr(out, "out")?;
+        let yes = g.0.pool().is_symm_backed(ptr as u64, bytes);
+        unsafe { *out = yes as c_int };
+        Ok(())
+    })
+}
+
+// ---- ops ------------------------------------------------------------------
+
+/// The group, its stream and the handle of an op.
+unsafe fn op<'a>(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+) -> Result<(&'a EpGroup, Arc<CudaStream>, &'a Handle)> {
+    // SAFETY: the header's contract for handles and streams.
+    unsafe {
+        let g = &obj(group, "group")?.0;
+        let h = &obj(handle, "handle")?.0;
+        let s = stream_of(g.comm().context(), stream)?;
+        Ok((g, s, h))
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_layout(
+    group: *const CGroup,
+    stream: *mut c_void,
+    args: *const CLayoutArgs,
+    out: *mut *mut CHandle,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let (p, n) = (a.topk_idx.ptr, a.topk_idx.len);
+        let (i32s, i64s) = match a.topk_idx_dtype as c_int {
+            MOE_EP_DTYPE_I32 => (Some(CRegion::<i32>::new("topk_idx", p, n)?), None),
+            MOE_EP_DTYPE_I64 => (None, Some(CRegion::<i64>::new("topk_idx", p, n)?)),
+            d => {
+                return Err(Error::arg(
+                    "topk_idx_dtype",
+                    "MOE_EP_DTYPE_I32 or MOE_EP_DTYPE_I64",
+                    d,
+                ))
+            }
+        };
+        let layout = match (a.layout, a.alignment) {
+            (MOE_EP_LAYOUT_RANK_MAJOR, 0) => RecvLayout::RankMajor,
+            (MOE_EP_LAYOUT_RANK_MAJOR, al) => {
+                return Err(Error::arg("alignment", "0 for a rank-major layout", al))
+            }
+            (MOE_EP_LAYOUT_EXPERT_MAJOR, al) => RecvLayout::ExpertMajor {
+                alignment: al as usize,
+            },
+            (l, _) => {
+                return Err(Error::arg(
+                    "layout",
+                    "MOE_EP_LAYOUT_RANK_MAJOR or MOE_EP_LAYOUT_EXPERT_MAJOR",
+                    l,
+                ))
+            }
+        };
+        layout.validate()?;
+        let g = &unsafe { obj(group, "group") }?.0;
+        let out = out_ptr(out, "out")?;
+        let s = unsafe { stream_of(g.comm().context(), stream) }?;
+        let idx = match (&i32s, &i64s) {
+            (Some(r), _) => TopkIdx::I32(r),
+            (_, Some(r)) => TopkIdx::I64(r),
+            _ => unreachable!("one of the two was made above"),
+        };
+        let h = g.layout(&s, idx, a.topk as usize, layout)?;
+        unsafe { *out = boxed(CHandle(h)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_destroy(handle: *mut CHandle) -> Status {
+    ffi(|| {
+        if !handle.is_null() {
+            // SAFETY: a handle of ours, destroyed once; its arrays are freed
+            // in the order of the stream its layout ran on.
+            drop(unsafe { Box::from_raw(handle) });
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_counts(
+    handle: *const CHandle,
+    stream: *mut c_void,
+    out: *mut CHandleCounts,
+) -> Status {
+    ffi(|| {
+        unsafe { head(out, "out") }?;
+        let h = &unsafe { obj(handle, "handle") }?.0;
+        let s = unsafe { stream_of(h.arena.stream().context(), stream) }?;
+        let c = h.host_counts(&s)?;
+        let v = CHandleCounts {
+            num_tokens: h.num_tokens() as u64,
+            topk: h.topk() as u64,
+            recv_rows: c.recv_rows as u64,
+            recv_tokens: c.recv_tokens as u64,
+            num_local_experts: c.tokens_per_local_expert.len() as u64,
+            ..CHandleCounts::init()
+        };
+        unsafe { write_out(out, "out", &v) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_tokens_per_local_expert(
+    handle: *const CHandle,
+    out: *mut CBuf,
+) -> Status {
+    ffi(|| {
+        let h = &unsafe { obj(handle, "handle") }?.0;
+        let out = out_ptr(out, "out")?;
+        let v = h.tokens_per_local_expert();
+        let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
+        unsafe {
+            *out = CBuf {
+                ptr: p as *const c_void,
+                len: n,
+            }
+        };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatch(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CDispatchArgs,
+    out: *mut *mut CDispatched,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let x = CRegion::<bf16>::new("x", a.x.ptr, a.x.len)?;
+        let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
+        let mut rt = CRegion::<bf16>::opt("recv_tokens", a.recv_tokens.ptr, a.recv_tokens.len)?;
+        let mut rw = CRegion::<f32>::opt(
+            "recv_topk_weights",
+            a.recv_topk_weights.ptr,
+            a.recv_topk_weights.len,
+        )?;
+        disjoint(
+            &[
+                span_of("recv_tokens", &rt),
+                span_of("recv_topk_weights", &rw),
+            ],
+            &[Some(x.span("x")), Some(w.span("topk_weights"))],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let out = out_ptr(out, "out")?;
+        let d = g.dispatch(
+            &s,
+            h,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: rt.as_mut().map(|r| r as &mut dyn DeviceRegionMut<bf16>),
+                recv_topk_weights: rw.as_mut().map(|r| r as &mut dyn DeviceRegionMut<f32>),
+            },
+        )?;
+        let kept = CDispatched {
+            tokens: Kept::of(d.tokens),
+            topk_weights: Kept::of(d.topk_weights),
+            topk_idx: d.topk_idx,
+            src: d.src,
+        };
+        unsafe { *out = boxed(kept) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatched_buffers(
+    dispatched: *const CDispatched,
+    out: *mut CRecvBuffers,
+) -> Status {
+    ffi(|| {
+        unsafe { head(out, "out") }?;
+        let d = unsafe { obj(dispatched, "dispatched") }?;
+        let v = CRecvBuffers {
+            tokens: CBufMut::of(d.tokens.ptr, d.tokens.len),
+            topk_weights: CBufMut::of(d.topk_weights.ptr, d.topk_weights.len),
+            topk_idx: CBufMut::of(d.topk_idx.device_ptr(), d.topk_idx.len()),
+            src: CBufMut::of(d.src.device_ptr(), d.src.len()),
+            ..CRecvBuffers::init()
+        };
+        unsafe { write_out(out, "out", &v) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatched_destroy(dispatched: *mut CDispatched) -> Status {
+    ffi(|| {
+        if !dispatched.is_null() {
+            // SAFETY: a result of ours, destroyed once.
+            drop(unsafe { Box::from_raw(dispatched) });
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_combine(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CCombineArgs,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let y = CRegion::<bf16>::new("expert_out", a.expert_out.ptr, a.expert_out.len)?;
+        let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
+        let mut o = CRegion::<bf16>::new("out", a.out.ptr as *const c_void, a.out.len)?;
+        disjoint(
+            &[Some(o.span("out"))],
+            &[Some(y.span("expert_out")), span_of("weights", &w)],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        g.combine(
+            &s,
+            h,
+            &y,
+            w.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+            &mut o,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_combine_backward(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CCombineBackwardArgs,
+    out: *mut *mut CBuffer,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let go = CRegion::<bf16>::new("grad_out", a.grad_out.ptr, a.grad_out.len)?;
+        let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
+        let mut ge = CRegion::<bf16>::opt(
+            "grad_expert_out",
+            a.grad_expert_out.ptr,
+            a.grad_expert_out.len,
+        )?;
+        disjoint(
+            &[span_of("grad_expert_out", &ge)],
+            &[Some(go.span("grad_out")), span_of("weights", &w)],
+        )?;
+        if ge.is_none() {
+            out_ptr(out, "out")?;
+        }
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let r = g.combine_backward(
+            &s,
+            h,
+            &go,
+            w.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+            ge.as_mut().map(|r| r as &mut dyn DeviceRegionMut<bf16>),
+        )?;
+        let pool = match r {
+            RecvBuf::Pool(b) => boxed(CBuffer::Bf16(b)),
+            RecvBuf::Caller(_) => std::ptr::null_mut(),
+        };
+        if !out.is_null() {
+            unsafe { *out = pool };
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatch_backward(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CDispatchBackwardArgs,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let gr = CRegion::<bf16>::new(
+            "grad_recv_tokens",
+            a.grad_recv_tokens.ptr,
+            a.grad_recv_tokens.len,
+        )?;
+        let grw = CRegion::<f32>::opt(
+            "grad_recv_topk_weights",
+            a.grad_recv_topk_weights.ptr,
+            a.grad_recv_topk_weights.len,
+        )?;
+        let mut gt = CRegion::<bf16>::new(
+            "grad_tokens",
+            a.grad_tokens.ptr as *const c_void,
+            a.grad_tokens.len,
+        )?;
+        let mut gtw = CRegion::<f32>::opt(
+            "grad_topk_weights",
+            a.grad_topk_weights.ptr,
+            a.grad_topk_weights.len,
+        )?;
+        disjoint(
+            &[
+                Some(gt.span("grad_tokens")),
+                span_of("grad_topk_weights", &gtw),
+            ],
+            &[
+                Some(gr.span("grad_recv_tokens")),
+                span_of("grad_recv_topk_weights", &grw),
+            ],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        g.dispatch_backward(
+            &s,
+            h,
+            &gr,
+            grw.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+            &mut gt,
+            gtw.as_mut().map(|w| w as &mut dyn DeviceRegionMut<f32>),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_checks_name_the_argument_and_the_struct() {
+        let mut c = CGroupConfig::init();
+        c.magic = 7;
+        let e = unsafe { read_in(&c, "cfg") }.unwrap_err().to_string();
+        assert!(
+            e.contains("`cfg`") && e.contains("moe_ep_group_config_t"),
+            "{e}"
+        );
+        c.magic = CGroupConfig::MAGIC;
+        c.size = 12;
+        let e = unsafe { read_in(&c, "cfg") }.unwrap_err().to_string();
+        assert!(e.contains("size 12"), "{e}");
+    }
+
+    #[test]
+    fn overlapping_outputs_are_refused() {
+        let e = disjoint(
+            &[Some(("out", 0x1000, 64))],
+            &[Some(("expert_out", 0x1020, 64))],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`out`") && e.contains("expert_out"), "{e}");
+        disjoint(&[Some(("out", 0x1000, 64))], &[Some(("x", 0x1040, 64))]).unwrap();
+    }
+
+    #[test]
+    fn every_status_is_named_in_order() {
+        for (i, (s, _)) in STATUS_NAMES.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+    }
+}

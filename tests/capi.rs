@@ -1,0 +1,288 @@
+//! The C ABI from C, without a GPU: `include/moe_ep.h` compiles as C11 and
+//! C++17 (warnings as errors), `tests/capi/abi_test.c` links against the
+//! static and the shared library and passes its checks against each (version,
+//! bad struct sizes and magics, NULL and bad arguments named, no driver is
+//! an error code), and every struct's size, field offsets and init macro as
+//! the C compiler sees them equal the Rust mirrors in `moe_ep::capi`.
+//!
+//! Needs `cc` and `c++` on the PATH (`CC` / `CXX` override them).
+
+use std::collections::BTreeMap;
+use std::mem::{offset_of, size_of};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use moe_ep::capi::*;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// Where cargo put libmoe_ep.so and libmoe_ep.a for this test binary.
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    for dir in [deps.parent().unwrap(), deps] {
+        if dir.join("libmoe_ep.so").is_file() && dir.join("libmoe_ep.a").is_file() {
+            return dir.to_path_buf();
+        }
+    }
+    panic!(
+        "libmoe_ep.so / libmoe_ep.a not found next to {}",
+        deps.display()
+    );
+}
+
+fn tool(var: &str, default: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| default.to_string())
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
+
+fn header() -> PathBuf {
+    Path::new(ROOT).join("include/moe_ep.h")
+}
+
+#[test]
+fn header_compiles_as_c11_and_cxx17() {
+    let warn = ["-Wall", "-Wextra", "-Werror", "-pedantic"];
+    run(Command::new(tool("CC", "cc"))
+        .args(["-x", "c", "-std=c11", "-fsyntax-only"])
+        .args(warn)
+        .arg(header()));
+    run(Command::new(tool("CXX", "c++"))
+        .args(["-x", "c++", "-std=c++17", "-fsyntax-only"])
+        .args(warn)
+        .arg(header()));
+}
+
+/// Builds the C test against one of the libraries into `name`.
+fn build_c_test(name: &str, link: &[&str]) -> PathBuf {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    run(Command::new(tool("CC", "cc"))
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
+        .arg(Path::new(ROOT).join("include"))
+        .arg(Path::new(ROOT).join("tests/capi/abi_test.c"))
+        .arg("-o")
+        .arg(&out)
+        .args(link));
+    out
+}
+
+fn shared_test() -> PathBuf {
+    let dir = lib_dir();
+    let d = dir.to_str().unwrap();
+    build_c_test(
+        "abi_test_shared",
+        &[&format!("-L{d}"), "-lmoe_ep", &format!("-Wl,-rpath,{d}")],
+    )
+}
+
+/// The checks must pass without a GPU against both libraries.
+#[test]
+fn c_test_passes_against_the_static_and_the_shared_library() {
+    let a = lib_dir().join("libmoe_ep.a");
+    let stat = build_c_test(
+        "abi_test_static",
+        &[
+            a.to_str().unwrap(),
+            "-lpthread",
+            "-ldl",
+            "-lm",
+            "-lrt",
+            "-lgcc_s",
+            "-lutil",
+        ],
+    );
+    for exe in [stat, shared_test()] {
+        let text = run(&mut Command::new(&exe));
+        println!("{}:\n{text}", exe.display());
+        assert!(text.contains("passed: 0 failures"), "{text}");
+    }
+}
+
+/// The Rust mirrors' sizes, offsets and magics, by C name.
+fn rust_layout() -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    macro_rules! s {
+        ($t:ty, $c:literal, versioned, [$($f:ident),*]) => {
+            s!($t, $c, [$($f),*]);
+            let v = <$t as Versioned>::init();
+            m.insert(concat!($c, " init_size").to_string(), v.size as usize);
+            m.insert(concat!($c, " magic").to_string(), <$t as Versioned>::MAGIC as usize);
+            assert_eq!(<$t as Versioned>::NAME, $c);
+        };
+        ($t:ty, $c:literal, [$($f:ident),*]) => {
+            m.insert(concat!($c, " size").to_string(), size_of::<$t>());
+            $(m.insert(concat!($c, ".", stringify!($f)).to_string(), offset_of!($t, $f));)*
+        };
+    }
+    s!(CBuf, "moe_ep_buf_t", [ptr, len]);
+    s!(CBufMut, "moe_ep_buf_mut_t", [ptr, len]);
+    s!(CUniqueId, "moe_ep_unique_id_t", []);
+    s!(
+        CVersionInfo,
+        "moe_ep_version_info_t",
+        versioned,
+        [
+            major,
+            minor,
+            patch,
+            abi_version,
+            nccl_headers_version,
+            reserved
+        ]
+    );
+    s!(
+        CGroupConfig,
+        "moe_ep_group_config_t",
+        versioned,
+        [
+            num_experts,
+            hidden,
+            max_tokens_per_rank,
+            recv_capacity,
+            num_sms,
+            combine_chunks,
+            mode,
+            timeout_ms
+        ]
+    );
+    s!(
+        CLayoutArgs,
+        "moe_ep_layout_args_t",
+        versioned,
+        [topk_idx, topk_idx_dtype, topk, layout, alignment]
+    );
+    s!(
+        CDispatchArgs,
+        "moe_ep_dispatch_args_t",
+        versioned,
+        [x, topk_weights, recv_tokens, recv_topk_weights]
+    );
+    s!(
+        CCombineArgs,
+        "moe_ep_combine_args_t",
+        versioned,
+        [expert_out, weights, out]
+    );
+    s!(
+        CCombineBackwardArgs,
+        "moe_ep_combine_backward_args_t",
+        versioned,
+        [grad_out, weights, grad_expert_out]
+    );
+    s!(
+        CDispatchBackwardArgs,
+        "moe_ep_dispatch_backward_args_t",
+        versioned,
+        [
+            grad_recv_tokens,
+            grad_recv_topk_weights,
+            grad_tokens,
+            grad_topk_weights
+        ]
+    );
+    s!(
+        CRecvBuffers,
+        "moe_ep_recv_buffers_t",
+        versioned,
+        [tokens, topk_weights, topk_idx, src]
+    );
+    s!(
+        CHandleCounts,
+        "moe_ep_handle_counts_t",
+        versioned,
+        [num_tokens, topk, recv_rows, recv_tokens, num_local_experts]
+    );
+    m
+}
+
+#[test]
+fn struct_layouts_agree_with_the_c_compiler() {
+    let text = run(Command::new(shared_test()).arg("layout"));
+    let c: BTreeMap<String, usize> = text
+        .lines()
+        .map(|l| {
+            let (k, v) = l.rsplit_once(' ').unwrap();
+            (k.to_string(), v.parse().unwrap())
+        })
+        .collect();
+    let rust = rust_layout();
+    assert_eq!(
+        c.keys().collect::<Vec<_>>(),
+        rust.keys().collect::<Vec<_>>(),
+        "the C test and the Rust table list different fields"
+    );
+    for (k, v) in &rust {
+        assert_eq!(c[k], *v, "{k}: C says {}, Rust {v}", c[k]);
+    }
+    println!("{} sizes, offsets and magics agree", rust.len());
+}
+
+/// Status codes, enum values and the ABI version in the header equal the
+/// library's.
+#[test]
+fn header_constants_agree_with_the_library() {
+    let h = std::fs::read_to_string(header()).unwrap();
+    let value = |name: &str| -> i64 {
+        let line = h
+            .lines()
+            .find(|l| {
+                let l = l.trim_start().trim_start_matches("#define ");
+                l.starts_with(name) && l[name.len()..].starts_with([' ', '='])
+            })
+            .unwrap_or_else(|| panic!("{name} is not in the header"));
+        let v = line[line.find(name).unwrap() + name.len()..]
+            .trim_start_matches([' ', '='])
+            .split([',', ' ', '/'])
+            .next()
+            .unwrap()
+            .trim_end_matches('u');
+        match v.strip_prefix("0x") {
+            Some(x) => i64::from_str_radix(x, 16).unwrap(),
+            None => v.parse().unwrap(),
+        }
+    };
+    for (code, name) in STATUS_NAMES {
+        assert_eq!(value(name.to_str().unwrap()), code as i64, "{name:?}");
+    }
+    assert_eq!(value("MOE_EP_ABI_VERSION"), ABI_VERSION as i64);
+    let version: Vec<i64> = env!("CARGO_PKG_VERSION")
+        .split('.')
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(
+        [
+            value("MOE_EP_VERSION_MAJOR"),
+            value("MOE_EP_VERSION_MINOR"),
+            value("MOE_EP_VERSION_PATCH")
+        ],
+        version[..],
+        "the header's version is not Cargo.toml's"
+    );
+    for (name, v) in [
+        ("MOE_EP_DTYPE_BF16", MOE_EP_DTYPE_BF16 as i64),
+        ("MOE_EP_DTYPE_F32", MOE_EP_DTYPE_F32 as i64),
+        ("MOE_EP_DTYPE_I32", MOE_EP_DTYPE_I32 as i64),
+        ("MOE_EP_DTYPE_I64", MOE_EP_DTYPE_I64 as i64),
+        ("MOE_EP_DTYPE_U8", MOE_EP_DTYPE_U8 as i64),
+        ("MOE_EP_LAYOUT_RANK_MAJOR", MOE_EP_LAYOUT_RANK_MAJOR as i64),
+        (
+            "MOE_EP_LAYOUT_EXPERT_MAJOR",
+            MOE_EP_LAYOUT_EXPERT_MAJOR as i64,
+        ),
+        (
+            "MOE_EP_MODE_HIGH_THROUGHPUT",
+            MOE_EP_MODE_HIGH_THROUGHPUT as i64,
+        ),
+    ] {
+        assert_eq!(value(name), v, "{name}");
+    }
+}

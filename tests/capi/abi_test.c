@@ -1,0 +1,339 @@
+/* The C ABI without a GPU: version, versioned structs, argument checks, no
+ * driver. Built by tests/capi.rs against libmoe_ep.a and libmoe_ep.so.
+ *
+ *   abi_test          run the checks (exit status 0 when all pass)
+ *   abi_test layout   print every struct's size, magic and field offsets
+ */
+#include "moe_ep.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+_Static_assert(sizeof(void *) == 8, "the ABI is laid out for 64-bit targets");
+_Static_assert(sizeof(moe_ep_buf_t) == 16, "moe_ep_buf_t");
+_Static_assert(sizeof(moe_ep_buf_mut_t) == 16, "moe_ep_buf_mut_t");
+_Static_assert(sizeof(moe_ep_version_info_t) == 32, "moe_ep_version_info_t");
+_Static_assert(sizeof(moe_ep_group_config_t) == 56, "moe_ep_group_config_t");
+_Static_assert(sizeof(moe_ep_layout_args_t) == 40, "moe_ep_layout_args_t");
+_Static_assert(sizeof(moe_ep_dispatch_args_t) == 72, "moe_ep_dispatch_args_t");
+_Static_assert(sizeof(moe_ep_combine_args_t) == 56, "moe_ep_combine_args_t");
+_Static_assert(sizeof(moe_ep_combine_backward_args_t) == 56, "moe_ep_combine_backward_args_t");
+_Static_assert(sizeof(moe_ep_dispatch_backward_args_t) == 72, "moe_ep_dispatch_backward_args_t");
+_Static_assert(sizeof(moe_ep_recv_buffers_t) == 72, "moe_ep_recv_buffers_t");
+_Static_assert(sizeof(moe_ep_handle_counts_t) == 48, "moe_ep_handle_counts_t");
+_Static_assert(sizeof(moe_ep_unique_id_t) == 128, "moe_ep_unique_id_t");
+_Static_assert(sizeof(moe_ep_status_t) == sizeof(int), "moe_ep_status_t is an int");
+
+#define SIZE(T) printf(#T " size %zu\n", sizeof(T))
+#define OFF(T, f) printf(#T "." #f " %zu\n", offsetof(T, f))
+#define INIT(T, macro)                                                  \
+  do {                                                                  \
+    T v_ = macro;                                                       \
+    printf(#T " init_size %u\n" #T " magic %u\n", v_.size, v_.magic);   \
+  } while (0)
+
+static void layout(void) {
+  SIZE(moe_ep_buf_t); OFF(moe_ep_buf_t, ptr); OFF(moe_ep_buf_t, len);
+  SIZE(moe_ep_buf_mut_t); OFF(moe_ep_buf_mut_t, ptr); OFF(moe_ep_buf_mut_t, len);
+  SIZE(moe_ep_unique_id_t);
+  SIZE(moe_ep_version_info_t); INIT(moe_ep_version_info_t, MOE_EP_VERSION_INFO_INIT);
+  OFF(moe_ep_version_info_t, major); OFF(moe_ep_version_info_t, minor);
+  OFF(moe_ep_version_info_t, patch); OFF(moe_ep_version_info_t, abi_version);
+  OFF(moe_ep_version_info_t, nccl_headers_version); OFF(moe_ep_version_info_t, reserved);
+  SIZE(moe_ep_group_config_t); INIT(moe_ep_group_config_t, MOE_EP_GROUP_CONFIG_INIT);
+  OFF(moe_ep_group_config_t, num_experts); OFF(moe_ep_group_config_t, hidden);
+  OFF(moe_ep_group_config_t, max_tokens_per_rank); OFF(moe_ep_group_config_t, recv_capacity);
+  OFF(moe_ep_group_config_t, num_sms); OFF(moe_ep_group_config_t, combine_chunks);
+  OFF(moe_ep_group_config_t, mode); OFF(moe_ep_group_config_t, timeout_ms);
+  SIZE(moe_ep_layout_args_t); INIT(moe_ep_layout_args_t, MOE_EP_LAYOUT_ARGS_INIT);
+  OFF(moe_ep_layout_args_t, topk_idx); OFF(moe_ep_layout_args_t, topk_idx_dtype);
+  OFF(moe_ep_layout_args_t, topk); OFF(moe_ep_layout_args_t, layout);
+  OFF(moe_ep_layout_args_t, alignment);
+  SIZE(moe_ep_dispatch_args_t); INIT(moe_ep_dispatch_args_t, MOE_EP_DISPATCH_ARGS_INIT);
+  OFF(moe_ep_dispatch_args_t, x); OFF(moe_ep_dispatch_args_t, topk_weights);
+  OFF(moe_ep_dispatch_args_t, recv_tokens); OFF(moe_ep_dispatch_args_t, recv_topk_weights);
+  SIZE(moe_ep_combine_args_t); INIT(moe_ep_combine_args_t, MOE_EP_COMBINE_ARGS_INIT);
+  OFF(moe_ep_combine_args_t, expert_out); OFF(moe_ep_combine_args_t, weights);
+  OFF(moe_ep_combine_args_t, out);
+  SIZE(moe_ep_combine_backward_args_t);
+  INIT(moe_ep_combine_backward_args_t, MOE_EP_COMBINE_BACKWARD_ARGS_INIT);
+  OFF(moe_ep_combine_backward_args_t, grad_out); OFF(moe_ep_combine_backward_args_t, weights);
+  OFF(moe_ep_combine_backward_args_t, grad_expert_out);
+  SIZE(moe_ep_dispatch_backward_args_t);
+  INIT(moe_ep_dispatch_backward_args_t, MOE_EP_DISPATCH_BACKWARD_ARGS_INIT);
+  OFF(moe_ep_dispatch_backward_args_t, grad_recv_tokens);
+  OFF(moe_ep_dispatch_backward_args_t, grad_recv_topk_weights);
+  OFF(moe_ep_dispatch_backward_args_t, grad_tokens);
+  OFF(moe_ep_dispatch_backward_args_t, grad_topk_weights);
+  SIZE(moe_ep_recv_buffers_t); INIT(moe_ep_recv_buffers_t, MOE_EP_RECV_BUFFERS_INIT);
+  OFF(moe_ep_recv_buffers_t, tokens); OFF(moe_ep_recv_buffers_t, topk_weights);
+  OFF(moe_ep_recv_buffers_t, topk_idx); OFF(moe_ep_recv_buffers_t, src);
+  SIZE(moe_ep_handle_counts_t); INIT(moe_ep_handle_counts_t, MOE_EP_HANDLE_COUNTS_INIT);
+  OFF(moe_ep_handle_counts_t, num_tokens); OFF(moe_ep_handle_counts_t, topk);
+  OFF(moe_ep_handle_counts_t, recv_rows); OFF(moe_ep_handle_counts_t, recv_tokens);
+  OFF(moe_ep_handle_counts_t, num_local_experts);
+}
+
+static int failures = 0;
+
+/* `call` must return `want` with a message containing every word given. */
+static void expect(const char *what, moe_ep_status_t got, moe_ep_status_t want, const char *w1,
+                   const char *w2) {
+  const char *msg = got == MOE_EP_OK ? "" : moe_ep_last_error();
+  int ok = got == want && (!w1 || strstr(msg, w1)) && (!w2 || strstr(msg, w2));
+  printf("%s %s: %s%s%s\n", ok ? "ok  " : "FAIL", what, moe_ep_status_name(got),
+         *msg ? ": " : "", msg);
+  if (!ok) {
+    printf("     expected %s with \"%s\" and \"%s\"\n", moe_ep_status_name(want), w1 ? w1 : "",
+           w2 ? w2 : "");
+    failures++;
+  }
+}
+
+#define BAD MOE_EP_ERR_INVALID_ARGUMENT
+
+static moe_ep_group_config_t good_config(void) {
+  moe_ep_group_config_t c = MOE_EP_GROUP_CONFIG_INIT;
+  c.num_experts = 64;
+  c.hidden = 2048;
+  c.max_tokens_per_rank = 256;
+  return c;
+}
+
+static void version(void) {
+  moe_ep_version_info_t v = MOE_EP_VERSION_INFO_INIT;
+  expect("moe_ep_version", moe_ep_version(&v), MOE_EP_OK, NULL, NULL);
+  int same = v.major == MOE_EP_VERSION_MAJOR && v.minor == MOE_EP_VERSION_MINOR &&
+             v.patch == MOE_EP_VERSION_PATCH && v.abi_version == MOE_EP_ABI_VERSION &&
+             moe_ep_abi_version() == MOE_EP_ABI_VERSION && v.nccl_headers_version >= 22800;
+  printf("%s version %u.%u.%u ABI %u NCCL headers %d: %s\n", same ? "ok  " : "FAIL", v.major,
+         v.minor, v.patch, v.abi_version, v.nccl_headers_version, moe_ep_version_string());
+  failures += !same;
+  char want[32];
+  snprintf(want, sizeof want, "%d.%d.%d (ABI %d", MOE_EP_VERSION_MAJOR, MOE_EP_VERSION_MINOR,
+           MOE_EP_VERSION_PATCH, MOE_EP_ABI_VERSION);
+  if (strncmp(moe_ep_version_string(), want, strlen(want)) != 0) {
+    printf("FAIL version string does not start with \"%s\"\n", want);
+    failures++;
+  }
+  expect("moe_ep_version(NULL)", moe_ep_version(NULL), BAD, "`out`", "moe_ep_version_info_t");
+  moe_ep_version_info_t bad = MOE_EP_VERSION_INFO_INIT;
+  bad.magic = 0;
+  expect("version info with a wrong magic", moe_ep_version(&bad), BAD, "moe_ep_version_info_t",
+         "magic");
+  if (strcmp(moe_ep_status_name(MOE_EP_ERR_NO_DRIVER), "MOE_EP_ERR_NO_DRIVER") != 0 ||
+      strcmp(moe_ep_status_name((moe_ep_status_t)99), "MOE_EP_UNKNOWN_STATUS") != 0) {
+    printf("FAIL moe_ep_status_name\n");
+    failures++;
+  }
+}
+
+static void structs(void) {
+  moe_ep_group_config_t c = good_config();
+  expect("a good config at world 2", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL, NULL);
+  c.magic = 0xdeadbeefu;
+  expect("config with a wrong magic", moe_ep_group_config_validate(&c, 2), BAD, "`cfg`",
+         "moe_ep_group_config_t");
+  c = good_config();
+  c.size = 8;
+  expect("config of size 8", moe_ep_group_config_validate(&c, 2), BAD, "moe_ep_group_config_t",
+         "size 8");
+  c.size = 0;
+  expect("config of size 0", moe_ep_group_config_validate(&c, 2), BAD, "moe_ep_group_config_t",
+         "size 0");
+  /* A newer caller's larger struct: accepted when the extra bytes are zero. */
+  struct {
+    moe_ep_group_config_t c;
+    uint64_t newer_field;
+  } big;
+  memset(&big, 0, sizeof big);
+  big.c = good_config();
+  big.c.size = sizeof big;
+  expect("a larger struct with zero extra bytes", moe_ep_group_config_validate(&big.c, 2),
+         MOE_EP_OK, NULL, NULL);
+  big.newer_field = 1;
+  expect("a larger struct with a field set this library lacks",
+         moe_ep_group_config_validate(&big.c, 2), BAD, "`cfg`", "does not know");
+  expect("config NULL", moe_ep_group_config_validate(NULL, 2), BAD, "`cfg`", "NULL");
+  c = good_config();
+  c.hidden = 12;
+  expect("hidden 12", moe_ep_group_config_validate(&c, 2), BAD, "`hidden`", "multiple of 8");
+  c = good_config();
+  c.num_experts = 63;
+  expect("63 experts at world 2", moe_ep_group_config_validate(&c, 2), BAD, "`num_experts`",
+         NULL);
+  c = good_config();
+  c.mode = 1;
+  expect("mode 1", moe_ep_group_config_validate(&c, 2), BAD, "`mode`", NULL);
+
+  /* Every argument struct of an op is checked before anything else. */
+  moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
+  la.magic = 1;
+  moe_ep_handle_t *h = NULL;
+  expect("layout args, wrong magic", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`args`",
+         "moe_ep_layout_args_t");
+  moe_ep_dispatch_args_t da = MOE_EP_DISPATCH_ARGS_INIT;
+  da.size = 16;
+  moe_ep_dispatched_t *d = NULL;
+  expect("dispatch args, size 16", moe_ep_dispatch(NULL, NULL, NULL, &da, &d), BAD,
+         "moe_ep_dispatch_args_t", "size 16");
+  moe_ep_combine_args_t ca = MOE_EP_COMBINE_ARGS_INIT;
+  ca.magic = MOE_EP_MAGIC_DISPATCH_ARGS;
+  expect("combine args with another struct's magic", moe_ep_combine(NULL, NULL, NULL, &ca), BAD,
+         "`args`", "moe_ep_combine_args_t");
+  moe_ep_combine_backward_args_t cb = MOE_EP_COMBINE_BACKWARD_ARGS_INIT;
+  cb.magic = 0;
+  expect("combine backward args, wrong magic", moe_ep_combine_backward(NULL, NULL, NULL, &cb, NULL),
+         BAD, "`args`", "moe_ep_combine_backward_args_t");
+  moe_ep_dispatch_backward_args_t db = MOE_EP_DISPATCH_BACKWARD_ARGS_INIT;
+  db.size = 4;
+  expect("dispatch backward args, size 4", moe_ep_dispatch_backward(NULL, NULL, NULL, &db), BAD,
+         "moe_ep_dispatch_backward_args_t", "size 4");
+  moe_ep_recv_buffers_t rb = MOE_EP_RECV_BUFFERS_INIT;
+  rb.magic = 3;
+  expect("recv buffers out, wrong magic", moe_ep_dispatched_buffers(NULL, &rb), BAD, "`out`",
+         "moe_ep_recv_buffers_t");
+  moe_ep_handle_counts_t hc = MOE_EP_HANDLE_COUNTS_INIT;
+  hc.size = 9;
+  expect("handle counts out, size 9", moe_ep_handle_counts(NULL, NULL, &hc), BAD,
+         "moe_ep_handle_counts_t", "size 9");
+}
+
+static void arguments(void) {
+  static char fake[4096]; /* addresses only: no call below gets to a GPU */
+  moe_ep_group_config_t c = good_config();
+  moe_ep_group_t *g = NULL;
+  expect("group of a NULL comm", moe_ep_group_create(NULL, &c, &g), BAD, "`comm`", NULL);
+  moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
+  la.topk_idx_dtype = MOE_EP_DTYPE_I64;
+  la.topk = 8;
+  moe_ep_handle_t *h = NULL;
+  expect("layout of a NULL group", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`group`", NULL);
+  la.topk_idx.len = 16;
+  expect("topk_idx NULL with 16 elements", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`topk_idx`",
+         "NULL");
+  la.topk_idx.len = 0;
+  la.topk_idx_dtype = 0;
+  expect("topk_idx_dtype 0", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`topk_idx_dtype`", NULL);
+  la.topk_idx_dtype = MOE_EP_DTYPE_I32;
+  la.layout = MOE_EP_LAYOUT_EXPERT_MAJOR;
+  expect("expert-major alignment 0", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`alignment`",
+         NULL);
+  la.layout = MOE_EP_LAYOUT_RANK_MAJOR;
+  la.alignment = 3;
+  expect("rank-major alignment 3", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`alignment`", NULL);
+  la.layout = 7;
+  expect("layout 7", moe_ep_layout(NULL, NULL, &la, &h), BAD, "`layout`", NULL);
+
+  moe_ep_dispatch_args_t da = MOE_EP_DISPATCH_ARGS_INIT;
+  moe_ep_dispatched_t *d = NULL;
+  da.x.len = 5;
+  expect("x NULL with 5 elements", moe_ep_dispatch(NULL, NULL, NULL, &da, &d), BAD, "`x`", "NULL");
+  da.x.len = 0;
+  da.recv_tokens.len = 3;
+  expect("recv_tokens NULL with 3 elements", moe_ep_dispatch(NULL, NULL, NULL, &da, &d), BAD,
+         "`recv_tokens`", NULL);
+  da.recv_tokens.len = 0;
+  da.x.ptr = fake;
+  da.x.len = 64;
+  da.recv_tokens.ptr = fake + 64;
+  da.recv_tokens.len = 64;
+  expect("recv_tokens overlapping x", moe_ep_dispatch(NULL, NULL, NULL, &da, &d), BAD,
+         "`recv_tokens`", "`x`");
+  da.recv_tokens.ptr = fake + 1024;
+  expect("dispatch of a NULL group", moe_ep_dispatch(NULL, NULL, NULL, &da, &d), BAD, "`group`",
+         NULL);
+
+  moe_ep_combine_args_t ca = MOE_EP_COMBINE_ARGS_INIT;
+  ca.out.len = 3;
+  expect("combine out NULL with 3 elements", moe_ep_combine(NULL, NULL, NULL, &ca), BAD, "`out`",
+         "NULL");
+  ca.expert_out.ptr = fake;
+  ca.expert_out.len = 100;
+  ca.out.ptr = fake + 64;
+  ca.out.len = 100;
+  expect("combine out overlapping expert_out", moe_ep_combine(NULL, NULL, NULL, &ca), BAD,
+         "`out`", "`expert_out`");
+  ca.weights.ptr = fake;
+  ca.weights.len = 0;
+  ca.out.ptr = fake + 2048;
+  expect("combine of a NULL group", moe_ep_combine(NULL, NULL, NULL, &ca), BAD, "`group`", NULL);
+
+  moe_ep_combine_backward_args_t cb = MOE_EP_COMBINE_BACKWARD_ARGS_INIT;
+  cb.grad_out.len = 2;
+  expect("grad_out NULL with 2 elements", moe_ep_combine_backward(NULL, NULL, NULL, &cb, NULL),
+         BAD, "`grad_out`", NULL);
+  cb.grad_out.len = 0;
+  expect("combine backward, pool result to NULL", moe_ep_combine_backward(NULL, NULL, NULL, &cb, NULL),
+         BAD, "`out`", NULL);
+  moe_ep_dispatch_backward_args_t db = MOE_EP_DISPATCH_BACKWARD_ARGS_INIT;
+  db.grad_recv_tokens.len = 4;
+  expect("grad_recv_tokens NULL with 4 elements", moe_ep_dispatch_backward(NULL, NULL, NULL, &db),
+         BAD, "`grad_recv_tokens`", NULL);
+  db.grad_recv_tokens.len = 0;
+  db.grad_tokens.ptr = fake;
+  db.grad_tokens.len = 64;
+  db.grad_topk_weights.ptr = fake + 16;
+  db.grad_topk_weights.len = 4;
+  expect("grad_tokens overlapping grad_topk_weights", moe_ep_dispatch_backward(NULL, NULL, NULL, &db),
+         BAD, "`grad_tokens`", "`grad_topk_weights`");
+
+  int n = 0;
+  uint64_t cap = 0;
+  moe_ep_buffer_t *b = NULL;
+  moe_ep_buf_mut_t bm;
+  moe_ep_buf_t bi;
+  expect("comm_rank of NULL", moe_ep_comm_rank(NULL, &n), BAD, "`comm`", NULL);
+  expect("comm_world of NULL", moe_ep_comm_world(NULL, &n), BAD, "`comm`", NULL);
+  expect("recv_capacity of NULL", moe_ep_group_recv_capacity(NULL, &cap), BAD, "`group`", NULL);
+  expect("group_check of NULL", moe_ep_group_check(NULL), BAD, "`group`", NULL);
+  expect("pool_alloc of NULL", moe_ep_pool_alloc(NULL, MOE_EP_DTYPE_BF16, 8, &b), BAD, "`group`",
+         NULL);
+  expect("buffer_get of NULL", moe_ep_buffer_get(NULL, &bm), BAD, "`buffer`", NULL);
+  expect("is_symm_backed of NULL", moe_ep_is_symm_backed(NULL, fake, 8, &n), BAD, "`group`", NULL);
+  expect("tokens_per_local_expert of NULL", moe_ep_handle_tokens_per_local_expert(NULL, &bi), BAD,
+         "`handle`", NULL);
+  moe_ep_recv_buffers_t rb = MOE_EP_RECV_BUFFERS_INIT;
+  expect("dispatched_buffers of NULL", moe_ep_dispatched_buffers(NULL, &rb), BAD, "`dispatched`",
+         NULL);
+  moe_ep_handle_counts_t hc = MOE_EP_HANDLE_COUNTS_INIT;
+  expect("handle_counts of NULL", moe_ep_handle_counts(NULL, NULL, &hc), BAD, "`handle`", NULL);
+  expect("device_count to NULL", moe_ep_device_count(NULL), BAD, "`out`", NULL);
+  moe_ep_comm_t *comms[2];
+  expect("virtual world 0", moe_ep_comm_create_virtual(0, 0, comms), BAD, "`world`", NULL);
+  expect("virtual world into NULL", moe_ep_comm_create_virtual(0, 2, NULL), BAD, "`comms`", NULL);
+  expect("comm_init without an id", moe_ep_comm_init(0, NULL, 0, 2, comms), BAD, "`id`", NULL);
+  expect("borrow a NULL ncclComm_t", moe_ep_comm_borrow_nccl(0, NULL, comms), BAD, "`nccl`", NULL);
+  expect("destroy NULL comm", moe_ep_comm_destroy(NULL), MOE_EP_OK, NULL, NULL);
+  expect("destroy NULL group", moe_ep_group_destroy(NULL), MOE_EP_OK, NULL, NULL);
+  expect("destroy NULL handle", moe_ep_handle_destroy(NULL), MOE_EP_OK, NULL, NULL);
+  expect("destroy NULL result", moe_ep_dispatched_destroy(NULL), MOE_EP_OK, NULL, NULL);
+  expect("free NULL buffer", moe_ep_buffer_free(NULL), MOE_EP_OK, NULL, NULL);
+}
+
+static void no_driver(void) {
+  int n = -1;
+  moe_ep_status_t s = moe_ep_device_count(&n);
+  if (s == MOE_EP_OK) {
+    printf("skip no-driver checks: a driver is present (%d GPUs)\n", n);
+    return;
+  }
+  expect("device_count without a driver", s, MOE_EP_ERR_NO_DRIVER, "driver", NULL);
+  moe_ep_comm_t *comms[2] = {NULL, NULL};
+  expect("virtual world without a driver", moe_ep_comm_create_virtual(0, 2, comms),
+         MOE_EP_ERR_NO_DRIVER, "driver", NULL);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "layout") == 0) {
+    layout();
+    return 0;
+  }
+  version();
+  structs();
+  arguments();
+  no_driver();
+  printf("%s: %d failures\n", failures ? "FAILED" : "passed", failures);
+  return failures ? 1 : 0;
+}
