@@ -802,7 +802,7 @@ fn run_nccl_ep(
     // Its rows, one per NCCL EP op that some op of ours asks for.
     let mut ops: Vec<(Op, &'static str)> = Vec::new();
     for &op in &c.opts.ops {
-        let name = nccl_ep::row_name(op);
+        let name = crate::report::nccl_ep_row(op);
         if !ops.iter().any(|&(_, n)| n == name) {
             ops.push((op, name));
         }

@@ -21,7 +21,7 @@
 //! | `--mode ht --layout expert:A` | HT, expert-major, per-expert alignment `A` (a power of two) |
 //! | `--mode ll` (not built yet) | low-latency (LL): add its arm to [`pairing`] and its 3-D buffers to [`Runner::new`] |
 //!
-//! Its rows ([`row_name`]): `nccl-ep-layout` is `ncclEpUpdateHandle` (the
+//! Its rows ([`crate::report::nccl_ep_row`]): `nccl-ep-layout` is `ncclEpUpdateHandle` (the
 //! routing turned into its handle, what our layout op does),
 //! `nccl-ep-dispatch` and `nccl-ep-combine` its forward dispatch and
 //! combine, `nccl-ep-dispatch-bwd` its combine in the backward pass (the
@@ -68,8 +68,7 @@ use moe_ep::ops::DeviceRegion;
 use moe_ep::reference::DispatchOutput;
 use moe_ep::{bf16, Communicator, Mode, NcclVersion, RecvLayout};
 
-use crate::cli::{Case, Op};
-use crate::report;
+use crate::cli::Case;
 
 /// Environment variable naming the NCCL EP library (a path or a soname).
 pub const LIBRARY_ENV: &str = "MOE_EP_NCCL_EP_LIBRARY";
@@ -592,17 +591,6 @@ pub fn pairing(case: &Case, world: usize) -> Result<Pairing, String> {
         layout,
         alignment,
     })
-}
-
-/// The NCCL EP row that one of our ops is compared with (`vs NCCL-EP`).
-pub fn row_name(op: Op) -> &'static str {
-    match op {
-        Op::Layout => report::NCCL_EP_LAYOUT,
-        Op::Dispatch => report::NCCL_EP_DISPATCH,
-        Op::Combine | Op::CombinePush => report::NCCL_EP_COMBINE,
-        Op::DispatchBwd => report::NCCL_EP_DISPATCH_BWD,
-        Op::CombineBwd => report::NCCL_EP_COMBINE_BWD,
-    }
 }
 
 /// One tensor descriptor with its own extents.
@@ -1464,7 +1452,8 @@ pub fn compare_combine(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::{Dtype, Routing};
+    use crate::cli::{Dtype, Op, Routing};
+    use crate::report;
     use moe_ep::reference::{self as refr, RankInput, Shape};
     use moe_ep::testkit::workload;
     use std::mem::offset_of;
@@ -1540,8 +1529,14 @@ mod tests {
         let mut ll = case(RecvLayout::RankMajor, 8);
         ll.mode = Mode::LowLatency;
         assert!(pairing(&ll, 1).unwrap_err().contains("low-latency"));
-        assert_eq!(row_name(Op::CombinePush), report::NCCL_EP_COMBINE);
-        assert_eq!(row_name(Op::DispatchBwd), report::NCCL_EP_DISPATCH_BWD);
+        assert_eq!(
+            report::nccl_ep_row(Op::CombinePush),
+            report::NCCL_EP_COMBINE
+        );
+        assert_eq!(
+            report::nccl_ep_row(Op::DispatchBwd),
+            report::NCCL_EP_DISPATCH_BWD
+        );
     }
 
     /// Two ranks' inputs and rank `dst`'s reference output.

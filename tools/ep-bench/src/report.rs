@@ -9,7 +9,7 @@
 //! the same over `nccl-peers` (NCCL moving only the NVLink bytes, not the
 //! rows that stay on the GPU), `vs ceiling` = our NVLink GB/s /
 //! `peer-store-ceiling` NVLink GB/s. `vs NCCL-EP` = the median time of
-//! NCCL EP's row for the same op ([`crate::nccl_ep::row_name`]) over ours:
+//! NCCL EP's row for the same op ([`nccl_ep_row`]) over ours:
 //! a time ratio, since both move the same rows (at world 1 none crosses
 //! NVLink), above 1.00x faster. Virtual ranks have no baselines, so no
 //! ratios; every record of theirs says `ranks: virtual`.
@@ -52,6 +52,17 @@ pub const NCCL_EP_COMBINE: &str = "nccl-ep-combine";
 pub const NCCL_EP_DISPATCH_BWD: &str = "nccl-ep-dispatch-bwd";
 /// NCCL EP's backward dispatch (the data movement of our combine-bwd).
 pub const NCCL_EP_COMBINE_BWD: &str = "nccl-ep-combine-bwd";
+
+/// The NCCL EP row that one of our ops is compared with (`vs NCCL-EP`).
+pub fn nccl_ep_row(op: Op) -> &'static str {
+    match op {
+        Op::Layout => NCCL_EP_LAYOUT,
+        Op::Dispatch => NCCL_EP_DISPATCH,
+        Op::Combine | Op::CombinePush => NCCL_EP_COMBINE,
+        Op::DispatchBwd => NCCL_EP_DISPATCH_BWD,
+        Op::CombineBwd => NCCL_EP_COMBINE_BWD,
+    }
+}
 
 /// Summary of one rank's timing samples, in microseconds (µs).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -207,7 +218,7 @@ impl CaseResult {
     /// both ran and `op` is ours.
     pub fn vs_nccl_ep(&self, op: &OpResult) -> Option<f64> {
         let ours = Op::from_name(&op.op)?;
-        let base = self.op(crate::nccl_ep::row_name(ours))?.stat().median_us;
+        let base = self.op(nccl_ep_row(ours))?.stat().median_us;
         let mine = op.stat().median_us;
         (base.is_finite() && mine.is_finite() && base > 0.0 && mine > 0.0).then(|| base / mine)
     }
