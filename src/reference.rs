@@ -80,6 +80,9 @@ use crate::error::{Error, Result};
 use crate::ops::RecvLayout;
 use half::bf16;
 
+mod fp8;
+pub use fp8::*;
+
 /// Largest top-k accepted (`Shape::topk` must be in `1..=MAX_TOPK`).
 pub const MAX_TOPK: usize = 16;
 
