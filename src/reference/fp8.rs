@@ -194,7 +194,7 @@ pub fn quantize_block(block: &[bf16], scaling: Fp8Scaling, out: &mut [u8]) -> f3
     s.scale
 }
 
-fn check_fp8_hidden(hidden: usize) -> Result<()> {
+pub(super) fn check_fp8_hidden(hidden: usize) -> Result<()> {
     if hidden == 0 || !hidden.is_multiple_of(FP8_BLOCK) {
         return Err(Error::arg(
             "hidden",
