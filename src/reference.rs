@@ -75,10 +75,23 @@
 //! ascending. [`combine_f64`] is the exact answer; [`combine_emulated`]
 //! reproduces the GPU's f32/bf16 arithmetic bit for bit; [`check_close_bf16`]
 //! compares a bf16 result with an f64 one under a documented bound.
+//!
+//! # Low-latency mode and fp8
+//!
+//! [`ll_dispatch`], [`ll_combine_f64`] and [`ll_combine_emulated`] define the
+//! low-latency layouts (expert-major `[E_local, R * M, H]`, rank-major
+//! `[R, M, H]`) and combine; [`quantize_fp8`] and [`f32_to_e4m3`] define the
+//! fp8 e4m3 cast with per-128 scales bit for bit (the docs of each say what
+//! the GPU must reproduce).
 
 use crate::error::{Error, Result};
 use crate::ops::RecvLayout;
 use half::bf16;
+
+mod fp8;
+mod low_latency;
+pub use fp8::*;
+pub use low_latency::*;
 
 /// Largest top-k accepted (`Shape::topk` must be in `1..=MAX_TOPK`).
 pub const MAX_TOPK: usize = 16;
@@ -419,6 +432,12 @@ struct RowPlan {
 fn check_inputs(shape: &Shape, inputs: &[RankInput], layout: RecvLayout) -> Result<()> {
     shape.validate()?;
     layout.validate()?;
+    check_rank_inputs(shape, inputs, true)
+}
+
+/// Checks every rank's input slices (`tokens` only if `with_tokens`); the
+/// shape must be valid.
+fn check_rank_inputs(shape: &Shape, inputs: &[RankInput], with_tokens: bool) -> Result<()> {
     if inputs.len() != shape.num_ranks {
         return Err(Error::arg(
             "inputs",
@@ -443,7 +462,7 @@ fn check_inputs(shape: &Shape, inputs: &[RankInput], layout: RecvLayout) -> Resu
                 format!("{} values (rank {r})", inp.topk_weights.len()),
             ));
         }
-        if inp.tokens.len() != t * shape.hidden {
+        if with_tokens && inp.tokens.len() != t * shape.hidden {
             return Err(Error::arg(
                 "tokens",
                 format!("T * hidden = {} values", t * shape.hidden),
