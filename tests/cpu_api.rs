@@ -25,6 +25,8 @@ fn group_config_rejects_each_bad_field_by_name() {
     assert_eq!(bad(&|_| {}, 9), "world");
     assert_eq!(bad(&|c| c.num_experts = 255, 2), "num_experts");
     assert_eq!(bad(&|c| c.num_experts = 0, 2), "num_experts");
+    assert_eq!(bad(&|c| c.num_experts = 16386, 2), "num_experts");
+    assert_eq!(bad(&|c| c.num_experts = usize::MAX - 1, 2), "num_experts");
     assert_eq!(bad(&|c| c.hidden = 7170, 2), "hidden");
     assert_eq!(bad(&|c| c.hidden = 0, 2), "hidden");
     assert_eq!(

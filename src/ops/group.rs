@@ -81,10 +81,13 @@ impl GroupConfig {
                 world,
             ));
         }
-        if self.num_experts == 0 || !self.num_experts.is_multiple_of(world) {
+        if self.num_experts == 0
+            || !self.num_experts.is_multiple_of(world)
+            || self.num_experts > MAX_EXPERTS
+        {
             return Err(Error::arg(
                 "num_experts",
-                format!("a positive multiple of the world size {world}"),
+                format!("a positive multiple of the world size {world}, at most {MAX_EXPERTS}"),
                 self.num_experts,
             ));
         }
@@ -136,6 +139,12 @@ impl GroupConfig {
         Ok(())
     }
 }
+
+/// Most experts a group takes: the layout exchange keeps two int32 per expert
+/// in shared memory (128 KiB at this bound), and every size derived from the
+/// config (count rows, workspace, stage) then stays far inside `usize` and
+/// the kernels' int32 indices.
+pub const MAX_EXPERTS: usize = 16384;
 
 /// One expert-parallel group over a communicator whose ranks share an NVLink
 /// node. Creating it is collective; so is every op.
