@@ -702,6 +702,18 @@ fn boxed<T>(v: T) -> *mut T {
     Box::into_raw(Box::new(v))
 }
 
+/// Destroys what [`boxed`] made; NULL is a no-op.
+///
+/// # Safety
+/// `p` is NULL or a pointer this library returned that the caller has not
+/// destroyed yet (the header's contract: each handle is destroyed once).
+unsafe fn unboxed<T>(p: *mut T) {
+    if !p.is_null() {
+        // SAFETY: as the function's contract says.
+        drop(unsafe { Box::from_raw(p) });
+    }
+}
+
 fn to_usize(arg: &'static str, v: u64) -> Result<usize> {
     usize::try_from(v).map_err(|_| Error::arg(arg, "a value that fits size_t", v))
 }
@@ -900,10 +912,8 @@ pub unsafe extern "C" fn moe_ep_comm_create_virtual(
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_comm_destroy(comm: *mut CComm) -> Status {
     ffi(|| {
-        if !comm.is_null() {
-            // SAFETY: a handle of ours, destroyed once (the contract).
-            drop(unsafe { Box::from_raw(comm) });
-        }
+        // SAFETY: a handle of ours, destroyed once (the contract).
+        unsafe { unboxed(comm) };
         Ok(())
     })
 }
@@ -1011,10 +1021,8 @@ pub unsafe extern "C" fn moe_ep_group_create(
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_group_destroy(group: *mut CGroup) -> Status {
     ffi(|| {
-        if !group.is_null() {
-            // SAFETY: a handle of ours, destroyed once; dropping waits for its work.
-            drop(unsafe { Box::from_raw(group) });
-        }
+        // SAFETY: a handle of ours, destroyed once; dropping waits for its work.
+        unsafe { unboxed(group) };
         Ok(())
     })
 }
@@ -1063,10 +1071,8 @@ pub unsafe extern "C" fn moe_ep_pool_alloc(
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_buffer_free(buffer: *mut CBuffer) -> Status {
     ffi(|| {
-        if !buffer.is_null() {
-            // SAFETY: a handle of ours, freed once.
-            drop(unsafe { Box::from_raw(buffer) });
-        }
+        // SAFETY: a handle of ours, freed once.
+        unsafe { unboxed(buffer) };
         Ok(())
     })
 }
@@ -1170,11 +1176,9 @@ pub unsafe extern "C" fn moe_ep_layout(
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_handle_destroy(handle: *mut CHandle) -> Status {
     ffi(|| {
-        if !handle.is_null() {
-            // SAFETY: a handle of ours, destroyed once; its arrays are freed
-            // in the order of the stream its layout ran on.
-            drop(unsafe { Box::from_raw(handle) });
-        }
+        // SAFETY: a handle of ours, destroyed once; its arrays are freed
+        // in the order of the stream its layout ran on.
+        unsafe { unboxed(handle) };
         Ok(())
     })
 }
@@ -1292,10 +1296,8 @@ pub unsafe extern "C" fn moe_ep_dispatched_buffers(
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_dispatched_destroy(dispatched: *mut CDispatched) -> Status {
     ffi(|| {
-        if !dispatched.is_null() {
-            // SAFETY: a result of ours, destroyed once.
-            drop(unsafe { Box::from_raw(dispatched) });
-        }
+        // SAFETY: a result of ours, destroyed once.
+        unsafe { unboxed(dispatched) };
         Ok(())
     })
 }

@@ -163,22 +163,18 @@ impl EpGroup {
             experts: e,
         };
         // Every rank's meta as mapped here (the senders write them).
-        let metas: Option<Peers> = match &handle.meta {
-            m if expert_major => {
-                let mut peers = [0u64; MAX_RANKS];
-                for (rank, p) in peers.iter_mut().enumerate().take(r) {
-                    *p = m.peer_ptr(rank).ok_or_else(|| {
-                        Error::InvalidState(format!("meta buffer of rank {rank} not reachable"))
-                    })?;
-                }
-                Some(peers)
+        let mut metas: Peers = [0u64; MAX_RANKS];
+        if expert_major {
+            for (rank, p) in metas.iter_mut().enumerate().take(r) {
+                *p = handle.meta.peer_ptr(rank).ok_or_else(|| {
+                    Error::InvalidState(format!("meta buffer of rank {rank} not reachable"))
+                })?;
             }
-            _ => None,
-        };
+        }
         let p = LayoutParams {
             op: self.op_common(&handle),
             topk_idx: idx_ptr,
-            meta: metas.unwrap_or_default(),
+            meta: metas,
         };
         let scan = match topk_idx {
             TopkIdx::I32(_) => &self.k.layout_scan_i32,
