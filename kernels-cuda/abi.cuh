@@ -51,6 +51,29 @@
 #define MOE_EP_FIELD_TOPK 1
 #define MOE_EP_FIELD_LAYOUT 2
 #define MOE_EP_FIELD_ALIGNMENT 3
+// What an op call's descriptor carries (MOE_EP_DESC_WORDS words, published
+// by every rank to every other one at the call's start, see DispatchParams::
+// desc): word 0 the op (MOE_EP_OP_*), then the places of the buffers peers
+// write or read in place, each (window id << 40 | byte offset in the window),
+// 0 for none. Field of word i: MOE_EP_FIELD_OP for i = 0, else the
+// dispatch family's MOE_EP_FIELD_OP + i (recv_tokens, recv_topk_weights,
+// recv_topk_idx, recv_src) or the combine family's MOE_EP_FIELD_RECV_SRC + i
+// (expert_out, grad_recv_topk_weights).
+#define MOE_EP_FIELD_OP 4
+#define MOE_EP_FIELD_RECV_TOKENS 5
+#define MOE_EP_FIELD_RECV_WEIGHTS 6
+#define MOE_EP_FIELD_RECV_IDX 7
+#define MOE_EP_FIELD_RECV_SRC 8
+#define MOE_EP_FIELD_EXPERT_OUT 9
+#define MOE_EP_FIELD_GRAD_W 10
+#define MOE_EP_DESC_WORDS 7
+#define MOE_EP_OP_DISPATCH 1
+#define MOE_EP_OP_COMBINE_BWD 2
+#define MOE_EP_OP_COMBINE 3
+#define MOE_EP_OP_DISPATCH_BWD 4
+// Descriptor word of a pushed buffer that travels (combine family word 2:
+// weight gradients given, pushed).
+#define MOE_EP_DESC_PUSHED (1ull << 63)
 
 // Counters a wait can stall on.
 #define MOE_EP_CTR_LAYOUT_COUNTS 1
@@ -58,6 +81,7 @@
 #define MOE_EP_CTR_COMBINE_DONE 3
 #define MOE_EP_CTR_BULK_COPY 4     // a local bulk (TMA) copy that never completed
 #define MOE_EP_CTR_COMBINE_PULL 5  // combine (pull): a peer's "outputs ready" / "read yours" handshake
+#define MOE_EP_CTR_DESCRIPTOR 6    // a peer's descriptor of its buffers for this op call
 
 // Written by kernels into host-mapped pinned memory; read by the host at the
 // next call. 64 bytes.
@@ -149,7 +173,7 @@ struct Workspace {
   uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
   uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
-  uint64_t _pad;
+  uint64_t desc_off;       // uint64 [2 family][2 parity][MAX_RANKS src][8] op call descriptors, by peers
 };
 
 // How received rows are laid out (RecvLayout on the Rust side).
@@ -192,6 +216,11 @@ struct DispatchParams {
   float* recv_w[MOE_EP_MAX_RANKS];  // rank-major [rows][K], expert-major [rows]; may be null
   int32_t* recv_idx[MOE_EP_MAX_RANKS]; // same shape as recv_w, local expert ids; may be null
   int32_t* recv_src[MOE_EP_MAX_RANKS]; // [rows][2] (src rank, src token); may be null
+  // This call's descriptor (MOE_EP_FIELD_OP): op, then the places of
+  // recv_x, recv_w, recv_idx, recv_src here. Senders write only to ranks
+  // whose descriptor equals theirs (the addresses above assume the same
+  // place on every rank); every rank compares all of them after the wait.
+  uint64_t desc[MOE_EP_DESC_WORDS];
 };
 
 // combine, and dispatch backward, which is a combine of the gradient
@@ -211,6 +240,11 @@ struct CombineParams {
   const float* gw_peers[MOE_EP_MAX_RANKS];
   int32_t num_chunks;      // pushed: 1, 2, 4, 8 or 16 (MOE_EP_SUBCHUNKS / num_chunks sub-chunks each)
   int32_t _pad;
+  // This call's descriptor (MOE_EP_FIELD_OP): op, the place of y when it is
+  // read in place (0: pushed), the place of grad_w_in when read in place
+  // (MOE_EP_DESC_PUSHED: pushed, 0: none). Checked before any peer's rows
+  // are read or awaited, so ranks that disagree stop with an error.
+  uint64_t desc[MOE_EP_DESC_WORDS];
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
@@ -219,8 +253,8 @@ static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
 static_assert(sizeof(OpCommon) == 240, "OpCommon");
 static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
-static_assert(sizeof(DispatchParams) == 520, "DispatchParams");
-static_assert(sizeof(CombineParams) == 416, "CombineParams");
+static_assert(sizeof(DispatchParams) == 576, "DispatchParams");
+static_assert(sizeof(CombineParams) == 472, "CombineParams");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&
@@ -230,9 +264,11 @@ static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
 static_assert(offsetof(LayoutParams, topk_idx) == 240 && offsetof(LayoutParams, meta) == 248,
               "LayoutParams offsets");
 static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, scale_w) == 256 &&
-                  offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456,
+                  offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456 &&
+                  offsetof(DispatchParams, desc) == 520,
               "DispatchParams offsets");
 static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
                   offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&
-                  offsetof(CombineParams, num_chunks) == 408,
+                  offsetof(CombineParams, num_chunks) == 408 &&
+                  offsetof(CombineParams, desc) == 416,
               "CombineParams offsets");

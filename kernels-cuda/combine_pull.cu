@@ -14,12 +14,14 @@
 // Each block shakes hands with the same block of every other rank twice
 // through pull_flag: "my expert outputs are ready" before its loads
 // (2 seq + 1) and "I have read yours" before it may end (2 seq + 2), since a
-// rank may overwrite its expert outputs once its combine is done.
+// rank may overwrite its expert outputs once its combine is done. Before the
+// first, each compares the peer's descriptor of the call with its own
+// (intranode.cuh): the same op, outputs in the same place, pulled.
 //
 // Rust launcher: src/ops/combine.rs (combine, dispatch_backward). Tests:
 // tests/gpu_intranode.rs (the pulled combine and dispatch backward in every
 // rank-major case against the CPU reference, bit-identical across runs;
-// mixed buffer kinds time out).
+// buffers that differ between ranks refused on every rank).
 #include "intranode.cuh"
 
 // kMaxR: compile-time bound on the world (every rank's vectors stay in
@@ -38,6 +40,7 @@ __device__ void combine_pull(const CombineParams& p) {
   if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
   const uint64_t seq = next_seq(ws, 2, me);
   const ErrSink err = ws.err(p.op.error, me);
+  publish_desc(ws, 1, seq, p.desc, me);
   // NOTE: as in dispatch, every rank sees the same overflow and skips together.
   for (int d = 0; d < R; ++d) {
     if (info[o.rows_needed + d] > p.op.recv_capacity) return;
@@ -45,9 +48,13 @@ __device__ void combine_pull(const CombineParams& p) {
   // Thread d < R (d != me) shakes hands with block blockIdx.x of rank d.
   const int d_hs = threadIdx.x;
   const bool shakes = d_hs < R && d_hs != me;
-  auto handshake = [&](uint64_t value) {
+  auto handshake = [&](uint64_t value, bool first) {
     bool ok = true;
-    if (shakes) {
+    // Before the first: rank d's outputs must lie where mine do, and d must
+    // pull too (a rank that pushes never shakes hands: without this, its
+    // peers would wait for it until the timeout).
+    if (shakes && first) ok = desc_agrees(ws, 1, seq, p.desc, me, d_hs, p.op.timeout_ns, err);
+    if (shakes && ok) {
       fence_acq_rel_sys();
       st_release_sys_u64(ws.pull_flag(d_hs) + me * MOE_EP_MAX_BLOCKS + blockIdx.x, value);
       ok = wait_at_least(ws.pull_flag(me) + d_hs * MOE_EP_MAX_BLOCKS + blockIdx.x, value,
@@ -80,7 +87,7 @@ __device__ void combine_pull(const CombineParams& p) {
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   int it = claimed ? claims.next(lane) : gw;
   int row = row_of(it);  // looked up while the handshake waits
-  if (!handshake(2 * seq + 1)) return;
+  if (!handshake(2 * seq + 1, true)) return;
   while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
     const int it_next = claimed ? claims.next(lane) : it + nw;
@@ -114,7 +121,7 @@ __device__ void combine_pull(const CombineParams& p) {
     it = it_next;
     row = row_next;
   }
-  handshake(2 * seq + 2);
+  handshake(2 * seq + 2, false);
 }
 
 MOE_EP_ENTRIES_BY_WORLD(moe_ep_combine_pull, CombineParams, combine_pull, false)

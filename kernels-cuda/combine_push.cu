@@ -191,6 +191,7 @@ __device__ void combine_push(const CombineParams& p) {
   }
   const uint64_t seq = next_seq(ws, 2, me);  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.op.error, me);
+  publish_desc(ws, 1, seq, p.desc, me);
   const int parity = (int)(seq & 1);
   const int4* y = reinterpret_cast<const int4*>(p.y);
   int4* stage_here = ws.stage(me, parity, p.op.hidden);
@@ -239,6 +240,13 @@ __device__ void combine_push(const CombineParams& p) {
   // Every other rank's blocks have pushed chunk c (one warp; false on timeout/error).
   auto wait_chunk = [&](int c) {
     bool ok = true;
+    if (c == 0) {
+      // Before any peer's chunk is awaited: every peer runs this op and
+      // pushes (a rank that pulls never pushes: without this, its peers
+      // would wait for it until the timeout).
+      if (lane < R && lane != me) ok = desc_agrees(ws, 1, seq, p.desc, me, lane, p.op.timeout_ns, err);
+      if (!__all_sync(0xffffffffu, ok)) return false;
+    }
     const uint64_t* flags = ws.combine_done(me);
     for (int i = lane; i < R * nb; i += 32) {
       const int s = i / nb, b = i % nb;

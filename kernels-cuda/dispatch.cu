@@ -16,7 +16,9 @@
 // rank the sender writes every row). The warp's next item is claimed, its
 // routing loaded and its row fetched into L2 while the current one moves.
 // Then one flag per (me, block) on every rank, a bounded wait for everyone's
-// flags, and (expert-major) the receiver's local copies.
+// flags, and (expert-major) the receiver's local copies. A warp's first row
+// for a rank waits for that rank's descriptor of the call and writes only
+// if it equals this rank's (publish_desc, desc_agrees in intranode.cuh).
 //
 // Rust launchers: src/ops/dispatch.rs (dispatch, combine_backward). Tests:
 // tests/gpu_intranode.rs (every routing case bit for bit against the CPU
@@ -136,6 +138,7 @@ __device__ void dispatch_body(const DispatchParams& p) {
   if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
   const uint64_t seq = next_seq(ws, 1, me);
   const ErrSink err = ws.err(p.op.error, me);
+  publish_desc(ws, 0, seq, p.desc, me);
 
   // NOTE: every rank derived rows_needed from the same matrix: if one rank
   // would overflow, every rank skips the data and only keeps the flags in step.
@@ -188,6 +191,8 @@ __device__ void dispatch_body(const DispatchParams& p) {
   const int n_items = overflow ? 0 : p.op.num_tokens;
   const ItemClaims claims(ws, 1, me, seq);
   TokRoute cur{-1, -1, 0, 0.f};
+  // Ranks whose descriptor this warp found equal to mine (written to only then).
+  unsigned agreed = 1u << me;
   int t = n_items > 0 ? claims.next(lane) : n_items;
   if (t < n_items) cur = load_route(p, t, R, K, expert_major, lane);
   while (t < n_items) {
@@ -205,6 +210,13 @@ __device__ void dispatch_body(const DispatchParams& p) {
     const int dk = e >= 0 ? e / El : -1;
     const int erow = (expert_major && e >= 0) ? info[o.erow_base + e] + cur.epos : -1;
     unsigned dmask = __ballot_sync(0xffffffffu, u >= 0);
+    if (const unsigned ask = dmask & ~agreed) {
+      // First rows for these ranks: their buffers must lie where mine do.
+      const bool bad = ((ask >> lane) & 1u) &&
+                       !desc_agrees(ws, 0, seq, p.desc, me, lane, p.op.timeout_ns, err);
+      if (__any_sync(0xffffffffu, bad)) break;  // reported; no row goes anywhere
+      agreed |= ask;
+    }
     int4* dst[MOE_EP_MAX_RANKS];
 #pragma unroll
     for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
@@ -268,10 +280,16 @@ __device__ void dispatch_body(const DispatchParams& p) {
   }
 
   if (!signal_and_wait(dispatch_flags, ws, me, R, p.op.num_blocks, seq, p.op.timeout_ns, err,
-                       MOE_EP_CTR_DISPATCH_DONE) ||
-      overflow || !expert_major) {
+                       MOE_EP_CTR_DISPATCH_DONE)) {
     return;
   }
+  // Every rank has published (its block 0 signalled after): each block
+  // compares all descriptors, so every rank of a call whose ranks disagree
+  // reports it, also ranks that sent nothing to the one that differs.
+  const bool agree =
+      threadIdx.x >= R || threadIdx.x == me ||
+      desc_agrees(ws, 0, seq, p.desc, me, threadIdx.x, p.op.timeout_ns, err);
+  if (!__syncthreads_and(agree) || overflow || !expert_major) return;
 
   // ---- receiver (expert-major): extra copies of each token from other ranks ----
   const int self_lo = info[o.src_u_off + me], self_hi = info[o.src_u_off + me + 1];

@@ -67,6 +67,13 @@ struct Ws {
   __device__ uint64_t* pull_flag(int r) const {
     return reinterpret_cast<uint64_t*>(base[r] + w.pull_flag_off);
   }
+  // On rank r: the descriptor rank `src` published for the call of op
+  // family `fam` (0 dispatch, 1 combine) with this parity: 8 words, the
+  // last the call's sequence number (written last, released).
+  __device__ uint64_t* desc(int r, int fam, int parity, int src) const {
+    return reinterpret_cast<uint64_t*>(base[r] + w.desc_off) +
+           ((size_t)((fam * 2 + parity) * MOE_EP_MAX_RANKS + src) * 8);
+  }
   __device__ int4* stage(int r, int parity, int hidden) const {
     return reinterpret_cast<int4*>(base[r] + w.stage_off) +
            (size_t)parity * w.stage_rows * (hidden / 8);
@@ -105,6 +112,48 @@ struct Ws {
 // The workspace of an op's call.
 __device__ __forceinline__ Ws ws_of(const OpCommon& op) {
   return Ws{op.w, op.ws, op.world, op.num_experts};
+}
+
+// Op call descriptors (MOE_EP_FIELD_OP in abi.cuh). A peer's address of a
+// caller's buffer is this rank's offset in the same window (the collective
+// allocation contract): before any rank writes to or reads from a peer's
+// buffer it compares the peer's descriptor with its own, so ranks whose
+// buffers lie in different places (or that run different ops, or pull
+// where others push) stop with MOE_EP_ERR_MISMATCH instead of touching the
+// wrong memory or waiting for flags that never come. Two parities: a rank
+// is at most one call of a family ahead of any peer that still reads its
+// descriptor.
+//
+// Block 0, threads d < R: publish mine to every other rank d.
+__device__ __forceinline__ void publish_desc(const Ws& ws, int fam, uint64_t seq,
+                                             const uint64_t (&mine)[MOE_EP_DESC_WORDS], int me) {
+  const int d = threadIdx.x;
+  if (blockIdx.x != 0 || d >= ws.R || d == me) return;
+  uint64_t* slot = ws.desc(d, fam, (int)(seq & 1), me);
+#pragma unroll
+  for (int i = 0; i < MOE_EP_DESC_WORDS; ++i) slot[i] = mine[i];
+  st_release_sys_u64(slot + 7, seq);
+}
+// One thread: waits (bounded) for rank s's descriptor of call `seq`, then
+// compares it with mine word by word; reports the first difference (field,
+// peer s, mine as expected, s's as seen) and returns false on a mismatch or
+// a timeout.
+__device__ __forceinline__ bool desc_agrees(const Ws& ws, int fam, uint64_t seq,
+                                            const uint64_t (&mine)[MOE_EP_DESC_WORDS], int me,
+                                            int s, uint64_t timeout_ns, const ErrSink& err) {
+  const uint64_t* slot = ws.desc(me, fam, (int)(seq & 1), s);
+  if (!wait_at_least(slot + 7, seq, timeout_ns, err, me, s, MOE_EP_CTR_DESCRIPTOR)) return false;
+#pragma unroll
+  for (int i = 0; i < MOE_EP_DESC_WORDS; ++i) {
+    const uint64_t theirs = ld_acquire_sys_u64(slot + i);
+    if (theirs != mine[i]) {
+      const int field = i == 0 ? MOE_EP_FIELD_OP
+                               : (fam == 0 ? MOE_EP_FIELD_OP : MOE_EP_FIELD_RECV_SRC) + i;
+      report_error(err, MOE_EP_ERR_MISMATCH, me, s, field, mine[i], theirs, 0, 0);
+      return false;
+    }
+  }
+  return true;
 }
 
 // Work items handed to warps one at a time from a counter, so a warp that

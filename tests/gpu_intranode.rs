@@ -1227,53 +1227,189 @@ fn stalled_peer_times_out_with_rank_and_counter() {
     });
 }
 
-/// Combine reads symmetric expert outputs in place (pull) and pushes plain
-/// ones: a rank passing the other kind than its peers makes every rank stop
-/// with a bounded PeerTimeout that names the handshake it waited on.
-#[test]
-fn mixed_combine_buffer_kinds_time_out() {
-    let c = small(64, 1024, 2, 16, Routing::Uniform);
-    run_worlds("mixed_combine_buffer_kinds_time_out", 2, |r| {
-        let shape = shape_of(&c, r.world);
-        let inputs = workload::rank_inputs(6, &shape, &vec![c.tokens; r.world], c.routing);
-        let mut cfg = r.config(c.experts, c.hidden, c.tokens)?;
-        cfg.timeout = Duration::from_millis(300);
-        let group = EpGroup::new(&r.comm, cfg)?;
-        let s = &r.stream;
-        let idx = up(s, &inputs[r.rank].topk_idx)?;
-        let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
-        let n = group.recv_capacity() * c.hidden;
-        let symm = group.pool().alloc::<bf16>(n)?;
-        let plain = s.alloc_zeros::<bf16>(n).map_err(Error::cuda("alloc"))?;
-        let mut out = s
-            .alloc_zeros::<bf16>(c.tokens * c.hidden)
-            .map_err(Error::cuda("alloc"))?;
-        s.synchronize().map_err(Error::cuda("sync"))?;
-        r.comm.barrier(s)?;
-        if r.rank == 0 {
-            group.combine(s, &handle, &symm, None, &mut out)?;
-        } else {
-            group.combine(s, &handle, &plain, None, &mut out)?;
-        }
-        s.synchronize().map_err(Error::cuda("sync"))?;
-        let want = if r.rank == 0 {
-            "combine pull handshake"
-        } else {
-            "combine done"
-        };
-        match group.check() {
-            Err(Error::PeerTimeout {
-                rank,
-                peer,
-                counter,
-                ..
-            }) if rank == r.rank && counter == want && (r.rank == 0) != (peer == 0) => Ok(()),
-            other => Err(Error::InvalidState(format!(
-                "rank {}: expected PeerTimeout on {want}, got {other:?}",
+/// Asserts that `res` refuses `arg` (a buffer or the op that differs between
+/// ranks) on this rank, well before the timeout.
+fn expect_mismatch(r: &Rank, res: Result<()>, arg: &str, since: std::time::Instant) -> Result<()> {
+    match res {
+        Err(Error::InvalidArgument {
+            arg: a,
+            ref expected,
+            ..
+        }) if a == arg => ensure(expected.contains("rank "), || {
+            format!("rank {}: the error names no peer: {expected}", r.rank)
+        })?,
+        other => {
+            return Err(Error::InvalidState(format!(
+                "rank {}: expected InvalidArgument for `{arg}`, got {other:?}",
                 r.rank
-            ))),
+            )))
         }
-    });
+    }
+    let took = since.elapsed();
+    ensure(took < Duration::from_secs(5), || {
+        format!("the error took {took:?}: a rank waited for a timeout")
+    })
+}
+
+/// Ranks that pass buffers of another kind or in another place, or run
+/// another op: rank 0's expert outputs symmetric (read in place) where the
+/// others' are plain (pushed); rank 0's in another pool buffer; rank 0's
+/// dispatch into a caller's buffer where the others' go into the group's
+/// pool; rank 0 dispatching while the others run the combine backward.
+/// Each time every rank stops at once with an error naming the argument
+/// (no rank waits for the timeout, none writes to or reads from the wrong
+/// place), and after `check` the same group runs a correct round trip.
+#[test]
+fn buffers_that_differ_between_ranks_are_refused_everywhere() {
+    let c = small(64, 1024, 2, 16, Routing::Uniform);
+    run_worlds(
+        "buffers_that_differ_between_ranks_are_refused_everywhere",
+        2,
+        |r| {
+            let shape = shape_of(&c, r.world);
+            let inputs = workload::rank_inputs(6, &shape, &vec![c.tokens; r.world], c.routing);
+            let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+            let s = &r.stream;
+            let (x, w, idx) = upload(s, &inputs[r.rank])?;
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            let n = group.recv_capacity() * c.hidden;
+            let symm_a = group.pool().alloc::<bf16>(n)?;
+            let mut symm_b = group.pool().alloc::<bf16>(n)?;
+            let plain = s.alloc_zeros::<bf16>(n).map_err(Error::cuda("alloc"))?;
+            let mut out = s
+                .alloc_zeros::<bf16>(c.tokens * c.hidden)
+                .map_err(Error::cuda("alloc"))?;
+            let zero = r.rank == 0;
+            let mut seed = 60;
+            let mut after = |what: &str| -> Result<()> {
+                s.synchronize().map_err(Error::cuda("sync"))?;
+                seed += 1;
+                identity_round_trip(r, &group, &c, seed)
+                    .map_err(|e| Error::InvalidState(format!("after {what}: {e}")))
+            };
+
+            // Combine: pulled on rank 0, pushed elsewhere.
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            r.comm.barrier(s)?;
+            let t0 = std::time::Instant::now();
+            let y: &dyn DeviceRegion<bf16> = if zero { &symm_a } else { &plain };
+            group.combine(s, &handle, y, None, &mut out)?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            expect_mismatch(r, group.check(), "expert_out", t0)?;
+            after("a combine pulled on rank 0 only")?;
+
+            // Combine: pulled everywhere, rank 0's outputs in another buffer.
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            r.comm.barrier(s)?;
+            let t0 = std::time::Instant::now();
+            let y: &dyn DeviceRegion<bf16> = if zero { &symm_b } else { &symm_a };
+            group.combine(s, &handle, y, None, &mut out)?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            expect_mismatch(r, group.check(), "expert_out", t0)?;
+            after("a combine of outputs in another place on rank 0")?;
+
+            // Dispatch: rank 0 into a caller's buffer, the others into the pool.
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            r.comm.barrier(s)?;
+            let t0 = std::time::Instant::now();
+            let out_b = DispatchOut {
+                recv_tokens: if zero { Some(&mut symm_b) } else { None },
+                recv_topk_weights: None,
+            };
+            drop(group.dispatch(s, &handle, &x, &w, out_b)?);
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            expect_mismatch(r, group.check(), "recv_tokens", t0)?;
+            after("a dispatch into a caller's buffer on rank 0 only")?;
+
+            // Another op: rank 0 dispatches, the others run the combine backward.
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            let grad = up_len::<bf16>(s, &[], c.tokens * c.hidden)?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            r.comm.barrier(s)?;
+            let t0 = std::time::Instant::now();
+            if zero {
+                drop(group.dispatch(s, &handle, &x, &w, DispatchOut::default())?);
+            } else {
+                drop(group.combine_backward(s, &handle, &grad, None, None)?);
+            }
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            expect_mismatch(r, group.check(), "op", t0)?;
+            after("a dispatch on rank 0 beside a combine backward")
+        },
+    );
+}
+
+/// Holds `s` for `ms` milliseconds (a host function on the stream): what
+/// is enqueued after it waits.
+fn hold(s: &Arc<CudaStream>, ms: usize) -> Result<()> {
+    unsafe extern "C" fn sleep_ms(arg: *mut std::ffi::c_void) {
+        std::thread::sleep(Duration::from_millis(arg as usize as u64));
+    }
+    // SAFETY: the function only sleeps; its argument is a number.
+    unsafe {
+        moe_ep::cuda::result::stream::launch_host_function(
+            s.cu_stream(),
+            sleep_ms,
+            ms as *mut std::ffi::c_void,
+        )
+    }
+    .map_err(Error::cuda("cuLaunchHostFunc"))
+}
+
+/// A pool buffer dropped while the combine that reads it in place is still
+/// queued (its stream held behind a host function): the pool hands the
+/// same range out again at once, and a write of zeros into it on another
+/// stream waits for that combine, whose result is still right (without
+/// the ordering the zeros land first and the combine sums them).
+#[test]
+fn a_dropped_pool_buffer_is_reused_only_after_its_work() {
+    let c = small(64, 1024, 2, 16, Routing::Uniform);
+    run_worlds(
+        "a_dropped_pool_buffer_is_reused_only_after_its_work",
+        2,
+        |r| {
+            let shape = shape_of(&c, r.world);
+            let inputs = workload::rank_inputs(8, &shape, &vec![c.tokens; r.world], c.routing);
+            let me = &inputs[r.rank];
+            let group = EpGroup::new(&r.comm, r.config(c.experts, c.hidden, c.tokens)?)?;
+            let s = &r.stream;
+            let (x, w, idx) = upload(s, me)?;
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            let mut out = s
+                .alloc_zeros::<bf16>(c.tokens * c.hidden)
+                .map_err(Error::cuda("alloc"))?;
+            let d = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+            drain(s)?;
+            r.comm.barrier(s)?;
+            hold(s, 100)?;
+            group.combine(s, &handle, &d.tokens, None, &mut out)?;
+            let (ptr, n) = (d.tokens.device_ptr(), d.tokens.len());
+            drop(d);
+            let mut again = group.pool().alloc::<bf16>(n)?;
+            ensure(again.device_ptr() == ptr, || {
+                format!(
+                "rank {}: the pool did not hand out the dropped range again ({:#x}, not {ptr:#x}): the test proves nothing",
+                r.rank,
+                again.device_ptr()
+            )
+            })?;
+            let zeros = r
+                .stream2
+                .alloc_zeros::<bf16>(n)
+                .map_err(Error::cuda("alloc"))?;
+            again.copy_from_device(&r.stream2, &zeros)?;
+            drain(&r.stream2)?;
+            let got = bits(&down(s, &out, c.tokens * c.hidden)?);
+            group.check()?;
+            first_diff(
+                "combine of a buffer dropped while queued",
+                &got,
+                &identity_combine(&shape, me)?,
+            )
+        },
+    );
 }
 
 /// Every rank's blocks must be resident at once (they wait for each other):

@@ -45,7 +45,57 @@ pub fn field_name(f: i32) -> &'static str {
         1 => "topk",
         2 => "layout",
         3 => "alignment",
+        desc::FIELD_OP => "op",
+        5 => "recv_tokens",
+        6 => "recv_topk_weights",
+        7 => "recv_topk_idx",
+        8 => "recv_src",
+        9 => "expert_out",
+        10 => "grad_recv_topk_weights",
         _ => "unknown field",
+    }
+}
+
+/// Words of an op call's descriptor (`MOE_EP_DESC_WORDS`).
+pub const DESC_WORDS: usize = 7;
+
+/// An op call's descriptor (`MOE_EP_FIELD_OP` in abi.cuh): what every rank
+/// publishes to the others at the call's start, and the kernels compare
+/// before they write to or read from a peer's buffers.
+pub mod desc {
+    /// `MOE_EP_FIELD_OP`: descriptor word 0; fields of the other words follow.
+    pub const FIELD_OP: i32 = 4;
+    pub const OP_DISPATCH: u64 = 1;
+    pub const OP_COMBINE_BWD: u64 = 2;
+    pub const OP_COMBINE: u64 = 3;
+    pub const OP_DISPATCH_BWD: u64 = 4;
+    /// A buffer that travels through the stage (not read in place).
+    pub const PUSHED: u64 = 1 << 63;
+    /// Bits of the byte offset in a place word (the window id above them).
+    pub const OFFSET_BITS: u32 = 40;
+
+    /// The op a descriptor's word 0 names.
+    pub fn op_name(v: u64) -> &'static str {
+        match v {
+            OP_DISPATCH => "dispatch",
+            OP_COMBINE_BWD => "combine_backward",
+            OP_COMBINE => "combine",
+            OP_DISPATCH_BWD => "dispatch_backward",
+            _ => "unknown op",
+        }
+    }
+
+    /// A place word, for an error message.
+    pub fn place(v: u64) -> String {
+        match v {
+            0 => "none (or read on its own rank and pushed)".to_string(),
+            PUSHED => "pushed through the stage".to_string(),
+            v => format!(
+                "symmetric window #{} at byte {}",
+                v >> OFFSET_BITS,
+                v & ((1u64 << OFFSET_BITS) - 1)
+            ),
+        }
     }
 }
 /// Counters a wait can stall on (`MOE_EP_CTR_*`).
@@ -56,6 +106,7 @@ pub fn counter_name(c: i32) -> &'static str {
         3 => "combine done",
         4 => "bulk copy",
         5 => "combine pull handshake",
+        6 => "op call descriptor",
         _ => "unknown",
     }
 }
@@ -99,7 +150,8 @@ pub struct Workspace {
     pub seq_off: u64,
     pub stage_rows: u64,
     pub pull_flag_off: u64,
-    pub _pad: u64,
+    /// `[2 family][2 parity][MAX_RANKS][8]` u64: op call descriptors.
+    pub desc_off: u64,
 }
 
 /// How received rows are laid out (`LayoutKind` in abi.cuh); the kernels'
@@ -165,6 +217,9 @@ pub struct DispatchParams {
     pub recv_w: [u64; MAX_RANKS],
     pub recv_idx: [u64; MAX_RANKS],
     pub recv_src: [u64; MAX_RANKS],
+    /// This call's descriptor: op, then where `recv_x`, `recv_w`,
+    /// `recv_idx`, `recv_src` lie here ([`desc`]).
+    pub desc: [u64; DESC_WORDS],
 }
 
 /// Combine and dispatch backward (`combine_pull.cu`, `combine_push.cu`).
@@ -186,6 +241,10 @@ pub struct CombineParams {
     /// reduction over.
     pub num_chunks: i32,
     pub _pad: i32,
+    /// This call's descriptor: op, where `y` lies when read in place (0:
+    /// pushed), where `grad_w_in` lies when read in place
+    /// ([`desc::PUSHED`]: pushed, 0: none).
+    pub desc: [u64; DESC_WORDS],
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -239,8 +298,8 @@ const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
 const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 520);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 416);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 576);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 
 #[cfg(test)]
 mod tests {
@@ -263,11 +322,13 @@ mod tests {
         assert_eq!(offset_of!(DispatchParams, scale_w), 256);
         assert_eq!(offset_of!(DispatchParams, recv_x), 264);
         assert_eq!(offset_of!(DispatchParams, recv_src), 456);
+        assert_eq!(offset_of!(DispatchParams, desc), 520);
         assert_eq!(offset_of!(CombineParams, y), 240);
         assert_eq!(offset_of!(CombineParams, out), 264);
         assert_eq!(offset_of!(CombineParams, y_peers), 280);
         assert_eq!(offset_of!(CombineParams, gw_peers), 344);
         assert_eq!(offset_of!(CombineParams, num_chunks), 408);
+        assert_eq!(offset_of!(CombineParams, desc), 416);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.

@@ -45,6 +45,13 @@ pub unsafe trait DeviceRegion<T> {
     fn home_stream(&self) -> Option<&Arc<CudaStream>> {
         None
     }
+    /// Called by every op that takes the region, with the op's stream,
+    /// before its launch: symmetric buffers order their reuse by it
+    /// ([`SymmBuffer::ready_on`](crate::symm::SymmBuffer::ready_on)).
+    #[doc(hidden)]
+    fn used_on(&self, _stream: &Arc<CudaStream>) -> Result<()> {
+        Ok(())
+    }
     /// Size in bytes, or an error naming `arg` when it does not fit a `usize`.
     fn num_bytes_checked(&self, arg: &'static str) -> Result<usize> {
         self.len()
@@ -67,6 +74,9 @@ unsafe impl<T> DeviceRegion<T> for SymmBuffer<T> {
     fn device_ptr(&self) -> u64 {
         SymmBuffer::device_ptr(self)
     }
+    fn used_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.ready_on(stream)
+    }
     fn len(&self) -> usize {
         SymmBuffer::len(self)
     }
@@ -79,6 +89,9 @@ unsafe impl<T> DeviceRegion<T> for SymmView<'_, T> {
     fn device_ptr(&self) -> u64 {
         SymmView::device_ptr(self)
     }
+    fn used_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.ready_on(stream)
+    }
     fn len(&self) -> usize {
         SymmView::len(self)
     }
@@ -87,6 +100,9 @@ unsafe impl<T> DeviceRegion<T> for SymmView<'_, T> {
 unsafe impl<T> DeviceRegion<T> for SymmViewMut<'_, T> {
     fn device_ptr(&self) -> u64 {
         SymmViewMut::device_ptr(self)
+    }
+    fn used_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.ready_on(stream)
     }
     fn len(&self) -> usize {
         SymmViewMut::len(self)
@@ -178,6 +194,18 @@ unsafe impl<T> DeviceRegion<T> for RecvBuf<'_, T> {
             RecvBuf::Pool(b) => b.len(),
         }
     }
+    fn home_stream(&self) -> Option<&Arc<CudaStream>> {
+        match self {
+            RecvBuf::Caller(b) => b.home_stream(),
+            RecvBuf::Pool(_) => None,
+        }
+    }
+    fn used_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        match self {
+            RecvBuf::Caller(b) => b.used_on(stream),
+            RecvBuf::Pool(b) => b.ready_on(stream),
+        }
+    }
 }
 
 // SAFETY: as above; both are held exclusively.
@@ -251,6 +279,7 @@ impl EpGroup {
         if let Some(home) = r.home_stream() {
             self.order_with(home)?;
         }
+        self.mark_used(r)?;
         if want == 0 {
             return Ok(());
         }
@@ -334,12 +363,16 @@ impl EpGroup {
 
     /// Every rank's address of `buf`, which must lie in a registered window
     /// of this communicator (same offset on every rank, by the collective
-    /// allocation contract); `Error::NotSymmetric` naming `arg` otherwise.
-    pub(crate) fn peers_of<T>(
+    /// allocation contract), and where it lies (the window's id and the
+    /// offset in it: the descriptor word the kernels compare between ranks
+    /// before they touch a peer's copy); `Error::NotSymmetric` naming `arg`
+    /// otherwise.
+    pub(crate) fn located<T>(
         &self,
         buf: &dyn DeviceRegion<T>,
         arg: &'static str,
-    ) -> Result<Peers> {
+    ) -> Result<(Peers, u64)> {
+        self.mark_used(buf)?;
         let (ptr, bytes) = (buf.device_ptr(), buf.num_bytes_checked(arg)?);
         let seg = crate::symm::segment_of(&self.comm, ptr, bytes)
             .ok_or(Error::NotSymmetric { what: arg })?;
@@ -350,6 +383,6 @@ impl EpGroup {
                 .ok_or(Error::NotSymmetric { what: arg })?
                 + (ptr - seg.base());
         }
-        Ok(out)
+        Ok((out, seg.place_of(ptr)))
     }
 }

@@ -10,14 +10,14 @@
 //! `moe_ep_dispatch_bwd_push_rank_major_r*` / `_expert_major_r*`). Tests:
 //! `tests/gpu_intranode.rs` (both paths of every case against the CPU
 //! reference and bit-identical across runs, every chunk count, weighted
-//! expert-major, weight gradients, mixed buffer kinds timing out).
+//! expert-major, weight gradients, buffers that differ between ranks).
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::abi::{CombineParams, COMBINE_SMEM, THREADS};
+use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, THREADS};
 use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
 use super::group::EpGroup;
 use super::handle::Handle;
@@ -27,8 +27,8 @@ use crate::error::{Error, Result};
 /// Every rank's expert outputs (and weight gradients, when they travel) as
 /// mapped here: the home reads them in place (the pulled kernels).
 struct PullPeers {
-    y: Peers,
-    grad_w: Option<Peers>,
+    y: (Peers, u64),
+    grad_w: Option<(Peers, u64)>,
 }
 
 /// One combine-kernel launch: device addresses, local.
@@ -45,6 +45,8 @@ struct CombineCall {
     grad_w: Option<(u64, u64)>,
     /// `Some` when the partials are read in place.
     pull: Option<PullPeers>,
+    /// The dispatch backward (a combine of the gradient).
+    dispatch_bwd: bool,
 }
 
 impl EpGroup {
@@ -59,10 +61,10 @@ impl EpGroup {
         if !matches!(handle.layout, RecvLayout::RankMajor) {
             return None;
         }
-        let y = self.peers_of(y, "expert_out").ok()?;
+        let y = self.located(y, "expert_out").ok()?;
         let grad_w = match grad_w {
             None => None,
-            Some(g) => Some(self.peers_of(g, "grad_recv_topk_weights").ok()?),
+            Some(g) => Some(self.located(g, "grad_recv_topk_weights").ok()?),
         };
         Some(PullPeers { y, grad_w })
     }
@@ -83,6 +85,28 @@ impl EpGroup {
             (None, true) => k.dispatch_bwd_push.of(handle.layout),
         };
         let (grad_w_in, grad_w_out) = call.grad_w.unwrap_or((0, 0));
+        // What every peer compares before it reads here or waits for this
+        // rank (abi.cuh, MOE_EP_FIELD_OP): the op, and where the partials
+        // (and weight gradients) lie when they are read in place.
+        let mut d = [0u64; DESC_WORDS];
+        d[0] = if call.dispatch_bwd {
+            desc::OP_DISPATCH_BWD
+        } else {
+            desc::OP_COMBINE
+        };
+        match &call.pull {
+            Some(q) => {
+                d[1] = q.y.1;
+                d[2] = q.grad_w.map_or(0, |g| g.1);
+            }
+            None => {
+                d[2] = if call.grad_w.is_some() {
+                    desc::PUSHED
+                } else {
+                    0
+                }
+            }
+        }
         let p = CombineParams {
             op: self.op_common(handle),
             y: call.y,
@@ -90,14 +114,15 @@ impl EpGroup {
             grad_w_in,
             out: call.out,
             grad_w_out,
-            y_peers: call.pull.as_ref().map(|q| q.y).unwrap_or_default(),
+            y_peers: call.pull.as_ref().map(|q| q.y.0).unwrap_or_default(),
             gw_peers: call
                 .pull
                 .as_ref()
-                .and_then(|q| q.grad_w)
+                .and_then(|q| q.grad_w.map(|g| g.0))
                 .unwrap_or_default(),
             num_chunks: self.cfg.combine_chunks as i32,
             _pad: 0,
+            desc: d,
         };
         // NOTE: every combine kernel launches with the pushed rank-major
         // ring's shared memory, as the one combine kernel did before the
@@ -118,8 +143,10 @@ impl EpGroup {
     /// reads its tokens' rows in place over NVLink: no staging. Any other
     /// device memory (and expert-major) is read locally and pushed home
     /// through the group's stage. Every rank must pass the same kind of
-    /// buffer (symmetric buffers are collective anyway); a rank that does not
-    /// makes the others stop with [`Error::PeerTimeout`].
+    /// buffer, in the same place (symmetric buffers are collective anyway):
+    /// the kernels compare every rank's choice before they read or wait,
+    /// and a rank that differs makes every rank stop with
+    /// [`Error::InvalidArgument`] naming `expert_out`.
     pub fn combine(
         &self,
         stream: &Arc<CudaStream>,
@@ -158,6 +185,7 @@ impl EpGroup {
                 w_rows,
                 grad_w: None,
                 pull,
+                dispatch_bwd: false,
             },
         )
     }
@@ -230,6 +258,7 @@ impl EpGroup {
                 w_rows: None,
                 grad_w,
                 pull,
+                dispatch_bwd: true,
             },
         )
     }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::abi::{DispatchParams, MAX_RANKS, THREADS};
+use super::abi::{desc, DispatchParams, DESC_WORDS, MAX_RANKS, THREADS};
 use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
 };
@@ -24,15 +24,21 @@ use super::layout::RecvLayout;
 use crate::error::{Error, Result};
 use crate::symm::SymmBuffer;
 
-/// What one dispatch-kernel launch moves, besides the rows.
+/// Every rank's address of a symmetric buffer, and where it lies (the
+/// descriptor word, [`EpGroup::located`]).
+type Located = (Peers, u64);
+
+/// What one dispatch-kernel launch moves, besides the rows. (Built and
+/// consumed within one call: its size does not matter.)
+#[allow(clippy::large_enum_variant)]
 enum Rows {
     /// Dispatch: the top-k weights `[T, K]` travel with the rows, and every
     /// receiver gets its rows' weights, local expert ids and sources.
     Tokens {
         topk_w: u64,
-        recv_w: Peers,
-        recv_idx: Peers,
-        recv_src: Peers,
+        recv_w: Located,
+        recv_idx: Located,
+        recv_src: Located,
     },
     /// Combine backward: the output gradient alone, expert-major rows scaled
     /// by their combine weights when given (`[recv_capacity]` f32, local).
@@ -47,19 +53,28 @@ impl EpGroup {
         stream: &Arc<CudaStream>,
         handle: &Handle,
         x: u64,
-        recv_x: Peers,
+        recv_x: Located,
         rows: Rows,
     ) -> Result<()> {
-        let none = [0u64; MAX_RANKS];
-        let (f, topk_w, scale_w, recv_w, recv_idx, recv_src) = match rows {
+        let none = ([0u64; MAX_RANKS], 0);
+        let (f, op, topk_w, scale_w, recv_w, recv_idx, recv_src) = match rows {
             Rows::Tokens {
                 topk_w,
                 recv_w,
                 recv_idx,
                 recv_src,
-            } => (&self.k.dispatch, topk_w, 0, recv_w, recv_idx, recv_src),
+            } => (
+                &self.k.dispatch,
+                desc::OP_DISPATCH,
+                topk_w,
+                0,
+                recv_w,
+                recv_idx,
+                recv_src,
+            ),
             Rows::Gradient { scale_w } => (
                 &self.k.combine_bwd,
+                desc::OP_COMBINE_BWD,
                 0,
                 scale_w.unwrap_or(0),
                 none,
@@ -67,15 +82,20 @@ impl EpGroup {
                 none,
             ),
         };
+        // What every peer compares before it writes here (abi.cuh,
+        // MOE_EP_FIELD_OP): the op and where each buffer lies.
+        let mut d = [0u64; DESC_WORDS];
+        d[..5].copy_from_slice(&[op, recv_x.1, recv_w.1, recv_idx.1, recv_src.1]);
         let p = DispatchParams {
             op: self.op_common(handle),
             x,
             topk_w,
             scale_w,
-            recv_x,
-            recv_w,
-            recv_idx,
-            recv_src,
+            recv_x: recv_x.0,
+            recv_w: recv_w.0,
+            recv_idx: recv_idx.0,
+            recv_src: recv_src.0,
+            desc: d,
         };
         // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
         unsafe {
@@ -121,12 +141,12 @@ impl EpGroup {
         )?;
         let idx: SymmBuffer<i32> = self.pool.alloc(cap * wpr)?;
         let src: SymmBuffer<i32> = self.pool.alloc(cap * 2)?;
-        let recv_x = self.peers_of(&tokens, "recv_tokens")?;
+        let recv_x = self.located(&tokens, "recv_tokens")?;
         let rows = Rows::Tokens {
             topk_w: topk_weights.device_ptr(),
-            recv_w: self.peers_of(&weights, "recv_topk_weights")?,
-            recv_idx: self.peers_of(&idx, "recv_topk_idx")?,
-            recv_src: self.peers_of(&src, "recv_src")?,
+            recv_w: self.located(&weights, "recv_topk_weights")?,
+            recv_idx: self.located(&idx, "recv_topk_idx")?,
+            recv_src: self.located(&src, "recv_src")?,
         };
         self.launch_dispatch(stream, handle, x.device_ptr(), recv_x, rows)?;
         Ok(Dispatched {
@@ -173,7 +193,7 @@ impl EpGroup {
             "[recv_capacity, hidden] bf16",
             ROW_ALIGN,
         )?;
-        let recv_x = self.peers_of(&out, "grad_expert_out")?;
+        let recv_x = self.located(&out, "grad_expert_out")?;
         self.launch_dispatch(
             stream,
             handle,

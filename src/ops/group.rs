@@ -363,6 +363,8 @@ impl EpGroup {
         //   dispatch_done  u64   [R][MAX_BLOCKS]
         //   combine_done   u64   [R][MAX_BLOCKS]
         //   pull_flag      u64   [R][MAX_BLOCKS]        combine (pull) handshakes
+        //   desc           u64   [2][2][MAX_RANKS][8]   op call descriptors (family,
+        //                                               parity, source)
         //   seq            u64   [4][MAX_BLOCKS]        local counters ([3][0] error
         //                                               claim, [3][1..4] item counters)
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
@@ -382,6 +384,7 @@ impl EpGroup {
         w.dispatch_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.combine_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.pull_flag_off = carve(r * MAX_BLOCKS as u64 * 8).0;
+        w.desc_off = carve(2 * 2 * MAX_RANKS as u64 * 8 * 8).0;
         let zeroed; // everything before the stage must start at zero
         (w.seq_off, zeroed) = carve(4 * MAX_BLOCKS as u64 * 8);
         w.stage_w_off = carve(2 * stage_rows * MAX_TOPK as u64 * 4).0;
@@ -587,13 +590,39 @@ impl EpGroup {
                     e.seen as i64
                 ),
             },
-            abi::code::MISMATCH => Error::arg(
+            abi::code::MISMATCH if e.counter < abi::desc::FIELD_OP => Error::arg(
                 abi::field_name(e.counter),
                 format!(
                     "the same value on every rank in one layout (rank {} has {})",
                     e.peer, e.seen as i64
                 ),
                 format!("{} on rank {}", e.expected as i64, self.comm.rank()),
+            ),
+            abi::code::MISMATCH if e.counter == abi::desc::FIELD_OP => Error::arg(
+                "op",
+                format!(
+                    "the same op on every rank at once (rank {} runs {})",
+                    e.peer,
+                    abi::desc::op_name(e.seen)
+                ),
+                format!(
+                    "{} on rank {}",
+                    abi::desc::op_name(e.expected),
+                    self.comm.rank()
+                ),
+            ),
+            abi::code::MISMATCH => Error::arg(
+                abi::field_name(e.counter),
+                format!(
+                    "a buffer of the same kind in the same place on every rank (rank {}: {})",
+                    e.peer,
+                    abi::desc::place(e.seen)
+                ),
+                format!(
+                    "{} on rank {}",
+                    abi::desc::place(e.expected),
+                    self.comm.rank()
+                ),
             ),
             c => Error::InvalidState(format!("unknown device error code {c}")),
         }

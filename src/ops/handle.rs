@@ -263,6 +263,21 @@ impl EpGroup {
         Ok(())
     }
 
+    /// Tells `r` that the current op uses it on the op's stream (symmetric
+    /// buffers order their release by it).
+    pub(crate) fn mark_used<T>(&self, r: &dyn DeviceRegion<T>) -> Result<()> {
+        let op = self
+            .op_streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .op
+            .clone();
+        match op {
+            Some(op) => r.used_on(&op),
+            None => Ok(()),
+        }
+    }
+
     /// [`EpGroup::turn`] for an op on `handle`, which must be this group's.
     pub(crate) fn enter(
         &self,
@@ -272,6 +287,7 @@ impl EpGroup {
     ) -> Result<OpTurn<'_>> {
         let turn = self.turn(name, stream)?;
         self.check_handle(handle)?;
+        self.mark_used(&handle.meta)?;
         Ok(turn)
     }
 

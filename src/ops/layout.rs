@@ -150,6 +150,7 @@ impl EpGroup {
         let meta = self
             .pool
             .alloc::<i32>(r * self.cfg.max_tokens_per_rank * MAX_TOPK)?;
+        self.mark_used(&meta)?;
         let expert_major = matches!(layout, RecvLayout::ExpertMajor { .. });
         let handle = Handle {
             layout,

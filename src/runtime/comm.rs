@@ -40,6 +40,9 @@ pub struct Communicator {
     calls: std::sync::Mutex<()>,
     /// Set by `abort`: no NCCL call on `backend` after it.
     aborted: std::sync::atomic::AtomicBool,
+    /// Symmetric windows registered on this communicator so far (the next
+    /// one's id, less one): every rank registers them in the same order.
+    windows: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time:
@@ -91,6 +94,7 @@ impl Communicator {
             node_of: vec![0; world],
             calls: std::sync::Mutex::new(()),
             aborted: std::sync::atomic::AtomicBool::new(false),
+            windows: std::sync::atomic::AtomicU64::new(0),
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -164,6 +168,7 @@ impl Communicator {
                     node_of: vec![0; world],
                     calls: std::sync::Mutex::new(()),
                     aborted: std::sync::atomic::AtomicBool::new(false),
+                    windows: std::sync::atomic::AtomicU64::new(0),
                 })
             })
             .collect())
@@ -219,6 +224,15 @@ impl Communicator {
         (0..self.world)
             .filter(|&r| self.node_of[r] == self.node_of[self.rank])
             .collect()
+    }
+
+    /// The id of the next symmetric window registered here: 1, 2, ... in
+    /// registration order, so the same window has the same id on every
+    /// rank (registrations are collective).
+    pub(crate) fn next_window_id(&self) -> u64 {
+        self.windows
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
     }
 
     /// The lock every NCCL call on this communicator holds (one call at a

@@ -16,6 +16,13 @@
 //! first-fit allocator returns the same (segment, offset) on every rank; debug
 //! builds verify it with an all-gather.
 //!
+//! Release is **stream-ordered**: a buffer records the streams it was used
+//! on ([`SymmBuffer::ready_on`], and every op of the crate that takes it);
+//! dropping it records an event on each, and the range's next buffer makes
+//! each stream it is used on wait for those events first. Which range an
+//! `alloc` returns never depends on the GPU's progress (the offsets stay
+//! equal on every rank).
+//!
 //! ```ignore
 //! let pool = SymmPool::new(&comm, 256 << 20)?;
 //! let buf: SymmBuffer<u32> = pool.alloc(1 << 20)?;      // same offset on every rank
@@ -28,7 +35,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, Weak};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::error::{Error, Result};
 use crate::runtime::nccl_call as nc;
@@ -76,6 +83,9 @@ pub fn is_symm_backed(comm: &Communicator, ptr: u64, len: usize) -> bool {
 /// One registered window: same size on every rank.
 pub struct Segment {
     comm: Arc<Communicator>,
+    /// Registration order on the communicator (1, 2, ...): the same window
+    /// has the same id on every rank.
+    id: u64,
     base: u64,
     size: usize,
     backing: Backing,
@@ -157,6 +167,7 @@ impl Segment {
             let ranks: Vec<Arc<DeviceAlloc>> = ranks.into_iter().map(|(a, _)| a).collect();
             let seg = Arc::new(Segment {
                 comm: comm.clone(),
+                id: comm.next_window_id(),
                 base: ptr,
                 size,
                 peers: ranks.iter().map(|a| a.ptr).collect(),
@@ -184,6 +195,7 @@ impl Segment {
         };
         let mut seg = Segment {
             comm: comm.clone(),
+            id: comm.next_window_id(),
             base: ptr as u64,
             size,
             backing: Backing::Window { win, owned: true },
@@ -223,6 +235,7 @@ impl Segment {
         }
         let mut seg = Segment {
             comm: comm.clone(),
+            id: comm.next_window_id(),
             base,
             size,
             backing: Backing::Window { win, owned: false },
@@ -274,6 +287,7 @@ impl Segment {
         }
         let seg = Arc::new(Segment {
             comm: comm.clone(),
+            id: comm.next_window_id(),
             base,
             size,
             backing: Backing::VirtualWrapped,
@@ -356,6 +370,11 @@ impl Segment {
     pub fn base(&self) -> u64 {
         self.base
     }
+    /// Where `[ptr, ..)` of this window lies, the same word on every rank
+    /// for the same collective buffer: `id << 40 | byte offset`.
+    pub(crate) fn place_of(&self, ptr: u64) -> u64 {
+        (self.id << 40) | ((ptr - self.base) & ((1u64 << 40) - 1))
+    }
     /// Size in bytes (same on every rank).
     pub fn size(&self) -> usize {
         self.size
@@ -404,12 +423,36 @@ impl Drop for Segment {
     }
 }
 
+/// Work a range waits for before its next use: the events its last
+/// buffers recorded when they were dropped (completed ones pruned).
+#[derive(Clone, Default)]
+struct Pending(Vec<Arc<CudaEvent>>);
+
+impl Pending {
+    fn merge(&mut self, other: Pending) {
+        self.0.extend(other.0);
+        self.0.retain(|e| !e.is_complete());
+    }
+}
+
+/// A free range of a segment: offset, length, and what its next user waits for.
+type FreeRange = (usize, usize, Pending);
+
 struct Slot {
     seg: Arc<Segment>,
-    /// Free ranges (offset, len), sorted by offset, coalesced. Empty for
-    /// wrapped caller windows (not allocated from).
-    free: Vec<(usize, usize)>,
+    /// Free ranges, sorted by offset, coalesced. Empty for wrapped caller
+    /// windows (not allocated from).
+    free: Vec<FreeRange>,
     pooled: bool,
+}
+
+/// True while `stream` records a CUDA graph: nothing runs then, so there is
+/// nothing to order (and events of uncaptured work cannot be waited for).
+fn capturing(stream: &CudaStream) -> bool {
+    !matches!(
+        stream.capture_status(),
+        Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    )
 }
 
 struct PoolInner {
@@ -462,22 +505,24 @@ impl SymmPool {
             })?;
         let mut slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
         let found = slots.iter_mut().enumerate().find_map(|(i, s)| {
-            let j = s.free.iter().position(|&(_, l)| l >= bytes)?;
-            let (off, l) = s.free[j];
+            let j = s.free.iter().position(|&(_, l, _)| l >= bytes)?;
+            let (off, l) = (s.free[j].0, s.free[j].1);
+            let after = s.free[j].2.clone();
             if l == bytes {
                 s.free.remove(j);
             } else {
-                s.free[j] = (off + bytes, l - bytes);
+                s.free[j].0 = off + bytes;
+                s.free[j].1 = l - bytes;
             }
-            Some((i, off))
+            Some((i, off, after))
         });
-        let (idx, offset) = match found {
+        let (idx, offset, after) = match found {
             Some(x) => x,
             None => {
                 let seg = Segment::new(&self.inner.comm, bytes.max(self.inner.segment_bytes))?;
                 let size = seg.size();
                 let free = if size > bytes {
-                    vec![(bytes, size - bytes)]
+                    vec![(bytes, size - bytes, Pending::default())]
                 } else {
                     vec![]
                 };
@@ -486,7 +531,7 @@ impl SymmPool {
                     free,
                     pooled: true,
                 });
-                (slots.len() - 1, 0)
+                (slots.len() - 1, 0, Pending::default())
             }
         };
         let seg = slots[idx].seg.clone();
@@ -497,6 +542,10 @@ impl SymmPool {
             len,
             bytes,
             pool: Some(self.inner.clone()),
+            order: Mutex::new(Order {
+                after,
+                used_on: vec![],
+            }),
             _t: PhantomData,
         };
         if cfg!(debug_assertions) {
@@ -569,6 +618,7 @@ impl SymmPool {
             len,
             bytes: size,
             pool: None,
+            order: Mutex::default(),
             _t: PhantomData,
         }
     }
@@ -587,21 +637,24 @@ impl SymmPool {
 }
 
 impl PoolInner {
-    fn release(&self, seg: &Arc<Segment>, offset: usize, bytes: usize) {
+    fn release(&self, seg: &Arc<Segment>, offset: usize, bytes: usize, after: Pending) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let Some(slot) = slots.iter_mut().find(|s| Arc::ptr_eq(&s.seg, seg)) else {
             return;
         };
-        let i = slot.free.partition_point(|&(o, _)| o < offset);
-        slot.free.insert(i, (offset, bytes));
-        // Coalesce with the next and the previous range.
+        let i = slot.free.partition_point(|&(o, _, _)| o < offset);
+        slot.free.insert(i, (offset, bytes, after));
+        // Coalesce with the next and the previous range (a merged range
+        // waits for what either waited for).
         if i + 1 < slot.free.len() && slot.free[i].0 + slot.free[i].1 == slot.free[i + 1].0 {
-            slot.free[i].1 += slot.free[i + 1].1;
-            slot.free.remove(i + 1);
+            let (_, l, p) = slot.free.remove(i + 1);
+            slot.free[i].1 += l;
+            slot.free[i].2.merge(p);
         }
         if i > 0 && slot.free[i - 1].0 + slot.free[i - 1].1 == slot.free[i].0 {
-            slot.free[i - 1].1 += slot.free[i].1;
-            slot.free.remove(i);
+            let (_, l, p) = slot.free.remove(i);
+            slot.free[i - 1].1 += l;
+            slot.free[i - 1].2.merge(p);
         }
     }
 }
@@ -614,7 +667,19 @@ pub struct SymmBuffer<T> {
     len: usize,
     bytes: usize,
     pool: Option<Arc<PoolInner>>,
+    /// Stream order of the range (see the module's doc).
+    order: Mutex<Order>,
     _t: PhantomData<T>,
+}
+
+/// What a buffer's uses wait for and who used it.
+#[derive(Default)]
+struct Order {
+    /// Work of the range's earlier buffers: every stream waits for it
+    /// before its first use of this one.
+    after: Pending,
+    /// The streams it was used on (each waited for `after`).
+    used_on: Vec<Arc<CudaStream>>,
 }
 
 impl<T> SymmBuffer<T> {
@@ -646,6 +711,31 @@ impl<T> SymmBuffer<T> {
     pub fn segment(&self) -> &Arc<Segment> {
         &self.seg
     }
+
+    /// Orders `stream` for a use of this buffer: its first use waits for
+    /// the work that used the range before (when the pool handed out a
+    /// range an earlier buffer had), and dropping the buffer orders the
+    /// range's next user after what `stream` has enqueued by then. Call it
+    /// before using the buffer in your own kernels on `stream`; the crate's
+    /// ops and copies call it themselves. (Not while `stream` captures a
+    /// graph: keep buffers a graph uses alive while it may run.)
+    pub fn ready_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        if capturing(stream) {
+            return Ok(());
+        }
+        let mut o = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        if o.used_on
+            .iter()
+            .any(|s| s.cu_stream() == stream.cu_stream())
+        {
+            return Ok(());
+        }
+        for e in &o.after.0 {
+            stream.wait(e).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        }
+        o.used_on.push(stream.clone());
+        Ok(())
+    }
 }
 
 impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
@@ -654,6 +744,7 @@ impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
     /// `Communicator::virtual_world` on copies from pageable memory).
     pub fn copy_from_host(&mut self, stream: &Arc<CudaStream>, src: &[T]) -> Result<()> {
         self.check_fits("src", src.len())?;
+        self.ready_on(stream)?;
         stream
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
@@ -671,6 +762,7 @@ impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
     /// `stream` first, then waits for the copy).
     pub fn copy_to_host(&self, stream: &Arc<CudaStream>, dst: &mut [T]) -> Result<()> {
         self.check_fits("dst", dst.len())?;
+        self.ready_on(stream)?;
         stream
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
@@ -693,6 +785,7 @@ impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
     ) -> Result<()> {
         let n = src.len();
         self.check_fits("src", n)?;
+        self.ready_on(stream)?;
         let (ptr, _guard) = src.device_ptr(stream);
         // SAFETY: n elements fit this buffer (checked above); `src` is
         // ordered on `stream` by its guard until the copy is enqueued.
@@ -718,6 +811,7 @@ impl<T: cudarc::driver::DeviceRepr> SymmBuffer<T> {
     ) -> Result<()> {
         let n = dst.len();
         self.check_fits("dst", n)?;
+        self.ready_on(stream)?;
         let (ptr, _guard) = dst.device_ptr_mut(stream);
         // SAFETY: n elements of this buffer exist (checked above); `dst` is
         // ordered on `stream` by its guard until the copy is enqueued.
@@ -798,6 +892,10 @@ macro_rules! view_methods {
             pub fn is_empty(&self) -> bool {
                 self.range.is_empty()
             }
+            /// [`SymmBuffer::ready_on`] of the viewed buffer.
+            pub fn ready_on(&self, stream: &Arc<CudaStream>) -> Result<()> {
+                self.buf.ready_on(stream)
+            }
         }
     };
 }
@@ -805,9 +903,25 @@ view_methods!(SymmView);
 view_methods!(SymmViewMut);
 
 impl<T> Drop for SymmBuffer<T> {
+    /// Returns the range to the pool, ordered after the work enqueued so
+    /// far on every stream it was used on.
     fn drop(&mut self) {
-        if let Some(pool) = &self.pool {
-            pool.release(&self.seg, self.offset, self.bytes);
+        let Some(pool) = &self.pool else { return };
+        let o = std::mem::take(self.order.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let mut after = o.after;
+        for s in o.used_on.iter().filter(|s| !capturing(s)) {
+            match s.record_event(None) {
+                Ok(e) => after.0.push(Arc::new(e)),
+                // Without the event the range would be reused unordered:
+                // wait for the stream instead.
+                Err(_) => {
+                    if let Err(e) = s.synchronize() {
+                        eprintln!("moe-ep: releasing a pool buffer: {e}");
+                    }
+                }
+            }
         }
+        after.0.retain(|e| !e.is_complete());
+        pool.release(&self.seg, self.offset, self.bytes, after);
     }
 }
