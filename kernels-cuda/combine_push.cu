@@ -28,19 +28,7 @@
 // count; expert-major weighted).
 #include "intranode.cuh"
 
-namespace {
-// The `i`-th smallest of the valid (>= 0) values held by lanes < n; -1 if none.
-__device__ __forceinline__ int nth_smallest(int v, int i, int lane) {
-  const bool valid = v >= 0;
-  int below = 0;
-  for (int j = 0; j < 32; ++j) {
-    const int o = __shfl_sync(0xffffffffu, v, j);
-    below += (o >= 0 && valid && (o < v)) ? 1 : 0;
-  }
-  const unsigned who = __ballot_sync(0xffffffffu, valid && below == i);
-  return who ? __shfl_sync(0xffffffffu, v, __ffs(who) - 1) : -1;
-}
-}  // namespace
+
 
 // The rows here that make up one received token's partial: rank-major the
 // row itself, expert-major its rows in ascending order. Spread over the warp
@@ -60,14 +48,35 @@ __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool ex
     return rs;
   }
   const int row_k = lane < K ? p.op.bufs.meta[(size_t)u * K + lane] : -1;
-  rs.n = __popc(__ballot_sync(0xffffffffu, row_k >= 0));
+  const bool valid = row_k >= 0;
+  // Each valid row's rank among the token's rows (they are distinct), then
+  // lane i takes the row of rank i: K + 2n warp steps (ranking again for
+  // every i cost 32 shuffles per row).
+  int below = 0;
+  for (int j = 0; j < K; ++j) {
+    const int o = __shfl_sync(0xffffffffu, row_k, j);
+    below += (valid && o >= 0 && o < row_k) ? 1 : 0;
+  }
+  rs.n = __popc(__ballot_sync(0xffffffffu, valid));
   rs.row = -1;
   for (int i = 0; i < rs.n; ++i) {
-    const int r = nth_smallest(row_k, i, lane);
+    const unsigned who = __ballot_sync(0xffffffffu, valid && below == i);
+    const int r = __shfl_sync(0xffffffffu, row_k, __ffs(who) - 1);
     if (lane == i) rs.row = r;
   }
   rs.w = (rs.row >= 0 && p.w_rows != nullptr) ? p.w_rows[rs.row] : 1.f;
   return rs;
+}
+
+// Brings vectors [first, lim) of every row of a row set into L2 (bulk
+// prefetches, one per row): issued for a warp's next item while it works
+// on the current one, so that item's loads find L2, not DRAM (expert-major
+// items are several rows each).
+__device__ __forceinline__ void prefetch_rows(const int4* y, const RowSet& rs, int n16, int first,
+                                              int lim, int lane) {
+  if (lane < rs.n && lim > first) {
+    prefetch_l2(y + (size_t)rs.row * n16 + first, (uint32_t)(lim - first) * 16);
+  }
 }
 
 // Partial (as bf16) of vectors [base + j*32 + lane] (< lim) of a row set.
@@ -88,18 +97,31 @@ __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, 
   for (int j = 0; j < kU; ++j)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
+  // kB rows' loads in flight at once (kB * kU = 8 vectors per lane), then
+  // summed in ascending row order (the same order, and bits, as one row at
+  // a time: loads of one row at a time left the warps waiting on memory).
+  constexpr int kB = kU >= 8 ? 1 : 8 / kU;
   // NOTE: whole-warp shuffles: every caller's loop bounds are warp-uniform.
-  for (int i = 0; i < rs.n; ++i) {
-    const int row = __shfl_sync(0xffffffffu, rs.row, i);
-    const float w = __shfl_sync(0xffffffffu, rs.w, i);
-    int4 v[kU];
+  for (int i0 = 0; i0 < rs.n; i0 += kB) {
+    int4 v[kB][kU];
+    float w[kB];
 #pragma unroll
-    for (int j = 0; j < kU; ++j) {
-      const int c = base + j * 32 + lane;
-      v[j] = c < lim ? ld_nc_v4(y + (size_t)row * n16 + c) : make_int4(0, 0, 0, 0);
+    for (int b = 0; b < kB; ++b) {
+      const int i = i0 + b;
+      const int row = __shfl_sync(0xffffffffu, rs.row, i & 31);
+      w[b] = __shfl_sync(0xffffffffu, rs.w, i & 31);
+#pragma unroll
+      for (int j = 0; j < kU; ++j) {
+        const int c = base + j * 32 + lane;
+        v[b][j] = (i < rs.n && c < lim) ? ld_nc_v4(y + (size_t)row * n16 + c) : make_int4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
-    for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[j], w, weighted);
+    for (int b = 0; b < kB; ++b) {
+      if (i0 + b >= rs.n) break;
+#pragma unroll
+      for (int j = 0; j < kU; ++j) acc_v4(acc[j], v[b][j], w[b], weighted);
+    }
   }
 #pragma unroll
   for (int j = 0; j < kU; ++j) out[j] = pack_v4(acc[j]);
@@ -264,6 +286,9 @@ __device__ void combine_push(const CombineParams& p) {
     const int n_items = (t_hi - t_lo) * pc.n;
     int pos =
         (w0 < n_items && lane < R) ? p.op.bufs.rank_pos[(size_t)(t_lo + w0 / pc.n) * R + lane] : -1;
+    RowSet rs_next;  // expert-major: the next item's own rows, when have_next
+    rs_next.n = 0;
+    bool have_next = false;
     for (int it = w0; it < n_items; it += nws) {
       const int t = t_lo + it / pc.n, piece = it % pc.n;
       const int slot =
@@ -279,7 +304,22 @@ __device__ void combine_push(const CombineParams& p) {
       const int u_self = slots[me < kMaxR ? me : 0];
       RowSet rs;
       rs.n = 0;
-      if (u_self >= 0) rs = row_set(p, u_self, expert_major, K, lane);
+      if (have_next) {
+        rs = rs_next;
+      } else if (u_self >= 0) {
+        rs = row_set(p, u_self, expert_major, K, lane);
+      }
+      have_next = false;
+      if (expert_major && itn < n_items) {
+        // The next item's own rows: worked out now, prefetched into L2.
+        const int pn = __shfl_sync(0xffffffffu, pos_next, me);
+        if (pn >= 0) {
+          rs_next = row_set(p, s_src_u_off[me] + pn, true, K, lane);
+          have_next = true;
+          const int fn = (itn % pc.n) * pc.per * 32;
+          prefetch_rows(y, rs_next, n16, fn, min(n16, fn + pc.per * 32), lane);
+        }
+      }
       const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
       for (int base = first; base < lim; base += 32 * kHome) {
         int4 v[kMaxR][kHome];
@@ -462,10 +502,19 @@ __device__ void combine_push(const CombineParams& p) {
       if (c < C) {
         const Pieces pc = pieces_for(rows_of_chunk(c), nw);
         const int n_items = rows_of_chunk(c) * pc.n;
+        PushItem q_next = gw < n_items ? push_item(c, gw, pc) : PushItem{};
+        RowSet rs_next;
+        if (gw < n_items) rs_next = row_set(p, q_next.u, expert_major, K, lane);
         for (int it = gw; it < n_items; it += nw) {
-          const PushItem q = push_item(c, it, pc);
+          const PushItem q = q_next;
+          const RowSet rs = rs_next;
+          if (it + nw < n_items) {
+            // The next item's rows: worked out now, prefetched into L2.
+            q_next = push_item(c, it + nw, pc);
+            rs_next = row_set(p, q_next.u, expert_major, K, lane);
+            if (expert_major) prefetch_rows(y, rs_next, n16, q_next.first, q_next.lim, lane);
+          }
           int4* dst = ws.stage(q.s, parity, p.op.hidden) + (size_t)q.slot * n16;
-          const RowSet rs = row_set(p, q.u, expert_major, K, lane);
           for (int base = q.first; base < q.lim; base += 32 * kU) {
             int4 v[kU];
             partial_chunks<kU>(y, rs, n16, q.lim, base, lane, weighted, expert_major, v);
