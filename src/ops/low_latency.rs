@@ -22,7 +22,7 @@
 //! # Layouts
 //!
 //! With `R` ranks, `El = E / R` experts per rank, `M = max_tokens_per_rank`
-//! (see [`crate::reference::low_latency`] for the exact contents):
+//! (see [`crate::reference::ll_dispatch`] for the exact contents):
 //!
 //! * [`LlLayout::ExpertMajor`]: `[El, R * M, H]` rows; block `j` holds the
 //!   (token, expert) pairs of local expert `j`, packed from its start by
@@ -48,7 +48,8 @@
 //! combine of its previous batch (the dispatch is refused otherwise), and a
 //! handle's outputs stay valid until then. Sizes in bytes, with `R`, `E`,
 //! `El`, `M`, `H` as above, `NB = ceil(H / 128)`, `KM = 16` (the largest
-//! top-k), each region rounded up to 256 bytes ([`ll_buffer_bytes`]):
+//! top-k), each region rounded up to 256 bytes (the same text is on
+//! [`ll_buffer_bytes`], which computes it):
 //!
 //! ```text
 //! symmetric (the group's pool), per set:
@@ -169,8 +170,8 @@ fn li(layout: LlLayout) -> usize {
 
 // ---- buffers ----
 
-/// Bytes of a low-latency group's buffers, both sets (see the module docs
-/// for the formula).
+/// Bytes of a low-latency group's buffers, both sets ([`ll_buffer_bytes`]
+/// has the formula).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LlBufferBytes {
     /// Symmetric memory from the group's pool (written by the peers).
@@ -236,9 +237,29 @@ fn carve(world: usize, cfg: &GroupConfig) -> (LlBufs, LlBufferBytes) {
 }
 
 /// The bytes a [`Mode::LowLatency`](super::Mode::LowLatency) group of
-/// `cfg` over `world` ranks allocates for its buffers (both sets), by the
-/// formula of the module docs. (The high-throughput workspace every group
-/// has comes on top.)
+/// `cfg` over `world` ranks allocates for its buffers, fixed at creation.
+/// (The high-throughput workspace every group has comes on top.)
+///
+/// Two sets (batch `n` of the group uses set `n mod 2`, so one batch can be
+/// dispatched while the other's combine is pending). With `R = world`, `E`
+/// experts, `El = E / R`, `M = max_tokens_per_rank`, `H = hidden`,
+/// `NB = ceil(H / 128)`, `KM = 16` (the largest top-k), each region rounded
+/// up to 256 bytes:
+///
+/// ```text
+/// symmetric (the group's pool), per set:
+///   R * 132 * 32  + R * 132 * 8                     dispatch and combine signals
+///   R * M * 2H    + R * M * 4 NB                    received rows (rank-major output), scales
+///   R * M * 8     + 2 * R * M * KM * 4              sources, slots' local ids and weights
+///   M * KM * 2H                                     combine rows arriving home
+/// local (device memory of this rank), per set:
+///   E * M * 2H    + E * M * 4 NB  + E * M * 12      expert-major rows, scales, sources, slots
+///   4 (El + E + R) + 2 * M * KM * 4 + 8             counts, the home's routing, sequence
+/// plus 132 * 8 bytes of counters; everything times 2 sets.
+/// ```
+///
+/// About `4 H M (E + R + 16)` bytes in all: 1.04 GB for `E = 256`, `R = 8`,
+/// `M = 128`, `H = 7168` (0.09 GB of it symmetric).
 pub fn ll_buffer_bytes(cfg: &GroupConfig, world: usize) -> LlBufferBytes {
     carve(world, cfg).1
 }
@@ -456,7 +477,9 @@ impl LlHandle<'_> {
         self.b.set
     }
     /// Rows of the layout: expert-major `El * R * M`, rank-major `R * M`
-    /// (only the counted ones are defined, see the module docs).
+    /// (only the counted ones are defined: expert-major the first
+    /// `tokens_per_local_expert[j]` of each block `j`, rank-major rows
+    /// `s * M + t` with `t < tokens_from_rank[s]`).
     pub fn num_rows(&self) -> usize {
         let (r, m) = (self.group.comm.world(), self.group.cfg.max_tokens_per_rank);
         match self.b.layout {
@@ -856,8 +879,13 @@ impl EpGroup {
     }
 
     /// Low-latency dispatch (collective): every token of this rank to the
-    /// ranks of its experts, in `layout` (see the module docs), with no
-    /// layout pass and no host synchronisation.
+    /// ranks of its experts, in `layout`, with no layout pass and no host
+    /// synchronisation. Expert-major: `[El, R * M, H]` rows, each local
+    /// expert's (token, expert) pairs packed from its block's start by
+    /// source rank then token, with their `src`; rank-major: `[R, M, H]`
+    /// rows, row `s * M + t` for token `t` of rank `s`, with the token's `K`
+    /// local expert ids (`-1` = not here) and weights. The bits are
+    /// [`crate::reference::ll_dispatch`]'s; see [`LlHandle`] for the outputs.
     ///
     /// - `x`: `[T, H]` bf16 rows, or the caller's fp8 rows ([`LlInput`]).
     /// - `topk_idx`: `[T, topk]` i32 or i64 global expert ids, `-1` = not
