@@ -74,6 +74,7 @@
 // Descriptor word of a pushed buffer that travels (combine family word 2:
 // weight gradients given, pushed).
 #define MOE_EP_DESC_PUSHED (1ull << 63)
+#define MOE_EP_FIELD_PAYLOAD 11    // low-latency: bf16 or fp8 rows
 
 // Counters a wait can stall on.
 #define MOE_EP_CTR_LAYOUT_COUNTS 1
@@ -82,6 +83,8 @@
 #define MOE_EP_CTR_BULK_COPY 4     // a local bulk (TMA) copy that never completed
 #define MOE_EP_CTR_COMBINE_PULL 5  // combine (pull): a peer's "outputs ready" / "read yours" handshake
 #define MOE_EP_CTR_DESCRIPTOR 6    // a peer's descriptor of its buffers for this op call
+#define MOE_EP_CTR_LL_DISPATCH 7   // low-latency dispatch: a sender block's rows (LlSignal)
+#define MOE_EP_CTR_LL_COMBINE 8    // low-latency combine: an expert rank block's rows home
 
 // Written by kernels into host-mapped pinned memory; read by the host at the
 // next call. 64 bytes.
@@ -247,6 +250,84 @@ struct CombineParams {
   uint64_t desc[MOE_EP_DESC_WORDS];
 };
 
+// ---- low-latency mode (low_latency.cu, src/ops/low_latency.rs) ----
+// Buffer sets the group alternates between (batch n uses set n mod 2 of
+// the host's count), so one batch's dispatch can run while the other's
+// combine is pending.
+#define MOE_EP_LL_SETS 2
+// Largest max_tokens_per_rank of a low-latency group.
+#define MOE_EP_LL_MAX_TOKENS 1024
+// Values per fp8 scale (one f32 scale per 128 values of a row).
+#define MOE_EP_FP8_BLOCK 128
+// LlParams::payload: what a row holds.
+#define MOE_EP_LL_BF16 0  // H bf16 values
+#define MOE_EP_LL_FP8 1   // H e4m3 codes (rows H bytes apart) + H / 128 f32 scales
+// LlParams::cast: how the sender makes fp8 rows.
+#define MOE_EP_LL_CAST_NONE 0   // bf16 rows, or the caller's fp8 rows
+#define MOE_EP_LL_CAST_EXACT 1  // scale = amax * (1/448)
+#define MOE_EP_LL_CAST_POW2 2   // scale = 2^ceil(log2(amax * (1/448)))
+
+// What one sender block tells one receiver, in the receiver's set: written
+// after the block's rows, `seq` (the batch's sequence number) last, with
+// release. The rest lets every receiver check the batch (the same on every
+// block of a sender).
+struct LlSignal {
+  uint64_t seq;
+  uint64_t bad;        // the block's first bad topk_idx entry (bad_entry_word), 0 = none
+  int32_t num_tokens;  // T of the sender
+  int32_t topk;
+  int32_t payload;     // MOE_EP_LL_BF16 / _FP8
+  int32_t layout;      // LayoutKind
+};
+
+// The low-latency buffers of a group: one symmetric buffer (peers write
+// it) and one local buffer, each MOE_EP_LL_SETS sets of *_set_bytes; the
+// offsets of each region inside a set, in bytes. R = world, El = experts
+// per rank, M = max_tokens_per_rank, H = hidden, KM = MOE_EP_MAX_TOPK,
+// NB = ceil(H / 128). Carved (and sized in the API docs) by
+// src/ops/low_latency.rs.
+struct LlBufs {
+  char* sym[MOE_EP_MAX_RANKS];  // the symmetric buffer as mapped here, per rank
+  char* local;                  // this rank's local buffer
+  uint64_t sym_set_bytes, local_set_bytes;
+  // symmetric set, written by the peers:
+  uint64_t sig_dispatch;  // LlSignal [R src][MAX_BLOCKS]
+  uint64_t sig_combine;   // uint64 [R src][MAX_BLOCKS] batch seq, by expert ranks
+  uint64_t recv_x;        // [R * M] rows (row s * M + t), 2 H bytes each (fp8: H bytes apart)
+  uint64_t recv_scales;   // f32 [R * M][NB]
+  uint64_t recv_src;      // int32 [R * M][2] (src rank, src token) or (-1, -1)
+  uint64_t recv_idx;      // int32 [R * M][K] local expert per slot, -1 = not here (KM room)
+  uint64_t recv_w;        // f32 [R * M][K] weight per slot, 0 = not here (KM room)
+  uint64_t comb;          // bf16 [M * KM][H] combine rows: expert-major t * K + k, rank-major d * M + t
+  // local set, written by this rank's kernels:
+  uint64_t em_x;          // [El * R * M] expert-major rows, as recv_x
+  uint64_t em_scales;     // f32 [El * R * M][NB]
+  uint64_t em_src;        // int32 [El * R * M][2]
+  uint64_t em_slot;       // int32 [El * R * M] top-k slot of the row's token
+  uint64_t counts;        // int32 [El] per local expert, [El * R] per (expert, source), [R] per source
+  uint64_t home_topk;     // int32 [M][K] this rank's routing (bad entries -1)
+  uint64_t home_w;        // f32 [M][K] this rank's top-k weights
+  uint64_t set_seq;       // uint64: the sequence number of the set's batch
+  // after both local sets:
+  uint64_t counters;      // uint64 [MAX_BLOCKS] dispatch calls per block
+};
+
+// Every low-latency kernel's parameters (low_latency.cu). op carries the
+// group's workspace (error claim, status word), the shape and the layout;
+// op.bufs is unused.
+struct LlParams {
+  OpCommon op;
+  LlBufs b;
+  const void* x;          // dispatch: [T][H] bf16, or e4m3 codes (caller fp8)
+  const float* x_scales;  // dispatch, caller fp8: [T][H / 128]
+  const void* topk_idx;   // dispatch: [T][K] int32 or int64
+  const float* topk_w;    // dispatch: [T][K]
+  const void* y;          // combine send: expert outputs [rows][H] bf16 in the dispatch's layout
+  const float* comb_w;    // combine recv, expert-major: [T][K] weights, or null (the dispatch's)
+  void* out;              // combine recv: [T][H] bf16
+  int32_t set, max_tokens, payload, cast;
+};
+
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
 static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
@@ -255,6 +336,15 @@ static_assert(sizeof(OpCommon) == 240, "OpCommon");
 static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 576, "DispatchParams");
 static_assert(sizeof(CombineParams) == 472, "CombineParams");
+static_assert(sizeof(LlSignal) == 32, "LlSignal");
+static_assert(sizeof(LlBufs) == 224, "LlBufs");
+static_assert(sizeof(LlParams) == 536, "LlParams");
+static_assert(offsetof(LlBufs, local) == 64 && offsetof(LlBufs, sig_dispatch) == 88 &&
+                  offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 216,
+              "LlBufs offsets");
+static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 464 &&
+                  offsetof(LlParams, out) == 512 && offsetof(LlParams, set) == 520,
+              "LlParams offsets");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&

@@ -979,7 +979,7 @@ fn group_config(c: &CGroupConfig) -> Result<GroupConfig> {
         m => {
             return Err(Error::arg(
                 "mode",
-                "MOE_EP_MODE_HIGH_THROUGHPUT (0); the low-latency mode is not implemented yet",
+                "MOE_EP_MODE_HIGH_THROUGHPUT (0); the low-latency mode is not in the C ABI yet",
                 m,
             ))
         }

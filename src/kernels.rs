@@ -14,6 +14,7 @@ mod tests {
             "dispatch",
             "combine_pull",
             "combine_push",
+            "low_latency",
             "symm",
             "util",
         ];

@@ -43,7 +43,6 @@ fn group_config_rejects_each_bad_field_by_name() {
         c.combine_chunks = n;
         c.validate(2).unwrap();
     }
-    assert_eq!(bad(&|c| c.mode = Mode::LowLatency, 2), "mode");
     assert_eq!(bad(&|c| c.timeout = Duration::ZERO, 2), "timeout");
     let msg = {
         let mut c = ok.clone();
@@ -54,6 +53,66 @@ fn group_config_rejects_each_bad_field_by_name() {
         msg.contains("multiple of 8") && msg.contains("7170"),
         "{msg}"
     );
+}
+
+/// The low-latency mode is accepted with up to 1024 tokens per rank (any
+/// hidden a multiple of 8: fp8 needs a multiple of 128 only per call), and
+/// refuses the same bad fields as the high-throughput one; its buffers
+/// follow the documented formula.
+#[test]
+fn low_latency_config_is_accepted_and_checked() {
+    let mut ok = GroupConfig::new(256, 7168, 256);
+    ok.mode = Mode::LowLatency;
+    for world in [1, 2, 4, 8] {
+        ok.validate(world).expect("a low-latency config");
+    }
+    for (m, h) in [(1, 8), (128, 2056), (1024, 4096), (256, 7168)] {
+        let mut c = ok.clone();
+        c.max_tokens_per_rank = m;
+        c.hidden = h;
+        c.validate(8).unwrap();
+    }
+    let bad = |f: &dyn Fn(&mut GroupConfig), world: usize| {
+        let mut c = ok.clone();
+        f(&mut c);
+        arg_of(c.validate(world).unwrap_err())
+    };
+    assert_eq!(
+        bad(&|c| c.max_tokens_per_rank = 1025, 2),
+        "max_tokens_per_rank"
+    );
+    assert_eq!(
+        bad(&|c| c.max_tokens_per_rank = 0, 2),
+        "max_tokens_per_rank"
+    );
+    assert_eq!(bad(&|c| c.hidden = 7170, 2), "hidden");
+    assert_eq!(bad(&|c| c.num_experts = 255, 2), "num_experts");
+    assert_eq!(bad(&|c| c.num_sms = 0, 2), "num_sms");
+    assert_eq!(bad(&|c| c.timeout = Duration::ZERO, 2), "timeout");
+    assert_eq!(bad(&|_| {}, 9), "world");
+    let msg = {
+        let mut c = ok.clone();
+        c.max_tokens_per_rank = 4096;
+        c.validate(2).unwrap_err().to_string()
+    };
+    assert!(msg.contains("LowLatency") && msg.contains("1024"), "{msg}");
+    // High-throughput groups keep their larger bound.
+    let mut ht = ok.clone();
+    ht.mode = Mode::HighThroughput;
+    ht.max_tokens_per_rank = 4096;
+    ht.validate(2).unwrap();
+
+    // Buffer sizes: about 4 H M (E + R + 16) bytes, growing with each factor.
+    let b = moe_ep::ops::ll_buffer_bytes(&ok, 8);
+    let approx = 4 * 7168 * 256 * (256 + 8 + 16) as u64;
+    assert!(
+        b.total() >= approx && b.total() < approx + approx / 20,
+        "{b:?}"
+    );
+    assert!(b.symmetric < b.local);
+    let mut more = ok.clone();
+    more.max_tokens_per_rank = 512;
+    assert!(moe_ep::ops::ll_buffer_bytes(&more, 8).total() > b.total());
 }
 
 /// Without a driver the crate answers with an error, never a panic; with one

@@ -52,9 +52,13 @@ pub fn field_name(f: i32) -> &'static str {
         8 => "recv_src",
         9 => "expert_out",
         10 => "grad_recv_topk_weights",
+        FIELD_PAYLOAD => "payload (bf16 or fp8 rows)",
         _ => "unknown field",
     }
 }
+
+/// `MOE_EP_FIELD_PAYLOAD`: the low-latency rows' payload (bf16 or fp8).
+pub const FIELD_PAYLOAD: i32 = 11;
 
 /// Words of an op call's descriptor (`MOE_EP_DESC_WORDS`).
 pub const DESC_WORDS: usize = 7;
@@ -107,6 +111,8 @@ pub fn counter_name(c: i32) -> &'static str {
         4 => "bulk copy",
         5 => "combine pull handshake",
         6 => "op call descriptor",
+        7 => "low-latency dispatch",
+        8 => "low-latency combine",
         _ => "unknown",
     }
 }
@@ -247,6 +253,87 @@ pub struct CombineParams {
     pub desc: [u64; DESC_WORDS],
 }
 
+/// Buffer sets of a low-latency group (`MOE_EP_LL_SETS`).
+pub const LL_SETS: usize = 2;
+/// Largest `max_tokens_per_rank` of a low-latency group (`MOE_EP_LL_MAX_TOKENS`).
+pub const LL_MAX_TOKENS: usize = 1024;
+/// Values per fp8 scale (`MOE_EP_FP8_BLOCK`).
+pub const FP8_BLOCK: usize = 128;
+/// `LlParams::payload` (`MOE_EP_LL_BF16`, `MOE_EP_LL_FP8`).
+pub mod ll_payload {
+    pub const BF16: i32 = 0;
+    pub const FP8: i32 = 1;
+}
+/// `LlParams::cast` (`MOE_EP_LL_CAST_*`).
+pub mod ll_cast {
+    pub const NONE: i32 = 0;
+    pub const EXACT: i32 = 1;
+    pub const POW2: i32 = 2;
+}
+
+/// One low-latency sender block's signal to one receiver (`LlSignal`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LlSignal {
+    pub seq: u64,
+    pub bad: u64,
+    pub num_tokens: i32,
+    pub topk: i32,
+    pub payload: i32,
+    pub layout: i32,
+}
+
+/// The low-latency buffers as the kernels see them (`LlBufs` in abi.cuh):
+/// base addresses, the bytes of one set, and each region's byte offset
+/// inside a set (see `src/ops/low_latency.rs` for the sizes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LlBufs {
+    /// The symmetric buffer as mapped here, per rank.
+    pub sym: [u64; MAX_RANKS],
+    /// This rank's local buffer.
+    pub local: u64,
+    pub sym_set_bytes: u64,
+    pub local_set_bytes: u64,
+    pub sig_dispatch: u64,
+    pub sig_combine: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_src: u64,
+    pub recv_idx: u64,
+    pub recv_w: u64,
+    pub comb: u64,
+    pub em_x: u64,
+    pub em_scales: u64,
+    pub em_src: u64,
+    pub em_slot: u64,
+    pub counts: u64,
+    pub home_topk: u64,
+    pub home_w: u64,
+    pub set_seq: u64,
+    /// From the local base, after both sets.
+    pub counters: u64,
+}
+
+/// Every low-latency kernel's parameters (`LlParams`, `low_latency.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LlParams {
+    pub op: OpCommon,
+    pub b: LlBufs,
+    pub x: u64,
+    pub x_scales: u64,
+    pub topk_idx: u64,
+    pub topk_w: u64,
+    pub y: u64,
+    pub comb_w: u64,
+    pub out: u64,
+    pub set: i32,
+    pub max_tokens: i32,
+    pub payload: i32,
+    pub cast: i32,
+}
+
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InfoOffsets {
@@ -300,6 +387,9 @@ const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 576);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
+const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
+const _: () = assert!(std::mem::size_of::<LlBufs>() == 224);
+const _: () = assert!(std::mem::size_of::<LlParams>() == 536);
 
 #[cfg(test)]
 mod tests {
@@ -329,6 +419,14 @@ mod tests {
         assert_eq!(offset_of!(CombineParams, gw_peers), 344);
         assert_eq!(offset_of!(CombineParams, num_chunks), 408);
         assert_eq!(offset_of!(CombineParams, desc), 416);
+        assert_eq!(offset_of!(LlBufs, local), 64);
+        assert_eq!(offset_of!(LlBufs, sig_dispatch), 88);
+        assert_eq!(offset_of!(LlBufs, em_x), 152);
+        assert_eq!(offset_of!(LlBufs, counters), 216);
+        assert_eq!(offset_of!(LlParams, b), 240);
+        assert_eq!(offset_of!(LlParams, x), 464);
+        assert_eq!(offset_of!(LlParams, out), 512);
+        assert_eq!(offset_of!(LlParams, set), 520);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.
@@ -353,6 +451,25 @@ mod tests {
         assert_eq!(define("MOE_EP_THREADS"), THREADS.to_string());
         assert_eq!(define("MOE_EP_SUBCHUNKS"), SUBCHUNKS.to_string());
         assert_eq!(define("MOE_EP_SCAN_EXPERTS"), SCAN_EXPERTS.to_string());
+        assert_eq!(define("MOE_EP_LL_SETS"), LL_SETS.to_string());
+        assert_eq!(define("MOE_EP_LL_MAX_TOKENS"), LL_MAX_TOKENS.to_string());
+        assert_eq!(define("MOE_EP_FP8_BLOCK"), FP8_BLOCK.to_string());
+        assert_eq!(define("MOE_EP_LL_BF16"), ll_payload::BF16.to_string());
+        assert_eq!(define("MOE_EP_LL_FP8"), ll_payload::FP8.to_string());
+        assert_eq!(define("MOE_EP_LL_CAST_NONE"), ll_cast::NONE.to_string());
+        assert_eq!(define("MOE_EP_LL_CAST_EXACT"), ll_cast::EXACT.to_string());
+        assert_eq!(define("MOE_EP_LL_CAST_POW2"), ll_cast::POW2.to_string());
+        assert_eq!(define("MOE_EP_CTR_DESCRIPTOR"), "6");
+        assert_eq!(counter_name(6), "op call descriptor");
+        assert_eq!(define("MOE_EP_CTR_LL_DISPATCH"), "7");
+        assert_eq!(counter_name(7), "low-latency dispatch");
+        assert_eq!(define("MOE_EP_CTR_LL_COMBINE"), "8");
+        assert_eq!(counter_name(8), "low-latency combine");
+        assert_eq!(define("MOE_EP_FIELD_PAYLOAD"), FIELD_PAYLOAD.to_string());
+        assert_eq!(define("MOE_EP_FIELD_OP"), desc::FIELD_OP.to_string());
+        assert_eq!(define("MOE_EP_DESC_WORDS"), DESC_WORDS.to_string());
+        assert_eq!(define("MOE_EP_DESC_PUSHED"), "(1ull << 63)");
+        assert_eq!(desc::PUSHED, 1u64 << 63);
         assert_eq!(define("MOE_EP_COMBINE_SMEM"), "(128 * 1024)");
         assert_eq!(COMBINE_SMEM, 128 * 1024);
         let kinds = "enum class LayoutKind : int32_t { RankMajor = 0, ExpertMajor = 1 };";

@@ -15,6 +15,7 @@ use cudarc::driver::CudaStream;
 
 use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
 use super::layout::{exchange_smem, RecvLayout};
+use super::low_latency::{LlBuffers, LlKernels};
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, MappedHost, Module};
 use crate::symm::{SymmBuffer, SymmPool};
@@ -25,8 +26,10 @@ pub enum Mode {
     /// Training and prefill: thousands of tokens per rank, a bounded number
     /// of SMs, layout computed once per routing and reused.
     HighThroughput,
-    /// Decode: up to a fixed number of tokens, CUDA-graph capturable. Not
-    /// implemented yet: `EpGroup::new` rejects it.
+    /// Decode: at most `max_tokens_per_rank` (<= 1024) tokens per rank, no
+    /// layout pass, buffers fixed at creation, CUDA-graph capturable: the
+    /// `ll_*` ops ([`EpGroup::ll_dispatch`], [`EpGroup::ll_combine`]; sizes
+    /// in [`ll_buffer_bytes`](super::ll_buffer_bytes)).
     LowLatency,
 }
 
@@ -119,11 +122,11 @@ impl GroupConfig {
                 self.combine_chunks,
             ));
         }
-        if self.mode == Mode::LowLatency {
+        if self.mode == Mode::LowLatency && self.max_tokens_per_rank > abi::LL_MAX_TOKENS {
             return Err(Error::arg(
-                "mode",
-                "HighThroughput (LowLatency is not implemented yet)",
-                "LowLatency",
+                "max_tokens_per_rank",
+                format!("1..={} for Mode::LowLatency", abi::LL_MAX_TOKENS),
+                self.max_tokens_per_rank,
             ));
         }
         if self.timeout.is_zero() {
@@ -158,6 +161,8 @@ pub struct EpGroup {
     _ws: SymmBuffer<u8>,
     pub(crate) w: Workspace,
     pub(crate) ws_peers: [u64; MAX_RANKS],
+    /// The low-latency buffers (`Mode::LowLatency` only).
+    pub(crate) ll: Option<LlBuffers>,
     pub(crate) error: MappedHost<ErrorInfo>,
     poisoned: AtomicBool,
     pub(crate) k: Kernels,
@@ -268,10 +273,12 @@ pub(crate) struct Kernels {
     pub(crate) dispatch_bwd_pull: Function,
     pub(crate) combine_push: ByLayout,
     pub(crate) dispatch_bwd_push: ByLayout,
+    // low_latency.cu, for a group of that mode.
+    pub(crate) ll: Option<LlKernels>,
 }
 
 impl Kernels {
-    pub(crate) fn load(comm: &Communicator) -> Result<Kernels> {
+    pub(crate) fn load(comm: &Communicator, mode: Mode) -> Result<Kernels> {
         let ctx = comm.context();
         let (layout, dispatch) = (Module::get(ctx, "layout")?, Module::get(ctx, "dispatch")?);
         let (pull, push) = (
@@ -300,13 +307,17 @@ impl Kernels {
             dispatch_bwd_pull: combine(&pull, pick(DISPATCH_BWD_PULL))?,
             combine_push: ByLayout::load(COMBINE_PUSH.map(pick), |f| combine(&push, f))?,
             dispatch_bwd_push: ByLayout::load(DISPATCH_BWD_PUSH.map(pick), |f| combine(&push, f))?,
+            ll: match mode {
+                Mode::LowLatency => Some(LlKernels::load(comm)?),
+                Mode::HighThroughput => None,
+            },
         })
     }
 
     /// Every kernel with the dynamic shared memory its launches ask for.
     pub(crate) fn with_smem(&self, num_experts: usize) -> Vec<(&Function, u32)> {
         let smem = abi::COMBINE_SMEM;
-        vec![
+        let mut all = vec![
             (&self.layout_scan_i32, 0),
             (&self.layout_scan_i64, 0),
             (&self.layout_exchange, exchange_smem(num_experts)),
@@ -321,7 +332,9 @@ impl Kernels {
             (&self.combine_push.expert_major, smem),
             (&self.dispatch_bwd_push.rank_major, smem),
             (&self.dispatch_bwd_push.expert_major, smem),
-        ]
+        ];
+        all.extend(self.ll.iter().flat_map(|k| k.all().map(|f| (f, 0))));
+        all
     }
 }
 
@@ -346,7 +359,7 @@ impl EpGroup {
         // stops every rank here, before any collective allocation (a peer
         // with a larger capacity or other sizes would write past this rank's
         // buffers).
-        let k = Kernels::load(comm)?;
+        let k = Kernels::load(comm, cfg.mode)?;
         let local = cfg.validate(world).and_then(|_| {
             super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
         });
@@ -394,6 +407,12 @@ impl EpGroup {
 
         let pool = SymmPool::new(comm, 256 << 20);
         let ws: SymmBuffer<u8> = pool.alloc(total as usize)?;
+        // Low-latency buffers (collective, after the workspace on every
+        // rank: the mode is a shared field), zeroed on `stream` below.
+        let ll = match cfg.mode {
+            Mode::LowLatency => Some(LlBuffers::new(comm, &pool, &stream, &cfg)?),
+            Mode::HighThroughput => None,
+        };
         let mut ws_peers = [0u64; MAX_RANKS];
         for (rank, p) in ws_peers.iter_mut().enumerate().take(world) {
             *p = ws.peer_ptr(rank).ok_or_else(|| {
@@ -429,6 +448,7 @@ impl EpGroup {
             pool,
             recv_capacity,
             _ws: ws,
+            ll,
             w,
             ws_peers,
             error,
@@ -540,6 +560,11 @@ impl EpGroup {
         if e.code == abi::code::TIMEOUT {
             self.poisoned.store(true, Ordering::Relaxed);
         }
+        // Every rank's kernels skipped the rest of the failed batch: the
+        // low-latency sets take new batches.
+        if let Some(ll) = &self.ll {
+            ll.reset();
+        }
         Err(self.error_of(e))
     }
 
@@ -590,14 +615,18 @@ impl EpGroup {
                     e.seen as i64
                 ),
             },
-            abi::code::MISMATCH if e.counter < abi::desc::FIELD_OP => Error::arg(
-                abi::field_name(e.counter),
-                format!(
-                    "the same value on every rank in one layout (rank {} has {})",
-                    e.peer, e.seen as i64
-                ),
-                format!("{} on rank {}", e.expected as i64, self.comm.rank()),
-            ),
+            abi::code::MISMATCH
+                if e.counter < abi::desc::FIELD_OP || e.counter == abi::FIELD_PAYLOAD =>
+            {
+                Error::arg(
+                    abi::field_name(e.counter),
+                    format!(
+                        "the same value on every rank in one layout (rank {} has {})",
+                        e.peer, e.seen as i64
+                    ),
+                    format!("{} on rank {}", e.expected as i64, self.comm.rank()),
+                )
+            }
             abi::code::MISMATCH if e.counter == abi::desc::FIELD_OP => Error::arg(
                 "op",
                 format!(
@@ -703,6 +732,7 @@ fn agree(
 
 #[cfg(test)]
 mod tests {
+    use super::super::low_latency::{LL_COMBINE_RECV, LL_COMBINE_SEND, LL_RECV, LL_SEND};
     use super::*;
 
     /// Every entry point `Kernels::load` looks up is in its module's PTX
@@ -710,7 +740,7 @@ mod tests {
     #[test]
     fn every_entry_point_is_in_its_module() {
         let per_world = |n: [[&'static str; 3]; 2]| n.concat();
-        let modules: [(&str, Vec<&str>); 4] = [
+        let modules: [(&str, Vec<&str>); 5] = [
             (
                 "layout",
                 [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE, LAYOUT_META]].concat(),
@@ -720,6 +750,10 @@ mod tests {
             (
                 "combine_push",
                 [per_world(COMBINE_PUSH), per_world(DISPATCH_BWD_PUSH)].concat(),
+            ),
+            (
+                "low_latency",
+                [LL_SEND, LL_RECV, LL_COMBINE_SEND, LL_COMBINE_RECV].concat(),
             ),
         ];
         for (module, entries) in modules {

@@ -31,10 +31,15 @@ mod dispatch;
 mod group;
 mod handle;
 mod layout;
+mod low_latency;
 mod residency;
 
 pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 pub use group::{EpGroup, GroupConfig, Mode};
 pub use handle::{Handle, HostCounts};
 pub use layout::RecvLayout;
+pub use low_latency::{
+    ll_buffer_bytes, Fp8Scaling, LlBufferBytes, LlCombineSent, LlDispatchSent, LlHandle, LlInput,
+    LlLayout, LlView,
+};
 pub use residency::{residency, Residency};
