@@ -69,9 +69,12 @@ __device__ __forceinline__ RowSet row_set(const CombineParams& p, int u, bool ex
 }
 
 // Brings vectors [first, lim) of every row of a row set into L2 (bulk
-// prefetches, one per row): issued for a warp's next item while it works
-// on the current one, so that item's loads find L2, not DRAM (expert-major
-// items are several rows each).
+// prefetches, one per row). Expert-major items are several whole rows: a
+// warp keeps kPrefetchVecs vectors of each row ahead of its loads in
+// flight (the next item's first ones while it ends the current one), so
+// its loads find L2, not DRAM. (A whole next item ahead, 8 rows of 14 KB
+// per warp, overflowed L2: 23 % hits; BENCHMARKS.md.)
+constexpr int kPrefetchVecs = 256;  // 4 KiB per row
 __device__ __forceinline__ void prefetch_rows(const int4* y, const RowSet& rs, int n16, int first,
                                               int lim, int lane) {
   if (lane < rs.n && lim > first) {
@@ -317,11 +320,16 @@ __device__ void combine_push(const CombineParams& p) {
           rs_next = row_set(p, s_src_u_off[me] + pn, true, K, lane);
           have_next = true;
           const int fn = (itn % pc.n) * pc.per * 32;
-          prefetch_rows(y, rs_next, n16, fn, min(n16, fn + pc.per * 32), lane);
+          prefetch_rows(y, rs_next, n16, fn, min(min(n16, fn + pc.per * 32), fn + kPrefetchVecs),
+                        lane);
         }
       }
       const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
       for (int base = first; base < lim; base += 32 * kHome) {
+        if (expert_major) {
+          const int ahead = base + kPrefetchVecs;
+          prefetch_rows(y, rs, n16, ahead, min(lim, ahead + 32 * kHome), lane);
+        }
         int4 v[kMaxR][kHome];
         if (!expert_major && base == first && pos_next >= 0) {
           // Lane d < R: the next item's partial from rank d.
@@ -512,10 +520,17 @@ __device__ void combine_push(const CombineParams& p) {
             // The next item's rows: worked out now, prefetched into L2.
             q_next = push_item(c, it + nw, pc);
             rs_next = row_set(p, q_next.u, expert_major, K, lane);
-            if (expert_major) prefetch_rows(y, rs_next, n16, q_next.first, q_next.lim, lane);
+            if (expert_major) {
+              prefetch_rows(y, rs_next, n16, q_next.first,
+                            min(q_next.lim, q_next.first + kPrefetchVecs), lane);
+            }
           }
           int4* dst = ws.stage(q.s, parity, p.op.hidden) + (size_t)q.slot * n16;
           for (int base = q.first; base < q.lim; base += 32 * kU) {
+            if (expert_major) {
+              const int ahead = base + kPrefetchVecs;
+              prefetch_rows(y, rs, n16, ahead, min(q.lim, ahead + 32 * kU), lane);
+            }
             int4 v[kU];
             partial_chunks<kU>(y, rs, n16, q.lim, base, lane, weighted, expert_major, v);
 #pragma unroll
