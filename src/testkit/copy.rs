@@ -1,6 +1,7 @@
 //! Launchers of `kernels-cuda/util.cu`: a pattern writer and checker (the
 //! symmetric-memory tests), the SM copy loop that measures the peer-store
-//! ceiling and the bulk-copy (TMA) loop that measures the bulk-copy ceiling
+//! ceiling, the bulk-copy (TMA) loop that measures the bulk-copy ceiling and
+//! the row fan-out / fan-in loop that measures the local-copy ceilings
 //! (ep-bench). Raw device addresses: these exist to poke at peers'
 //! memory on purpose.
 
@@ -117,6 +118,59 @@ pub unsafe fn bulk_copy(
         blocks,
         COMBINE_SMEM,
     )
+}
+
+/// Moves rows on one GPU the way an op of one receive layout moves them,
+/// with `blocks` SMs of 16-byte loads and stores: the local-copy ceiling.
+/// `src` holds `src_rows` rows, `dst` holds `dst_rows` rows, each of
+/// `row_bytes` bytes (a multiple of 16; both addresses 16-byte aligned).
+///
+/// * `dst_rows >= src_rows` (fan-out, as dispatch): source row `i` is read
+///   once and stored into destination rows `i * D / S .. (i + 1) * D / S`
+///   (`D / S` of them, rounded down or up: every destination row exactly
+///   once). Without source rows every destination row is zeroed.
+/// * `src_rows > dst_rows` (fan-in, as combine): destination row `j` is
+///   stored once, the xor of source rows `j * S / D .. (j + 1) * S / D`
+///   (16-byte vectors), so every source byte is read.
+///
+/// Either way it reads `src_rows * row_bytes` and writes
+/// `dst_rows * row_bytes` bytes (with no destination row it does nothing).
+///
+/// # Safety
+/// `src` must be readable for `src_rows * row_bytes` bytes and `dst`
+/// writable for `dst_rows * row_bytes` bytes until the kernel ran; the two
+/// ranges must not overlap.
+pub unsafe fn fan_copy(
+    stream: &Arc<CudaStream>,
+    (src, src_rows): (u64, u64),
+    (dst, dst_rows): (u64, u64),
+    row_bytes: u64,
+    blocks: u32,
+) -> Result<()> {
+    if !row_bytes.is_multiple_of(16) {
+        return Err(Error::arg("row_bytes", "a multiple of 16", row_bytes));
+    }
+    for (what, at) in [("src", src), ("dst", dst)] {
+        if !at.is_multiple_of(16) {
+            return Err(Error::arg(
+                what,
+                "a 16-byte aligned address",
+                format!("{at:#x}"),
+            ));
+        }
+    }
+    let f = Module::get(stream.context(), "util")?.function("moe_ep_fan_copy_v4")?;
+    let (mut s, mut d, mut sr, mut dr, mut v) = (src, dst, src_rows, dst_rows, row_bytes / 16);
+    let mut args = [
+        &mut s as *mut _ as *mut c_void,
+        &mut d as *mut _ as *mut c_void,
+        &mut sr as *mut _ as *mut c_void,
+        &mut dr as *mut _ as *mut c_void,
+        &mut v as *mut _ as *mut c_void,
+    ];
+    // SAFETY: matches moe_ep_fan_copy_v4(const int4*, int4*, u64, u64, u64);
+    // the ranges are the caller's promise.
+    f.launch_raw(stream, blocks.max(1), THREADS, 0, &mut args)
 }
 
 /// Launches the copy kernel `name(src, dst, count)` on `blocks` blocks with

@@ -41,7 +41,7 @@ pub const PROFILE_DEFAULT_ITERS: usize = 3;
 
 /// The `--help` text above the options.
 const ABOUT: &str = "Time the moe-ep expert-parallel dispatch/combine kernels against \
-NCCL all-to-all, NCCL EP and the NVLink ceilings.\n\nOptions marked LIST take a comma list \
+NCCL all-to-all, NCCL EP, the NVLink ceilings and the local-copy ceilings.\n\nOptions marked LIST take a comma list \
 (e.g. --tokens 512,1024,4096); the cartesian product of all lists is benchmarked, \
 tokens varying fastest.";
 
@@ -60,6 +60,14 @@ its HT flat / expert-major ops run beside ours on the same routing and SMs
 (rows nccl-ep-*, column vs NCCL-EP; --check cross-checks its outputs). It
 needs NCCL >= 2.30.4 as moe-ep's own NCCL (MOE_EP_NCCL_LIBRARY), and
 NCCL_EP_HOME / NCCL_HOME for its kernel compiler; absent, one line says so.
+
+Local-copy ceilings (every layout, world 1 and virtual ranks included, same
+SMs): local-copy-dispatch reads each of this rank's token rows once and
+writes them into as many rows as the rank receives (expert-major: padding
+rows included); local-copy-combine reads those rows and writes each token row
+once (16-byte xor of its share of them). Column vs local: the ceiling's median
+time over the op's (dispatch, combine-bwd: the first; combine, combine-push,
+dispatch-bwd: the second); above 1.00x the op beats the copy.
 
 Exit status: 0 ok, 1 runtime failure (or a failed --check), 2 usage error.";
 
@@ -239,7 +247,8 @@ pub struct Opts {
     pub gpus: Option<usize>,
     /// Run N ranks (1..=8) as N threads of this process, all on GPU 0: for
     /// --check and for timing the protocol without NVLink. No NVLink is
-    /// crossed and the NVLink baselines are left out; --num-sms defaults to
+    /// crossed and the NVLink baselines are left out (the local-copy ceilings
+    /// are kept); --num-sms defaults to
     /// min(24, what fits N ranks on one GPU)
     #[arg(long, value_name = "N", value_parser = in_range(1, MAX_VIRTUAL_RANKS), conflicts_with = "gpus")]
     pub virtual_ranks: Option<usize>,
@@ -282,7 +291,8 @@ pub struct Opts {
     /// Compare with the CPU reference once before timing
     #[arg(long)]
     pub check: bool,
-    /// Skip the baselines: NCCL all-to-all, NCCL EP and the hardware ceilings
+    /// Skip the baselines: NCCL all-to-all, NCCL EP, the NVLink and the
+    /// local-copy ceilings
     #[arg(long)]
     pub no_baselines: bool,
     /// Skip NCCL EP only (libnccl_ep.so.0, measured beside ours when it loads)
@@ -695,6 +705,8 @@ mod tests {
                         "--virtual-ranks",
                         "--ranks-per-node",
                         "--num-sms",
+                        "local-copy-dispatch",
+                        "vs local",
                         "Exit status",
                     ] {
                         assert!(text.contains(opt), "help lacks {opt}:\n{text}");

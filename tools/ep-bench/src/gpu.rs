@@ -16,7 +16,10 @@
 //! the peers only), an SM copy loop storing into the peer's symmetric buffer (the
 //! peer-store ceiling), the same with the SMs' bulk-copy units (the
 //! bulk-copy ceiling) and the copy engine's peer copy. Virtual ranks cross
-//! no NVLink, so they measure none of them. NCCL EP, when its library
+//! no NVLink, so they measure none of them. The local-copy ceilings
+//! ([`local_copies`]) are measured on every rank, virtual ones and world 1
+//! included: the rows an op reads and writes, moved on the rank's own GPU
+//! with the op's SM count. NCCL EP, when its library
 //! loads, runs the same case beside ours on the same communicator, inputs
 //! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]). Rank 0 gathers every
 //! rank's statistics and returns them.
@@ -452,9 +455,9 @@ fn nccl_ep_baseline(c: &Ctx<'_>) -> R<Option<&'static nccl_ep::Lib>> {
     }
 }
 
-/// One case on one rank: our ops (and, on NCCL ranks, the baselines), all
-/// ranks' statistics gathered, the `--check` outcome when asked for, and
-/// that of NCCL EP's cross-check.
+/// One case on one rank: our ops, their local-copy ceilings (and, on NCCL
+/// ranks, the NVLink baselines), all ranks' statistics gathered, the
+/// `--check` outcome when asked for, and that of NCCL EP's cross-check.
 fn run_case(
     c: &Ctx<'_>,
     case: &Case,
@@ -477,14 +480,13 @@ fn run_case(
         .collect::<Result<_, _>>()
         .map_err(s)?;
     let counts = refr::gather_counts(&shape, &layouts);
-    let cap = (0..world)
-        .map(|d| match layout {
-            RecvLayout::RankMajor => counts.rank_major_rows(d),
-            RecvLayout::ExpertMajor { alignment } => counts.expert_major_rows(d, alignment),
-        })
-        .max()
-        .unwrap_or(1)
-        .max(1);
+    // Rows rank d receives in the layout (expert-major: padding rows
+    // included), as the handle's `host_counts().recv_rows` says on rank d.
+    let rows_on = |d: usize| match layout {
+        RecvLayout::RankMajor => counts.rank_major_rows(d),
+        RecvLayout::ExpertMajor { alignment } => counts.expert_major_rows(d, alignment),
+    };
+    let cap = (0..world).map(rows_on).max().unwrap_or(1).max(1);
     let mut cfg = GroupConfig::new(case.experts, case.hidden, case.tokens.max(1));
     cfg.recv_capacity = cap;
     cfg.num_sms = case.num_sms;
@@ -625,6 +627,18 @@ fn run_case(
         mine.push((op.name().to_string(), samples, b.nvlink, b.logical));
     }
     group.check().map_err(s)?;
+
+    // The local-copy ceilings, on virtual ranks too: nothing crosses NVLink.
+    if !opts.no_baselines {
+        mine.extend(local_copies(
+            c,
+            (DeviceRegion::device_ptr(&x), DeviceRegion::device_ptr(&out)),
+            (t, rows_on(rank)),
+            h * eb,
+            traffic.logical(rank),
+            case.num_sms,
+        )?);
+    }
 
     // Virtual ranks share one GPU: no NVLink to measure.
     if !opts.no_baselines && world > 1 && !c.comm.is_virtual() {
@@ -984,6 +998,65 @@ fn baselines(
         (report::BULK_LOAD_CEILING.to_string(), bulk_load, len, len),
         (report::COPY_ENGINE.to_string(), ce, len, len),
     ])
+}
+
+/// The local-copy ceilings of the ops in `--ops` ([`report::local_copy_row`]),
+/// each once, with `sms` blocks: `local-copy-dispatch` fans this rank's
+/// `tokens` rows (`x`) out into its `recv_rows` received rows (expert-major:
+/// padding included), `local-copy-combine` folds those rows into `tokens`
+/// rows (`out`); rows of `row` bytes ([`moe_ep::testkit::copy::fan_copy`]:
+/// every source row read once, every destination row written once). The
+/// received rows live in a buffer of this rank's own, filled with a pattern:
+/// the op's receive buffer is the peers' to read while they finish their
+/// last runs. The rows carry no NVLink bytes (none cross) and the op's
+/// `logical` bytes, so their logical GB/s is the op's at the ceiling's time.
+fn local_copies(
+    c: &Ctx<'_>,
+    (x, out): (u64, u64),
+    (tokens, recv_rows): (usize, usize),
+    row: usize,
+    logical: u64,
+    sms: usize,
+) -> R<Vec<Measured>> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for &op in &c.opts.ops {
+        if let Some(name) = report::local_copy_row(op) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let received = c
+        .stream
+        .alloc_zeros::<u8>((recv_rows * row).max(16))
+        .map_err(s)?;
+    let at = DeviceRegion::device_ptr(&received);
+    // Real bytes, as the NVLink baselines move (all-zero lines could be
+    // cheaper to move).
+    // SAFETY: received holds at least recv_rows * row bytes, a multiple of 4.
+    unsafe {
+        moe_ep::testkit::copy::fill_pattern(&c.stream, at, (recv_rows * row / 4) as u64, 11)
+            .map_err(s)?;
+    }
+    let (t, d) = (tokens as u64, recv_rows as u64);
+    let mut rows = Vec::new();
+    for name in names {
+        let (src, dst) = if name == report::LOCAL_COPY_DISPATCH {
+            ((x, t), (at, d))
+        } else {
+            ((at, d), (out, t))
+        };
+        // SAFETY: x and out hold `tokens` rows, received `recv_rows`; the
+        // three do not overlap.
+        let samples = c.time(name, || unsafe {
+            moe_ep::testkit::copy::fan_copy(&c.stream, src, dst, row as u64, sms as u32).map_err(s)
+        })?;
+        rows.push((name.to_string(), samples, 0, logical));
+    }
+    Ok(rows)
 }
 
 /// All ranks' statistics of every op, gathered in rank order.

@@ -2,14 +2,16 @@
 //! dispatch/combine kernels, compared against NCCL all-to-all, NCCL EP
 //! (NVIDIA's expert-parallel library, when `libnccl_ep.so.0` loads:
 //! [`nccl_ep`]) and hardware ceilings (peer stores and loads, bulk copies,
-//! the copy engine).
+//! the copy engine over NVLink; on the rank's own GPU, the local copies of
+//! the rows each op reads and writes, column `vs local`).
 //!
 //! Without a launcher, `ep-bench` re-executes itself once per GPU (rank `r`
 //! uses device `r`); under torchrun, Open MPI or Slurm every process is one
 //! rank ([`launch`]). `--virtual-ranks N` runs N ranks as threads of this
 //! process on GPU 0 instead: the same kernels and protocol, no NVLink
-//! crossed, no baselines. Rank 0 prints a table (slowest rank per row) and
-//! writes the requested JSON / CSV / SVG files ([`report`], [`plot`]).
+//! crossed, no NVLink baselines (the local-copy ceilings are kept). Rank 0
+//! prints a table (slowest rank per row) and writes the requested JSON /
+//! CSV / SVG files ([`report`], [`plot`]).
 //! Run `ep-bench --help` for all options ([`cli`]).
 //!
 //! # Examples

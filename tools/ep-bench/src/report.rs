@@ -11,8 +11,12 @@
 //! `peer-store-ceiling` NVLink GB/s. `vs NCCL-EP` = the median time of
 //! NCCL EP's row for the same op ([`nccl_ep_row`]) over ours:
 //! a time ratio, since both move the same rows (at world 1 none crosses
-//! NVLink), above 1.00x faster. Virtual ranks have no baselines, so no
-//! ratios; every record of theirs says `ranks: virtual`.
+//! NVLink), above 1.00x faster. `vs local` = the median time of the
+//! local-copy ceiling that bounds the op ([`local_copy_row`]: the same rows
+//! read and written on one GPU with the same SM count) over ours, also a
+//! time ratio (above 1.00x: faster than that copy). Virtual ranks have no
+//! NVLink baselines, so of the ratios only `vs local`; every record of
+//! theirs says `ranks: virtual`.
 
 use std::io::IsTerminal;
 
@@ -40,6 +44,14 @@ pub const BULK_LOAD_CEILING: &str = "bulk-load-ceiling";
 pub const BULK_COPY_CEILING: &str = "bulk-copy-ceiling";
 /// Op name of the copy-engine (`cudaMemcpyPeerAsync`-style) baseline.
 pub const COPY_ENGINE: &str = "copy-engine";
+/// Op name of the local-copy ceiling of dispatch (and combine-bwd): this
+/// rank's token rows fanned out on its own GPU into as many rows as it
+/// receives (expert-major: padding rows included), same SM count.
+pub const LOCAL_COPY_DISPATCH: &str = "local-copy-dispatch";
+/// Op name of the local-copy ceiling of combine (combine-push,
+/// dispatch-bwd): the received rows (padding included) folded on this GPU
+/// into its token rows, same SM count.
+pub const LOCAL_COPY_COMBINE: &str = "local-copy-combine";
 /// Prefix of NCCL EP's rows.
 pub const NCCL_EP_PREFIX: &str = "nccl-ep-";
 /// NCCL EP's `ncclEpUpdateHandle` (its layout).
@@ -61,6 +73,17 @@ pub fn nccl_ep_row(op: Op) -> &'static str {
         Op::Combine | Op::CombinePush => NCCL_EP_COMBINE,
         Op::DispatchBwd => NCCL_EP_DISPATCH_BWD,
         Op::CombineBwd => NCCL_EP_COMBINE_BWD,
+    }
+}
+
+/// The local-copy ceiling that one of our ops is compared with (`vs
+/// local`): ops that fan rows out like dispatch, or in like combine; none
+/// for the layout (it moves no rows).
+pub fn local_copy_row(op: Op) -> Option<&'static str> {
+    match op {
+        Op::Layout => None,
+        Op::Dispatch | Op::CombineBwd => Some(LOCAL_COPY_DISPATCH),
+        Op::Combine | Op::CombinePush | Op::DispatchBwd => Some(LOCAL_COPY_COMBINE),
     }
 }
 
@@ -214,13 +237,30 @@ impl CaseResult {
         (op.is_ours() && ours > 0.0 && base > 0.0).then(|| ours / base)
     }
 
+    /// `baseline`'s median time over `op`'s, when both are known.
+    fn time_ratio(&self, op: &OpResult, baseline: &str) -> Option<f64> {
+        let base = self.op(baseline)?.stat().median_us;
+        let mine = op.stat().median_us;
+        (base.is_finite() && mine.is_finite() && base > 0.0 && mine > 0.0).then(|| base / mine)
+    }
+
     /// NCCL EP's median time for the op over ours (`vs NCCL-EP`), when
     /// both ran and `op` is ours.
     pub fn vs_nccl_ep(&self, op: &OpResult) -> Option<f64> {
-        let ours = Op::from_name(&op.op)?;
-        let base = self.op(nccl_ep_row(ours))?.stat().median_us;
-        let mine = op.stat().median_us;
-        (base.is_finite() && mine.is_finite() && base > 0.0 && mine > 0.0).then(|| base / mine)
+        self.time_ratio(op, nccl_ep_row(Op::from_name(&op.op)?))
+    }
+
+    /// The median time of the op's local-copy ceiling over ours (`vs
+    /// local`), when both ran and `op` is one of ours that moves rows.
+    pub fn vs_local(&self, op: &OpResult) -> Option<f64> {
+        self.time_ratio(op, local_copy_row(Op::from_name(&op.op)?)?)
+    }
+
+    /// Whether a local-copy ceiling row is in this result.
+    pub fn has_local_copy(&self) -> bool {
+        self.ops
+            .iter()
+            .any(|o| o.op == LOCAL_COPY_DISPATCH || o.op == LOCAL_COPY_COMBINE)
     }
 
     /// Whether NCCL EP's rows are in this result.
@@ -332,8 +372,9 @@ fn render_columns(header: &[String], right: &[bool], rows: &[Vec<String>]) -> St
 /// (ranks, GPU name, fixed settings), then one row per (case, op) with the
 /// case columns that vary in the sweep, op, median/min/max µs (slowest
 /// rank), NVLink GB/s, logical GB/s, vs NCCL, vs peers, vs ceiling (not for
-/// virtual ranks, which have no baselines), vs NCCL-EP (when NCCL EP ran)
-/// and `check` when `--check` ran (NCCL EP's rows: its cross-check).
+/// virtual ranks, which have no NVLink baselines), vs NCCL-EP (when NCCL EP
+/// ran), vs local (when a local-copy ceiling ran) and `check` when
+/// `--check` ran (NCCL EP's rows: its cross-check).
 pub fn table(results: &[CaseResult]) -> String {
     let Some(first) = results.first() else {
         return "ep-bench: no results\n".to_string();
@@ -367,10 +408,11 @@ pub fn table(results: &[CaseResult]) -> String {
         .iter()
         .any(|r| r.check.is_some() || r.nccl_ep_check.is_some());
     let with_ep = results.iter().any(CaseResult::has_nccl_ep);
+    let with_local = results.iter().any(CaseResult::has_local_copy);
     let mut header: Vec<String> = varying.iter().map(|&i| CASE_FIELDS[i].into()).collect();
     // Every case column is a number but the layout.
     let mut right: Vec<bool> = varying.iter().map(|&i| i != 4).collect();
-    // Virtual ranks have no baselines: no ratio columns.
+    // Virtual ranks have no NVLink baselines: none of their ratio columns.
     let ratios: &[&str] = match first.ranks {
         Ranks::Nccl => &[NCCL_ALLTOALL, NCCL_PEERS, PEER_STORE_CEILING],
         Ranks::Virtual => &[],
@@ -389,6 +431,7 @@ pub fn table(results: &[CaseResult]) -> String {
     let columns = columns[..6 + ratios.len()]
         .iter()
         .chain(with_ep.then_some(&"vs NCCL-EP"))
+        .chain(with_local.then_some(&"vs local"))
         .chain(with_check.then_some(&"check"));
     for h in columns {
         header.push(h.to_string());
@@ -422,12 +465,15 @@ pub fn table(results: &[CaseResult]) -> String {
                 bw(op.row_logical_bytes(), op.logical_gbps()),
             ]);
             row.extend(ratios.iter().map(|b| ratio(b)));
+            let times = |r: Option<f64>| {
+                r.filter(|r| r.is_finite())
+                    .map_or("-".into(), |r| format!("{r:.2}x"))
+            };
             if with_ep {
-                row.push(
-                    res.vs_nccl_ep(op)
-                        .filter(|r| r.is_finite())
-                        .map_or("-".into(), |r| format!("{r:.2}x")),
-                );
+                row.push(times(res.vs_nccl_ep(op)));
+            }
+            if with_local {
+                row.push(times(res.vs_local(op)));
             }
             if with_check {
                 row.push(check_word(res.check_of(op), "ok", "FAILED", "-").into());
@@ -506,6 +552,7 @@ struct OpRecord<'a> {
     vs_nccl_peers: Option<f64>,
     vs_ceiling: Option<f64>,
     vs_nccl_ep: Option<f64>,
+    vs_local: Option<f64>,
 }
 
 impl<'a> OpRecord<'a> {
@@ -527,6 +574,7 @@ impl<'a> OpRecord<'a> {
             vs_nccl_peers: res.ratio(op, NCCL_PEERS),
             vs_ceiling: res.ratio(op, PEER_STORE_CEILING),
             vs_nccl_ep: res.vs_nccl_ep(op),
+            vs_local: res.vs_local(op),
         }
     }
 }
@@ -537,7 +585,7 @@ impl<'a> OpRecord<'a> {
 /// "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
 /// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "logical_bytes",
 /// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
-/// "vs_nccl_ep", "per_rank": [{"rank", "median_us", "min_us", "max_us",
+/// "vs_nccl_ep", "vs_local", "per_rank": [{"rank", "median_us", "min_us", "max_us",
 /// "nvlink_bytes", "logical_bytes"}]}], "nccl_ep_check"}]}`. Times in µs,
 /// bytes in B, bandwidths in GB/s; unknown values are `null`; `ranks` is
 /// `"nccl"` or `"virtual"`.
@@ -609,7 +657,7 @@ pub fn json(results: &[CaseResult]) -> String {
 /// layout, num_sms, mode, dtype, routing, world, gpu_name, op, baseline,
 /// median_us, min_us, max_us, slowest_rank, nvlink_bytes, logical_bytes,
 /// nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling,
-/// vs_nccl_ep, check, per_rank_median_us, ranks`. Times in µs, bytes in B,
+/// vs_nccl_ep, vs_local, check, per_rank_median_us, ranks`. Times in µs, bytes in B,
 /// GB/s; unknown values are empty; `check` is `ok` / `failed` / empty (the
 /// row's: NCCL EP's rows give the cross-check); `per_rank_median_us` is
 /// `rank0;rank1;...`; `ranks` is `nccl` or `virtual`.
@@ -881,7 +929,7 @@ pub(crate) mod tests {
             header.join(","),
             "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,world,gpu_name,op,\
              baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,logical_bytes,\
-             nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,vs_nccl_ep,check,\
+             nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,vs_nccl_ep,vs_local,check,\
              per_rank_median_us,ranks"
         );
         let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
@@ -996,5 +1044,93 @@ pub(crate) mod tests {
         assert_eq!(&rows[5][at("check")], "failed");
         // Without NCCL EP rows the table has no such column.
         assert!(!table(&[sample(1024, 7168, None)]).contains("NCCL-EP"));
+    }
+
+    #[test]
+    fn local_copy_rows_and_ratios() {
+        assert_eq!(local_copy_row(Op::Layout), None);
+        for (op, row) in [
+            (Op::Dispatch, LOCAL_COPY_DISPATCH),
+            (Op::CombineBwd, LOCAL_COPY_DISPATCH),
+            (Op::Combine, LOCAL_COPY_COMBINE),
+            (Op::CombinePush, LOCAL_COPY_COMBINE),
+            (Op::DispatchBwd, LOCAL_COPY_COMBINE),
+        ] {
+            assert_eq!(local_copy_row(op), Some(row), "{op:?}");
+        }
+        // Expert-major on virtual ranks: dispatch 100 µs (slowest rank) against
+        // a 40 µs copy (0.40x), combine 95 against 190 (2.00x); the ceilings
+        // cross no NVLink (0 B) but carry the op's logical bytes.
+        let mut r = virtual_sample(1024);
+        r.case.layout = RecvLayout::ExpertMajor { alignment: 128 };
+        let mut local = |name: &str, medians: &[f64]| {
+            let mut o = op(name, medians, &[0, 0]);
+            o.logical_bytes = vec![3_000_000, 3_000_000];
+            r.ops.push(o);
+        };
+        local(LOCAL_COPY_DISPATCH, &[30.0, 40.0]);
+        local(LOCAL_COPY_COMBINE, &[190.0, 180.0]);
+        let d = r.op("dispatch").unwrap();
+        assert!((r.vs_local(d).unwrap() - 0.4).abs() < 1e-9);
+        assert!((r.vs_local(r.op("combine").unwrap()).unwrap() - 2.0).abs() < 1e-9);
+        assert_eq!(r.vs_local(r.op("layout").unwrap()), None);
+        assert_eq!(r.vs_local(r.op(LOCAL_COPY_DISPATCH).unwrap()), None);
+        // No NVLink ratio of a ceiling that crosses no NVLink, nor against it.
+        assert_eq!(r.ratio(d, LOCAL_COPY_DISPATCH), None);
+        assert!(r.has_local_copy() && !sample(1024, 7168, None).has_local_copy());
+        let t = table(std::slice::from_ref(&r));
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[2].ends_with("logical GB/s  vs local  check"),
+            "{}",
+            lines[2]
+        );
+        let row = |name: &str| {
+            *lines
+                .iter()
+                .find(|l| l.split_whitespace().next() == Some(name))
+                .unwrap()
+        };
+        assert!(row("dispatch").ends_with("0.40x  ok"), "{t}");
+        assert!(row("combine").ends_with("2.00x  ok"), "{t}");
+        assert!(row("layout").ends_with("-  ok"), "{t}");
+        // The ceiling's own row: no NVLink GB/s, logical 3e6 B / 40 µs = 75 GB/s.
+        let ld: Vec<&str> = row(LOCAL_COPY_DISPATCH).split_whitespace().collect();
+        assert_eq!(ld[1..], ["40.00", "36.00", "48.00", "-", "75.0", "-", "ok"]);
+        let doc: serde_json::Value = serde_json::from_str(&json(&[r.clone()])).unwrap();
+        let ops = doc["results"][0]["ops"].as_array().unwrap();
+        assert_eq!(ops[1]["vs_local"], 0.4);
+        assert_eq!(ops[2]["vs_local"], 2.0);
+        assert!(ops[0]["vs_local"].is_null() && ops[3]["vs_local"].is_null());
+        assert_eq!(ops[3]["op"], LOCAL_COPY_DISPATCH);
+        assert_eq!(ops[3]["baseline"], true);
+        let text = csv(&[r]);
+        let mut rd = csv::Reader::from_reader(text.as_bytes());
+        let h: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        let at = |n: &str| h.iter().position(|x| x == n).unwrap();
+        let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+        assert_eq!(rows.len(), 5);
+        assert_eq!(&rows[1][at("vs_local")], "0.4");
+        assert_eq!(rows[2][at("vs_local")].parse::<f64>().unwrap(), 2.0);
+        assert_eq!(&rows[4][at("vs_local")], "");
+        assert_eq!(&rows[4][at("op")], LOCAL_COPY_COMBINE);
+        // Beside the NVLink ratios of real ranks: the column after vs ceiling.
+        let mut n = sample(1024, 7168, None);
+        n.ops.push(op(LOCAL_COPY_DISPATCH, &[50.0, 50.0], &[0, 0]));
+        let t = table(&[n]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[1].ends_with("vs ceiling  vs local"), "{}", lines[1]);
+        let cells: Vec<&str> = row_of(&lines, "dispatch").split_whitespace().collect();
+        assert_eq!(cells[cells.len() - 2..], ["0.50x", "0.50x"], "{t}");
+        // Without local-copy rows the table has no such column.
+        assert!(!table(&[sample(1024, 7168, None)]).contains("vs local"));
+    }
+
+    /// The table line of op `name`.
+    fn row_of<'a>(lines: &[&'a str], name: &str) -> &'a str {
+        lines
+            .iter()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap()
     }
 }

@@ -1,11 +1,17 @@
 //! GPU test of the profiler (feature `multi-gpu`): a short sweep with
 //! `--check` that must exit 0. On >= 2 GPUs the tool starts its own ranks
 //! (`--gpus 2`) and the table has the baselines; on one GPU it runs 2, 4 and
-//! 8 virtual ranks, whose table, JSON and CSV must say so.
+//! 8 virtual ranks, whose table, JSON and CSV must say so. On any GPU: the
+//! local-copy ceilings' kernel moves the right rows, and an expert-major run
+//! on virtual ranks reports its ops against those ceilings (`vs local`).
 #![cfg(feature = "multi-gpu")]
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+
+use moe_ep::ops::DeviceRegion;
+use moe_ep::testkit::copy::fan_copy;
 
 /// The sweep both tests run (64 experts split over 2, 4 and 8 ranks).
 const SWEEP: [&str; 12] = [
@@ -55,6 +61,14 @@ fn gpus(test: &str) -> usize {
     }
 }
 
+/// Held by each test while it uses the GPUs: the tests of this binary run
+/// on threads of their own, and two ep-bench runs on one GPU at once would
+/// time (and wait for) each other.
+fn gpu_turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs ep-bench with `args`; asserts it exits 0; returns stdout and stderr.
 fn run(args: &[&str]) -> (String, String) {
     let out = Command::new(bench_bin())
@@ -93,6 +107,7 @@ fn assert_checked_rows(stdout: &str, ops: usize) {
 
 #[test]
 fn short_sweep_with_check_on_two_gpus() {
+    let _turn = gpu_turn();
     let found = gpus("short_sweep_with_check_on_two_gpus");
     if found < 2 {
         eprintln!("SKIP: short_sweep_with_check_on_two_gpus: needs 2 GPUs, found {found}");
@@ -106,7 +121,10 @@ fn short_sweep_with_check_on_two_gpus() {
         "nccl-peers",
         "peer-store-ceiling",
         "copy-engine",
+        "local-copy-dispatch",
+        "local-copy-combine",
         "vs NCCL",
+        "vs local",
     ] {
         assert!(stdout.contains(needle), "table lacks `{needle}`:\n{stdout}");
     }
@@ -115,6 +133,7 @@ fn short_sweep_with_check_on_two_gpus() {
 
 #[test]
 fn virtual_ranks_with_check_on_one_gpu() {
+    let _turn = gpu_turn();
     let found = gpus("virtual_ranks_with_check_on_one_gpu");
     if found != 1 {
         eprintln!(
@@ -155,7 +174,17 @@ fn virtual_ranks_with_check_on_one_gpu() {
                 .iter()
                 .map(|o| o["op"].as_str().unwrap())
                 .collect();
-            assert_eq!(ops, ["layout", "dispatch", "combine"], "{r}");
+            assert_eq!(
+                ops,
+                [
+                    "layout",
+                    "dispatch",
+                    "combine",
+                    "local-copy-dispatch",
+                    "local-copy-combine"
+                ],
+                "{r}"
+            );
             reduced_sms |= r["case"]["num_sms"].as_u64().unwrap() < 24;
         }
         if reduced_sms {
@@ -166,7 +195,7 @@ fn virtual_ranks_with_check_on_one_gpu() {
         let header = rd.headers().unwrap().clone();
         let col = |name: &str| header.iter().position(|h| h == name).unwrap();
         let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
-        assert_eq!(rows.len(), 2 * 3);
+        assert_eq!(rows.len(), 2 * 5);
         for row in &rows {
             assert_eq!(
                 (&row[col("ranks")], &row[col("check")]),
@@ -176,4 +205,218 @@ fn virtual_ranks_with_check_on_one_gpu() {
         }
         let _ = (std::fs::remove_file(&json), std::fs::remove_file(&csv));
     }
+}
+
+/// `fan_copy`'s rows on GPU 0 against the CPU: fan-out stores source row i
+/// into rows i * D / S .. (i + 1) * D / S, fan-in stores the xor of its
+/// source rows j * S / D .. (j + 1) * S / D; every destination row once.
+/// Rows of 3 and of 300 vectors (more than one pass of a warp's loads),
+/// row counts above the grid's 32 warps, odd fan-ins, no source rows.
+#[test]
+fn fan_copy_moves_every_row_once() {
+    let _turn = gpu_turn();
+    if gpus("fan_copy_moves_every_row_once") == 0 {
+        return;
+    }
+    let ctx = moe_ep::context(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let word = |i: usize| (i as u32).wrapping_mul(0x9E37_79B9) ^ 0x5bd1_e995;
+    for (src_rows, dst_rows, vecs) in [
+        (3usize, 7usize, 3usize),
+        (7, 3, 3),
+        (5, 5, 3),
+        (40, 100, 3),
+        (100, 40, 3),
+        (5, 23, 300),
+        (23, 5, 300),
+        (9, 2, 300),
+        (0, 4, 3),
+    ] {
+        let w = vecs * 4; // u32 per row
+        let src: Vec<u32> = (0..src_rows * w).map(word).collect();
+        let mut want = vec![0u32; dst_rows * w];
+        let mut hits = vec![0usize; dst_rows];
+        if dst_rows >= src_rows {
+            for i in 0..src_rows {
+                for j in i * dst_rows / src_rows..(i + 1) * dst_rows / src_rows {
+                    want[j * w..(j + 1) * w].copy_from_slice(&src[i * w..(i + 1) * w]);
+                    hits[j] += 1;
+                }
+            }
+            if src_rows == 0 {
+                hits.fill(1);
+            }
+        } else {
+            for (j, hit) in hits.iter_mut().enumerate() {
+                for i in j * src_rows / dst_rows..(j + 1) * src_rows / dst_rows {
+                    for x in 0..w {
+                        want[j * w + x] ^= src[i * w + x];
+                    }
+                }
+                *hit = 1;
+            }
+        }
+        assert!(
+            hits.iter().all(|&h| h == 1),
+            "{src_rows} -> {dst_rows}: {hits:?}"
+        );
+        let d_src = stream.clone_htod(&[&src[..], &[0]].concat()).unwrap();
+        let d_dst = stream
+            .clone_htod(&vec![0xDEAD_BEEFu32; dst_rows * w + 1])
+            .unwrap();
+        // SAFETY: both buffers hold their rows (plus one word) until the copy ran.
+        unsafe {
+            fan_copy(
+                &stream,
+                (d_src.device_ptr(), src_rows as u64),
+                (d_dst.device_ptr(), dst_rows as u64),
+                vecs as u64 * 16,
+                2,
+            )
+            .unwrap();
+        }
+        stream.synchronize().unwrap();
+        let got = stream.clone_dtoh(&d_dst).unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(
+            got[..dst_rows * w],
+            want[..],
+            "{src_rows} -> {dst_rows} rows of {vecs} vectors"
+        );
+        assert_eq!(
+            got[dst_rows * w],
+            0xDEAD_BEEF,
+            "{src_rows} -> {dst_rows}: wrote past the end"
+        );
+    }
+    // Rows that are not whole 16-byte vectors are refused.
+    let buf = stream.alloc_zeros::<u32>(16).unwrap();
+    // SAFETY: refused before any launch.
+    let e = unsafe {
+        fan_copy(
+            &stream,
+            (buf.device_ptr(), 1),
+            (buf.device_ptr() + 32, 1),
+            24,
+            1,
+        )
+    };
+    assert!(e.is_err());
+}
+
+/// An expert-major run on 2 virtual ranks: the two local-copy ceilings are
+/// rows of their own, and the table, JSON and CSV give every op that moves
+/// rows (dispatch, combine, combine-bwd) a `vs local` ratio, the layout none.
+#[test]
+fn expert_major_against_local_copy() {
+    let _turn = gpu_turn();
+    if gpus("expert_major_against_local_copy") == 0 {
+        return;
+    }
+    let tmp = std::env::temp_dir().join(format!("ep-bench-local-{}", std::process::id()));
+    let (json, csv) = (tmp.with_extension("json"), tmp.with_extension("csv"));
+    let (json_s, csv_s) = (json.to_str().unwrap(), csv.to_str().unwrap());
+    let (stdout, _) = run(&[
+        "--virtual-ranks",
+        "2",
+        "--tokens",
+        "256",
+        "--hidden",
+        "2048",
+        "--experts",
+        "64",
+        "--layout",
+        "expert:16",
+        "--ops",
+        "layout,dispatch,combine,combine-bwd",
+        "--num-sms",
+        "8",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--check",
+        "--quiet",
+        "--json",
+        json_s,
+        "--csv",
+        csv_s,
+    ]);
+    let header = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("op "))
+        .unwrap_or_else(|| panic!("no header:\n{stdout}"));
+    assert!(header.trim_end().ends_with("vs local  check"), "{stdout}");
+    let row = |name: &str| {
+        stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no `{name}` row:\n{stdout}"))
+    };
+    for op in ["dispatch", "combine", "combine-bwd"] {
+        let cells: Vec<&str> = row(op).split_whitespace().collect();
+        let ratio = cells[cells.len() - 2];
+        assert!(
+            ratio.ends_with('x') && ratio.trim_end_matches('x').parse::<f64>().unwrap() > 0.0,
+            "{op}: no vs local:\n{stdout}"
+        );
+        assert_eq!(cells[cells.len() - 1], "ok", "{stdout}");
+    }
+    for name in ["layout", "local-copy-dispatch", "local-copy-combine"] {
+        let cells: Vec<&str> = row(name).split_whitespace().collect();
+        assert_eq!(cells[cells.len() - 2], "-", "{name}:\n{stdout}");
+    }
+
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("--json writes JSON");
+    let r = &doc["results"][0];
+    assert_eq!(
+        (r["ranks"].as_str(), r["check"].as_bool()),
+        (Some("virtual"), Some(true)),
+        "{r}"
+    );
+    assert_eq!(r["case"]["layout"], "expert:16", "{r}");
+    assert_eq!(r["case"]["num_sms"], 8, "{r}");
+    let ops = r["ops"].as_array().unwrap();
+    let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "layout",
+            "dispatch",
+            "combine",
+            "combine-bwd",
+            "local-copy-dispatch",
+            "local-copy-combine"
+        ],
+        "{r}"
+    );
+    for o in ops {
+        let moves_rows = matches!(
+            o["op"].as_str(),
+            Some("dispatch" | "combine" | "combine-bwd")
+        );
+        let v = o["vs_local"].as_f64();
+        assert_eq!(v.is_some_and(|v| v > 0.0), moves_rows, "{o}");
+        if o["op"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("local-copy-"))
+        {
+            assert_eq!(o["baseline"], true, "{o}");
+            assert!(o["median_us"].as_f64().is_some_and(|m| m > 0.0), "{o}");
+            assert_eq!(o["nvlink_bytes"], 0, "{o}");
+            assert!(o["logical_bytes"].as_u64().is_some_and(|b| b > 0), "{o}");
+        }
+    }
+
+    let mut rd = csv::Reader::from_path(&csv).expect("--csv writes CSV");
+    let header = rd.headers().unwrap().clone();
+    let col = header.iter().position(|h| h == "vs_local").unwrap();
+    let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+    assert_eq!(rows.len(), 6);
+    for (row, name) in rows.iter().zip(&names) {
+        let moves_rows = matches!(*name, "dispatch" | "combine" | "combine-bwd");
+        assert_eq!(row[col].parse::<f64>().is_ok(), moves_rows, "{row:?}");
+    }
+    let _ = (std::fs::remove_file(&json), std::fs::remove_file(&csv));
 }
