@@ -108,7 +108,8 @@ struct LayoutBufs {
   int32_t* expert_pos;    // [T][K] position of (t,k) in the (me -> expert) stream, -1 masked
   int32_t* info;          // [InfoOffsets::total] see info_offsets() below
   int32_t* meta;          // expert-major, symmetric: [R * max_tokens][K] on me: for received
-                          // token u, the row of its slot k's expert here, or -1
+                          // token u, the row of its slot k's expert here, or -1 (written
+                          // by the senders' dispatch or combine backward)
 };
 
 // One row of the count matrix, as rank s sends it: [E] tokens per expert,
@@ -201,11 +202,10 @@ struct OpCommon {
   int32_t num_blocks;           // grid of the data kernels (dispatch, combine), the same on every rank
 };
 
-// layout: moe_ep_layout_scan_{i32,i64}, _exchange, _meta (layout.cu).
+// layout: moe_ep_layout_scan_{i32,i64}, _exchange (layout.cu).
 struct LayoutParams {
   OpCommon op;
   const void* topk_idx;    // [T][K] int32 (scan_i32) or int64 (scan_i64)
-  int32_t* meta[MOE_EP_MAX_RANKS];  // every rank's LayoutBufs::meta as mapped here
 };
 
 // dispatch, and combine backward, which is a dispatch of the gradient
@@ -224,6 +224,10 @@ struct DispatchParams {
   // whose descriptor equals theirs (the addresses above assume the same
   // place on every rank); every rank compares all of them after the wait.
   uint64_t desc[MOE_EP_DESC_WORDS];
+  // Expert-major: every rank's LayoutBufs::meta as mapped here; senders
+  // write, per token they send, the rows of its experts there (read by the
+  // receiver's extra copies and by combine). Null for rank-major.
+  int32_t* meta[MOE_EP_MAX_RANKS];
 };
 
 // combine, and dispatch backward, which is a combine of the gradient
@@ -333,8 +337,8 @@ static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
 static_assert(sizeof(OpCommon) == 240, "OpCommon");
-static_assert(sizeof(LayoutParams) == 312, "LayoutParams");
-static_assert(sizeof(DispatchParams) == 576, "DispatchParams");
+static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
+static_assert(sizeof(DispatchParams) == 640, "DispatchParams");
 static_assert(sizeof(CombineParams) == 472, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 224, "LlBufs");
@@ -351,11 +355,12 @@ static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, rank) == 200 && offsetof(OpCommon, layout) == 224 &&
                   offsetof(OpCommon, num_blocks) == 236,
               "OpCommon offsets");
-static_assert(offsetof(LayoutParams, topk_idx) == 240 && offsetof(LayoutParams, meta) == 248,
+static_assert(offsetof(LayoutParams, topk_idx) == 240,
               "LayoutParams offsets");
 static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, scale_w) == 256 &&
                   offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456 &&
-                  offsetof(DispatchParams, desc) == 520,
+                  offsetof(DispatchParams, desc) == 520 &&
+                  offsetof(DispatchParams, meta) == 576,
               "DispatchParams offsets");
 static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
                   offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&

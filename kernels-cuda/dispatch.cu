@@ -16,7 +16,8 @@
 // rank the sender writes every row). The warp's next item is claimed, its
 // routing loaded and its row fetched into L2 while the current one moves.
 // Then one flag per (me, block) on every rank, a bounded wait for everyone's
-// flags, and (expert-major) the receiver's local copies. A warp's first row
+// flags, and (expert-major) the receiver's local copies, which read the
+// token's rows there from the meta the senders wrote beside the rows. A warp's first row
 // for a rank waits for that rank's descriptor of the call and writes only
 // if it equals this rank's (publish_desc, desc_agrees in intranode.cuh).
 //
@@ -267,7 +268,15 @@ __device__ void dispatch_body(const DispatchParams& p) {
           p.recv_src[d][(size_t)ud * 2 + 1] = t;
         }
       }
-    } else if (lane < K && e >= 0) {
+    } else {
+      // The receivers' meta: per rank d the token goes to, the rows of its
+      // experts on d (-1 for slots of other ranks), at the token's row u there.
+      for (int d = 0; d < R; ++d) {
+        const int ud = __shfl_sync(0xffffffffu, u, d);
+        if (ud >= 0 && lane < K) p.meta[d][(size_t)ud * K + lane] = dk == d ? erow : -1;
+      }
+    }
+    if (expert_major && lane < K && e >= 0) {
       if (p.recv_w[dk]) p.recv_w[dk][erow] = cur.wt;
       if (p.recv_idx[dk]) p.recv_idx[dk][erow] = e - dk * El;
       if (p.recv_src[dk]) {

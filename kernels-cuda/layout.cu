@@ -5,8 +5,9 @@
 //       count matrix (topk_idx as int32 / int64)
 //   moe_ep_layout_exchange  the count matrix through symmetric memory (one
 //       block), every offset the data kernels need, the capacity check
-//   moe_ep_layout_meta      expert-major only: each receiver learns, per token
-//       it will get, the rows of the token's experts there
+//
+// (Expert-major receivers also learn, per token they get, the rows of the
+// token's experts there: the dispatch writes that beside the rows.)
 //
 // The layout runs cold between a model's other kernels, so its code is kept
 // small (error reports out of unrolled loops, the slot search rolled).
@@ -353,31 +354,4 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     }
     if (code != 0) *ws.status(me) = (unsigned long long)code;
   }
-}
-
-// ============================================================================
-// Layout, kernel 3 (expert-major only): tell every receiver, for each token
-// it will get from me, the rows of the token's experts there (LayoutBufs::meta).
-// ============================================================================
-extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
-    moe_ep_layout_meta(const __grid_constant__ LayoutParams p) {
-  const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
-  const InfoOffsets o = info_offsets(R, E, El);
-  const int32_t* info = p.op.bufs.info;
-  if (ws_of(p.op).stopped(me)) return;  // the exchange found an error (or an earlier one did)
-  const int lane = threadIdx.x & 31;
-  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  for (int t = gw; t < p.op.num_tokens; t += nw) {
-    const int pos = lane < R ? p.op.bufs.rank_pos[(size_t)t * R + lane] : -1;
-    const int u = pos >= 0 ? info[o.dst_u_off + lane] + pos : -1;
-    const int e = lane < K ? p.op.bufs.topk[(size_t)t * K + lane] : -1;
-    const int erow = e >= 0 ? info[o.erow_base + e] + p.op.bufs.expert_pos[(size_t)t * K + lane] : -1;
-    const int dk = e >= 0 ? e / El : -1;
-    for (int d = 0; d < R; ++d) {
-      const int ud = __shfl_sync(0xffffffffu, u, d);
-      if (ud < 0) continue;
-      if (lane < K) st_relaxed_sys_s32(p.meta[d] + (size_t)ud * K + lane, dk == d ? erow : -1);
-    }
-  }
-  fence_acq_rel_sys();
 }

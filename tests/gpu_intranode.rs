@@ -401,6 +401,18 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: RecvLayout) -> Result<()> {
         TopkIdx::I64(&idx64)
     };
     let handle = group.layout(s, idx, k, layout)?;
+    if matches!(layout, RecvLayout::ExpertMajor { .. }) {
+        // Before its dispatch an expert-major handle has no rows to combine.
+        let (y0, mut out0) = (up_len::<bf16>(s, &[], 1)?, up_len::<bf16>(s, &[], 1)?);
+        match group.combine(s, &handle, &y0, None, &mut out0) {
+            Err(Error::InvalidState(m)) if m.contains("needs a dispatch") => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "expert-major combine before any dispatch: expected InvalidState, got {other:?}"
+                )))
+            }
+        }
+    }
 
     // Counts, on the host on request.
     let hc = handle.host_counts(s)?;

@@ -201,14 +201,12 @@ pub struct OpCommon {
     pub num_blocks: i32,
 }
 
-/// `moe_ep_layout_scan_{i32,i64}`, `_exchange`, `_meta`.
+/// `moe_ep_layout_scan_{i32,i64}`, `_exchange`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LayoutParams {
     pub op: OpCommon,
     pub topk_idx: u64,
-    /// Every rank's `LayoutBufs::meta` as mapped here (expert-major).
-    pub meta: [u64; MAX_RANKS],
 }
 
 /// Dispatch and combine backward (`dispatch.cu`).
@@ -226,6 +224,9 @@ pub struct DispatchParams {
     /// This call's descriptor: op, then where `recv_x`, `recv_w`,
     /// `recv_idx`, `recv_src` lie here ([`desc`]).
     pub desc: [u64; DESC_WORDS],
+    /// Expert-major: every rank's `LayoutBufs::meta` as mapped here (the
+    /// senders write it); zeros for rank-major.
+    pub meta: [u64; MAX_RANKS],
 }
 
 /// Combine and dispatch backward (`combine_pull.cu`, `combine_push.cu`).
@@ -384,8 +385,8 @@ const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
 const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
-const _: () = assert!(std::mem::size_of::<LayoutParams>() == 312);
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 576);
+const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 640);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 224);
@@ -407,12 +408,12 @@ mod tests {
         assert_eq!(offset_of!(OpCommon, layout), 224);
         assert_eq!(offset_of!(OpCommon, num_blocks), 236);
         assert_eq!(offset_of!(LayoutParams, topk_idx), 240);
-        assert_eq!(offset_of!(LayoutParams, meta), 248);
         assert_eq!(offset_of!(DispatchParams, x), 240);
         assert_eq!(offset_of!(DispatchParams, scale_w), 256);
         assert_eq!(offset_of!(DispatchParams, recv_x), 264);
         assert_eq!(offset_of!(DispatchParams, recv_src), 456);
         assert_eq!(offset_of!(DispatchParams, desc), 520);
+        assert_eq!(offset_of!(DispatchParams, meta), 576);
         assert_eq!(offset_of!(CombineParams, y), 240);
         assert_eq!(offset_of!(CombineParams, out), 264);
         assert_eq!(offset_of!(CombineParams, y_peers), 280);

@@ -50,6 +50,22 @@ struct CombineCall {
 }
 
 impl EpGroup {
+    /// Refuses an expert-major combine (or dispatch backward) of a handle
+    /// that no dispatch or combine backward ran on yet: those write, on
+    /// every rank, the rows of each received token's experts it reads.
+    fn check_meta(handle: &Handle) -> Result<()> {
+        if matches!(handle.layout, RecvLayout::ExpertMajor { .. })
+            && !handle
+                .meta_written
+                .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Err(Error::InvalidState(
+                "an expert-major combine or dispatch backward needs a dispatch (or combine_backward) of the handle first: it tells each rank where its tokens' rows are".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Peer mappings for the pulled path: rank-major, `y` (and `grad_w`,
     /// when given) symmetric. Otherwise `None`: the partials are pushed.
     fn pull_peers(
@@ -156,6 +172,7 @@ impl EpGroup {
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
         let _turn = self.enter("moe_ep::combine", stream, handle)?;
+        Self::check_meta(handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         self.check_region(
             "expert_out",
@@ -206,6 +223,7 @@ impl EpGroup {
         grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
     ) -> Result<()> {
         let _turn = self.enter("moe_ep::dispatch_backward", stream, handle)?;
+        Self::check_meta(handle)?;
         let (t, k, h, cap) = (
             handle.num_tokens,
             handle.topk,

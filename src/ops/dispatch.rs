@@ -96,12 +96,17 @@ impl EpGroup {
             recv_idx: recv_idx.0,
             recv_src: recv_src.0,
             desc: d,
+            meta: handle.meta_peers()?,
         };
         // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
         unsafe {
             f.of(handle.layout)
-                .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)
+                .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)?;
         }
+        handle
+            .meta_written
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
     }
 
     /// Sends every token to the ranks of its experts, writing straight into

@@ -213,7 +213,6 @@ macro_rules! by_world {
 // one per receive layout, [r2, r4, r8] where there is one per world bound.
 const LAYOUT_SCAN: [&str; 2] = ["moe_ep_layout_scan_i32", "moe_ep_layout_scan_i64"];
 const LAYOUT_EXCHANGE: &str = "moe_ep_layout_exchange";
-const LAYOUT_META: &str = "moe_ep_layout_meta";
 const DISPATCH: [&str; 2] = ["moe_ep_dispatch_rank_major", "moe_ep_dispatch_expert_major"];
 const COMBINE_BWD: [&str; 2] = [
     "moe_ep_combine_bwd_rank_major",
@@ -262,7 +261,6 @@ pub(crate) struct Kernels {
     pub(crate) layout_scan_i32: Function,
     pub(crate) layout_scan_i64: Function,
     pub(crate) layout_exchange: Function,
-    pub(crate) layout_meta: Function,
     // dispatch.cu
     pub(crate) dispatch: ByLayout,
     pub(crate) combine_bwd: ByLayout,
@@ -300,7 +298,6 @@ impl Kernels {
             layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
             layout_scan_i64: layout.function(LAYOUT_SCAN[1])?,
             layout_exchange: layout.function(LAYOUT_EXCHANGE)?,
-            layout_meta: layout.function(LAYOUT_META)?,
             dispatch: ByLayout::load(DISPATCH, |f| dispatch.function(f))?,
             combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
             combine_pull: combine(&pull, pick(COMBINE_PULL))?,
@@ -321,7 +318,6 @@ impl Kernels {
             (&self.layout_scan_i32, 0),
             (&self.layout_scan_i64, 0),
             (&self.layout_exchange, exchange_smem(num_experts)),
-            (&self.layout_meta, 0),
             (&self.dispatch.rank_major, 0),
             (&self.dispatch.expert_major, 0),
             (&self.combine_bwd.rank_major, 0),
@@ -741,10 +737,7 @@ mod tests {
     fn every_entry_point_is_in_its_module() {
         let per_world = |n: [[&'static str; 3]; 2]| n.concat();
         let modules: [(&str, Vec<&str>); 5] = [
-            (
-                "layout",
-                [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE, LAYOUT_META]].concat(),
-            ),
+            ("layout", [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE]].concat()),
             ("dispatch", [DISPATCH, COMBINE_BWD].concat()),
             ("combine_pull", [COMBINE_PULL, DISPATCH_BWD_PULL].concat()),
             (

@@ -37,10 +37,30 @@ pub struct Handle {
     /// every rank's pool allocations match whatever layout each asked for;
     /// unused by rank-major handles.
     pub(crate) meta: SymmBuffer<i32>,
+    /// Set once a dispatch or combine backward of this handle is enqueued:
+    /// they write `meta` (on every rank) before the expert-major combine
+    /// and dispatch backward can read it.
+    pub(crate) meta_written: std::sync::atomic::AtomicBool,
     /// The group whose layout made it ([`EpGroup::id`]).
     pub(crate) group: u64,
     pub(crate) world: usize,
     pub(crate) experts: usize,
+}
+
+impl Handle {
+    /// Expert-major: every rank's `meta` as mapped here (the senders of a
+    /// dispatch write them); zeros for rank-major.
+    pub(crate) fn meta_peers(&self) -> Result<[u64; super::abi::MAX_RANKS]> {
+        let mut peers = [0u64; super::abi::MAX_RANKS];
+        if matches!(self.layout, RecvLayout::ExpertMajor { .. }) {
+            for (rank, p) in peers.iter_mut().enumerate().take(self.world) {
+                *p = self.meta.peer_ptr(rank).ok_or_else(|| {
+                    Error::InvalidState(format!("meta buffer of rank {rank} not reachable"))
+                })?;
+            }
+        }
+        Ok(peers)
+    }
 }
 
 /// Where each of a handle's arrays starts in its arena (i32 elements, each

@@ -4,7 +4,7 @@
 //! CPU reference share.
 //!
 //! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`,
-//! `moe_ep_layout_exchange`, `moe_ep_layout_meta`). Tests:
+//! `moe_ep_layout_exchange`). Tests:
 //! `tests/gpu_intranode.rs` (every case runs the layout and checks
 //! `Handle::host_counts` against the reference; bad and duplicate expert
 //! ids; capacity exceeded; 1024 experts).
@@ -13,10 +13,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::abi::{
-    info_offsets, LayoutKind, LayoutParams, MAX_RANKS, MAX_TOPK, SCAN_EXPERTS, THREADS,
-};
-use super::buffers::{Peers, TopkIdx};
+use super::abi::{info_offsets, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS, THREADS};
+use super::buffers::TopkIdx;
 use super::group::EpGroup;
 use super::handle::{ArenaOffsets, Handle};
 use crate::error::{Error, Result};
@@ -151,7 +149,6 @@ impl EpGroup {
             .pool
             .alloc::<i32>(r * self.cfg.max_tokens_per_rank * MAX_TOPK)?;
         self.mark_used(&meta)?;
-        let expert_major = matches!(layout, RecvLayout::ExpertMajor { .. });
         let handle = Handle {
             layout,
             num_tokens: t,
@@ -159,23 +156,14 @@ impl EpGroup {
             arena,
             arena_at,
             meta,
+            meta_written: std::sync::atomic::AtomicBool::new(false),
             group: self.id,
             world: r,
             experts: e,
         };
-        // Every rank's meta as mapped here (the senders write them).
-        let mut metas: Peers = [0u64; MAX_RANKS];
-        if expert_major {
-            for (rank, p) in metas.iter_mut().enumerate().take(r) {
-                *p = handle.meta.peer_ptr(rank).ok_or_else(|| {
-                    Error::InvalidState(format!("meta buffer of rank {rank} not reachable"))
-                })?;
-            }
-        }
         let p = LayoutParams {
             op: self.op_common(&handle),
             topk_idx: idx_ptr,
-            meta: metas,
         };
         let scan = match topk_idx {
             TopkIdx::I32(_) => &self.k.layout_scan_i32,
@@ -193,11 +181,6 @@ impl EpGroup {
             self.k
                 .layout_exchange
                 .launch(stream, 1, THREADS, exchange_smem(e), &p)?;
-            if expert_major {
-                self.k
-                    .layout_meta
-                    .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)?;
-            }
         }
         Ok(handle)
     }
