@@ -1,18 +1,26 @@
-//! GPU tests of the low-latency mode (`multi-gpu`; any world size >= 2).
+//! GPU tests of the low-latency mode (`multi-gpu`; any world size >= 1).
 //!
-//! Every test runs on real GPUs when there are at least two, and on virtual
-//! ranks on GPU 0 at world 2, 4 and 8 otherwise (`moe_ep::testkit::ranks`).
+//! Every test runs on all real GPUs when there are enough, and on virtual
+//! ranks on GPU 0 at world 2, 4 and 8 when there are fewer than two
+//! (`moe_ep::testkit::ranks`). The table, the identity experts, the two
+//! batches in flight, the two-phase form and the CUDA graphs run at world 1
+//! too: on one real GPU (or `MOE_EP_TEST_GPUS=1`), and as a virtual world
+//! with `MOE_EP_TEST_VIRTUAL_WORLDS=1,2,4,8`; the tests of peers that
+//! disagree or stall need two ranks.
 //! Each case of the table is two tests, `<case>::rank_major` and
 //! `<case>::expert_major`, that dispatch (bf16, fp8 cast on the sender with
 //! exact or power-of-two scales, or the caller's fp8 rows) and combine twice
-//! (once per buffer set) on every rank, checked against the CPU reference
-//! (`moe_ep::reference::ll_dispatch`, `ll_combine_emulated`, `ll_combine_f64`):
-//! dispatch bit for bit on the counted rows, combine bit for bit against the
-//! f32 emulation, within bf16 rounding of the f64 sum, and the same bits in
-//! both rounds. The other tests: identity experts, two batches in flight,
-//! the two-phase form, CUDA graphs replayed with new routing and tokens,
-//! bad inputs refused by name, bad routing and mismatched ranks reported on
-//! every rank, and bounded timeouts.
+//! (once per buffer set), or ten times in the cases marked so, on every
+//! rank, checked against the CPU reference (`moe_ep::reference::ll_dispatch`,
+//! `ll_combine_emulated`, `ll_combine_f64`): dispatch bit for bit on the
+//! counted rows in every round, combine bit for bit against the f32
+//! emulation and within bf16 rounding of the f64 sum, and the same bits in
+//! every round. The cases span T = 0, 1, 77 and max_tokens_per_rank (up to
+//! 256 rows of hidden 7168), uniform, skewed, one-hot and masked routing.
+//! The other tests: identity experts, two batches in flight, the two-phase
+//! form, CUDA graphs captured once and replayed five times with new routing
+//! and tokens, bad inputs refused by name, bad routing and mismatched ranks
+//! reported on every rank, and bounded timeouts.
 #![cfg(feature = "multi-gpu")]
 
 use std::sync::Arc;
@@ -158,6 +166,9 @@ struct Case {
     silent_rank: Option<usize>,
     idx_i32: bool,
     sms: usize,
+    /// Dispatch and combine rounds on one group with the same inputs
+    /// (alternating buffer sets); every round's combine has the same bits.
+    rounds: usize,
 }
 
 const fn case(tokens: usize, hidden: usize, topk: usize, experts: usize) -> Case {
@@ -172,6 +183,7 @@ const fn case(tokens: usize, hidden: usize, topk: usize, experts: usize) -> Case
         silent_rank: None,
         idx_i32: false,
         sms: 24,
+        rounds: 2,
     }
 }
 
@@ -198,12 +210,49 @@ macro_rules! case_table {
 }
 
 case_table! {
-    bf16_t128_h2048_k8_e64 = case(128, 2048, 8, 64);
+    // Ten rounds: the same combine bits every time (every payload).
+    bf16_t128_h2048_k8_e64_10rounds = Case { rounds: 10, ..case(128, 2048, 8, 64) };
     // Fewer tokens than the buffers hold; the largest decode rows.
     bf16_t100_m256_h7168_k8_e64 = Case { max_tokens: 256, ..case(100, 7168, 8, 64) };
-    fp8_exact_t128_h2048_k8_e64 = Case { payload: EXACT, ..case(128, 2048, 8, 64) };
-    fp8_pow2_t64_h1024_k4_e32 = Case { payload: POW2, ..case(64, 1024, 4, 32) };
-    fp8_caller_t96_h512_k2_e16 = Case { payload: Payload::Caller, ..case(96, 512, 2, 16) };
+    // As many tokens as the buffers hold, of the largest decode rows.
+    bf16_t256_m256_h7168_k8_e64 = case(256, 7168, 8, 64);
+    fp8_exact_t128_h2048_k8_e64_10rounds = Case {
+        payload: EXACT,
+        rounds: 10,
+        ..case(128, 2048, 8, 64)
+    };
+    fp8_pow2_t64_h1024_k4_e32_10rounds = Case {
+        payload: POW2,
+        rounds: 10,
+        ..case(64, 1024, 4, 32)
+    };
+    fp8_caller_t96_h512_k2_e16_10rounds = Case {
+        payload: Payload::Caller,
+        rounds: 10,
+        ..case(96, 512, 2, 16)
+    };
+    // One token per rank: with buffers for one, and for 128.
+    bf16_t1_h2048_k8_e64 = case(1, 2048, 8, 64);
+    fp8_exact_t1_m128_h7168_k8_e64 = Case {
+        payload: EXACT,
+        max_tokens: 128,
+        ..case(1, 7168, 8, 64)
+    };
+    fp8_pow2_t1_h1024_k4_e16 = Case { payload: POW2, ..case(1, 1024, 4, 16) };
+    // 77 tokens (no power of two, not a multiple of a warp).
+    bf16_t77_m128_h4096_k8_e64 = Case { max_tokens: 128, ..case(77, 4096, 8, 64) };
+    fp8_exact_t77_h2048_k6_e64 = Case { payload: EXACT, ..case(77, 2048, 6, 64) };
+    // Every token routes to expert 0 (rank 0's first local expert): top-1
+    // leaves every other expert empty; top-8 adds 7 uniform picks.
+    bf16_onehot_t64_h2048_k1_e16 = Case {
+        routing: Routing::Skewed { hot_share: 1.0 },
+        ..case(64, 2048, 1, 16)
+    };
+    fp8_exact_onehot_t128_h2048_k8_e64 = Case {
+        routing: Routing::Skewed { hot_share: 1.0 },
+        payload: EXACT,
+        ..case(128, 2048, 8, 64)
+    };
     // No tokens anywhere.
     bf16_t0_h1024_k4_e16 = case(0, 1024, 4, 16);
     fp8_exact_t0_h1024_k4_e16 = Case { payload: EXACT, ..case(0, 1024, 4, 16) };
@@ -546,7 +595,7 @@ fn seed_of(id: &str) -> u64 {
 fn table_case(id: &str, c: Case, layout: LlLayout) {
     let seed = seed_of(id);
     let test = format!("{id}::{layout:?}");
-    for world in worlds(&test, 2) {
+    for world in worlds(&test, 1) {
         if !c.experts.is_multiple_of(world.size) {
             eprintln!("  SKIP {test} at {world}: {} experts", c.experts);
             continue;
@@ -558,7 +607,10 @@ fn table_case(id: &str, c: Case, layout: LlLayout) {
     }
 }
 
-/// Dispatch and combine of one case, twice (once per buffer set), on one rank.
+/// Dispatch and combine of one case, `c.rounds` times (alternating buffer
+/// sets), on one rank: every round's dispatch against the reference, the
+/// first round's combine against the reference, and every later round's
+/// combine bit for bit against the first's.
 fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: LlLayout) -> Result<()> {
     let me = &f.inputs[r.rank];
     let (h, k) = (c.hidden, c.topk);
@@ -570,20 +622,27 @@ fn run_case(r: &Rank, c: &Case, f: &Fixture, layout: LlLayout) -> Result<()> {
     let y = up(s, &f.outs[r.rank])?;
     let mut out = up(s, &vec![bf16::from_bits(0x7fc1); (t * h).max(1)])?;
     let mut first: Option<Vec<u16>> = None;
-    for round in 0..2 {
+    for round in 0..c.rounds {
         let hd = dispatch(&group, s, &dev, h, c.idx_i32, layout, c.payload)?;
-        ensure(hd.buffer_set() == round, || {
+        ensure(hd.buffer_set() == round % 2, || {
             format!("round {round} used buffer set {}", hd.buffer_set())
         })?;
         check_dispatch(s, &hd, &f.refs[r.rank], h, k)
             .map_err(|e| Error::InvalidState(format!("dispatch round {round}: {e}")))?;
+        // Poisoned between rounds: a round that writes nothing is caught.
+        if round > 0 && t > 0 {
+            s.memcpy_htod(&vec![bf16::from_bits(0x7fc1); t * h], &mut out)
+                .map_err(Error::cuda("htod"))?;
+        }
         group.ll_combine(s, &hd, &y, None, &mut out)?;
         let got: Vec<bf16> = down(s, &out, t * h)?;
-        check_combine(&got, &f.shape, &f.inputs, f.m, &f.outs, r.rank, layout)
-            .map_err(|e| Error::InvalidState(format!("combine round {round}: {e}")))?;
         match &first {
-            None => first = Some(bits(&got)),
-            Some(b) => first_diff("combine round 1 vs round 0", &bits(&got), b)?,
+            None => {
+                check_combine(&got, &f.shape, &f.inputs, f.m, &f.outs, r.rank, layout)
+                    .map_err(|e| Error::InvalidState(format!("combine round {round}: {e}")))?;
+                first = Some(bits(&got));
+            }
+            Some(b) => first_diff(&format!("combine round {round} vs round 0"), &bits(&got), b)?,
         }
     }
     group.check()?;
@@ -620,7 +679,7 @@ fn identity_outs(refs: &[LlDispatchOutput]) -> Vec<Vec<bf16>> {
 fn identity_experts_round_trip() {
     for layout in [LlLayout::ExpertMajor, LlLayout::RankMajor] {
         let test = format!("identity_experts_round_trip::{layout:?}");
-        for world in worlds(&test, 2) {
+        for world in worlds(&test, 1) {
             let f = small_fixture(world.size, layout, Payload::Bf16, 21);
             let outs = identity_outs(&f.refs);
             run_ranks(world, |r| {
@@ -651,7 +710,7 @@ fn identity_experts_round_trip() {
 #[test]
 fn two_batches_in_flight_alternate_buffer_sets() {
     let test = "two_batches_in_flight_alternate_buffer_sets";
-    for world in worlds(test, 2) {
+    for world in worlds(test, 1) {
         let fa = small_fixture(world.size, LlLayout::ExpertMajor, Payload::Bf16, 31);
         let fb = small_fixture(world.size, LlLayout::RankMajor, EXACT, 32);
         run_ranks(world, |r| {
@@ -765,7 +824,7 @@ fn two_batches_in_flight_alternate_buffer_sets() {
 fn two_phase_form_matches_one_call() {
     for layout in [LlLayout::ExpertMajor, LlLayout::RankMajor] {
         let test = format!("two_phase_form_matches_one_call::{layout:?}");
-        for world in worlds(&test, 2) {
+        for world in worlds(&test, 1) {
             let f = small_fixture(world.size, layout, POW2, 41);
             // The same routing with other weights (expert-major combine).
             let mut rng = Rng::new(42);
@@ -842,77 +901,91 @@ fn two_phase_form_matches_one_call() {
 }
 
 /// Dispatch and combine captured once in a CUDA graph (identity experts,
-/// expert-major), then replayed with new routing, weights and tokens written
-/// into the same input buffers: every replay matches the reference.
+/// both layouts), then replayed five times, each replay with new routing,
+/// weights and tokens written into the same input buffers and the output
+/// poisoned first: every replay matches the reference of its inputs.
 #[test]
-fn cuda_graph_capture_and_replay_with_new_inputs() {
+fn cuda_graph_captured_once_replayed_five_times_with_new_inputs() {
     use moe_ep::cuda::sys::CUstreamCaptureMode;
-    let test = "cuda_graph_capture_and_replay_with_new_inputs";
+    const REPLAYS: u64 = 5;
     let c = SMALL;
-    let layout = LlLayout::ExpertMajor;
-    for world in worlds(test, 2) {
-        let shape = shape_of(&c, world.size);
-        let tpr = vec![c.tokens; world.size];
-        // Input sets 0 (eager), 1..=3 (replays).
-        let sets: Vec<(Vec<RankInput>, Vec<Vec<bf16>>)> = (0..4u64)
-            .map(|i| {
-                let inputs = workload::rank_inputs(50 + i, &shape, &tpr, c.routing);
-                let refs = dispatch_all(&shape, &inputs, c.max_tokens, layout, LlPayload::Bf16)
-                    .expect("reference");
-                let outs = identity_outs(&refs);
-                (inputs, outs)
-            })
-            .collect();
-        run_ranks(world, |r| {
-            let (h, k) = (c.hidden, c.topk);
-            let group = EpGroup::new(&r.comm, ll_config(r, c.experts, h, c.max_tokens, c.sms)?)?;
-            let s = &r.stream;
-            let mut dev = Dev::new(s, &sets[0].0[r.rank], k, None)?;
-            let mut out = up(s, &vec![bf16::ZERO; c.tokens * h])?;
-            {
-                let hd = dispatch(&group, s, &dev, h, false, layout, Payload::Bf16)?;
-                group.ll_combine(s, &hd, &hd.tokens().expect("bf16"), None, &mut out)?;
-                let got = down(s, &out, c.tokens * h)?;
-                check_combine(
-                    &got,
-                    &shape,
-                    &sets[0].0,
-                    c.max_tokens,
-                    &sets[0].1,
-                    r.rank,
-                    layout,
-                )
-                .map_err(|e| Error::InvalidState(format!("eager: {e}")))?;
+    for layout in [LlLayout::ExpertMajor, LlLayout::RankMajor] {
+        let test =
+            format!("cuda_graph_captured_once_replayed_five_times_with_new_inputs::{layout:?}");
+        for world in worlds(&test, 1) {
+            let shape = shape_of(&c, world.size);
+            let tpr = vec![c.tokens; world.size];
+            // Input sets 0 (eager and captured), 1..=REPLAYS (replays).
+            let sets: Vec<(Vec<RankInput>, Vec<Vec<bf16>>)> = (0..=REPLAYS)
+                .map(|i| {
+                    let inputs = workload::rank_inputs(50 + i, &shape, &tpr, c.routing);
+                    let refs = dispatch_all(&shape, &inputs, c.max_tokens, layout, LlPayload::Bf16)
+                        .expect("reference");
+                    let outs = identity_outs(&refs);
+                    (inputs, outs)
+                })
+                .collect();
+            // Every replay's routing differs from the one before it.
+            for (i, pair) in sets.windows(2).enumerate() {
+                assert!(
+                    (0..world.size).any(|r| pair[0].0[r].topk_idx != pair[1].0[r].topk_idx),
+                    "input sets {i} and {} route alike",
+                    i + 1
+                );
             }
-            r.comm.barrier(s)?;
-            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(Error::cuda("begin_capture"))?;
-            let captured = (|| {
-                let hd = dispatch(&group, s, &dev, h, false, layout, Payload::Bf16)?;
-                group.ll_combine(s, &hd, &hd.tokens().expect("bf16"), None, &mut out)
-            })();
-            let graph = s
-                .end_capture(moe_ep::cuda::sys::CUgraphInstantiate_flags(0))
-                .map_err(Error::cuda("end_capture"))?;
-            captured?;
-            let graph = graph.ok_or_else(|| Error::InvalidState("empty graph".into()))?;
-            // Instantiation may wait for the whole GPU: every rank
-            // instantiates before any rank's replay waits for the others.
-            r.comm.barrier(s)?;
-            for (i, (inputs, outs)) in sets.iter().enumerate().skip(1) {
-                dev.refill(s, &inputs[r.rank])?;
-                s.memcpy_htod(&vec![bf16::ZERO; c.tokens * h], &mut out)
-                    .map_err(Error::cuda("htod"))?;
-                graph.launch().map_err(Error::cuda("graph launch"))?;
-                let got = down(s, &out, c.tokens * h)?;
-                check_combine(&got, &shape, inputs, c.max_tokens, outs, r.rank, layout)
-                    .map_err(|e| Error::InvalidState(format!("replay {i}: {e}")))?;
-            }
-            group.check()?;
-            r.comm.barrier(s)?;
-            drop(graph);
-            Ok(())
-        });
+            run_ranks(world, |r| {
+                let (h, k) = (c.hidden, c.topk);
+                let group =
+                    EpGroup::new(&r.comm, ll_config(r, c.experts, h, c.max_tokens, c.sms)?)?;
+                let s = &r.stream;
+                let mut dev = Dev::new(s, &sets[0].0[r.rank], k, None)?;
+                let mut out = up(s, &vec![bf16::ZERO; c.tokens * h])?;
+                let poison = vec![bf16::from_bits(0x7fc1); c.tokens * h];
+                {
+                    let hd = dispatch(&group, s, &dev, h, false, layout, Payload::Bf16)?;
+                    group.ll_combine(s, &hd, &hd.tokens().expect("bf16"), None, &mut out)?;
+                    let got = down(s, &out, c.tokens * h)?;
+                    check_combine(
+                        &got,
+                        &shape,
+                        &sets[0].0,
+                        c.max_tokens,
+                        &sets[0].1,
+                        r.rank,
+                        layout,
+                    )
+                    .map_err(|e| Error::InvalidState(format!("eager: {e}")))?;
+                }
+                r.comm.barrier(s)?;
+                s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(Error::cuda("begin_capture"))?;
+                let captured = (|| {
+                    let hd = dispatch(&group, s, &dev, h, false, layout, Payload::Bf16)?;
+                    group.ll_combine(s, &hd, &hd.tokens().expect("bf16"), None, &mut out)
+                })();
+                let graph = s
+                    .end_capture(moe_ep::cuda::sys::CUgraphInstantiate_flags(0))
+                    .map_err(Error::cuda("end_capture"))?;
+                captured?;
+                let graph = graph.ok_or_else(|| Error::InvalidState("empty graph".into()))?;
+                // Instantiation may wait for the whole GPU: every rank
+                // instantiates before any rank's replay waits for the others.
+                r.comm.barrier(s)?;
+                for (i, (inputs, outs)) in sets.iter().enumerate().skip(1) {
+                    dev.refill(s, &inputs[r.rank])?;
+                    s.memcpy_htod(&poison, &mut out)
+                        .map_err(Error::cuda("htod"))?;
+                    graph.launch().map_err(Error::cuda("graph launch"))?;
+                    let got = down(s, &out, c.tokens * h)?;
+                    check_combine(&got, &shape, inputs, c.max_tokens, outs, r.rank, layout)
+                        .map_err(|e| Error::InvalidState(format!("replay {i}: {e}")))?;
+                }
+                group.check()?;
+                r.comm.barrier(s)?;
+                drop(graph);
+                Ok(())
+            });
+        }
     }
 }
 

@@ -11,8 +11,10 @@
 //!
 //! - `MOE_EP_TEST_GPUS=N`: use at most N real GPUs.
 //! - `MOE_EP_TEST_VIRTUAL_WORLDS=2,4,8`: the virtual worlds to run (the
-//!   default when fewer real GPUs than a test needs are found; with enough
-//!   real GPUs none unless this is set; `none` turns them off).
+//!   default when fewer real GPUs than a test needs, or fewer than two, are
+//!   found; with enough real GPUs none unless this is set; `none` turns them
+//!   off). `1,2,4,8` adds a virtual world of one rank to the tests that
+//!   need only one.
 
 use std::fmt;
 use std::io::Write;
@@ -101,8 +103,11 @@ fn virtual_worlds_from_env() -> Option<Vec<usize>> {
 
 /// The worlds a multi-rank test that needs `needed` ranks runs at: every
 /// real GPU when there are at least `needed`, plus the virtual worlds asked
-/// for; else the virtual worlds (2, 4 and 8 unless asked otherwise) on GPU
-/// 0. Empty (after printing SKIP) without a GPU.
+/// for; with fewer than `needed` real GPUs, or fewer than two, also the
+/// virtual worlds (2, 4 and 8 unless asked otherwise) on GPU 0. A test that
+/// also runs at world 1 (`needed` = 1) thus runs on one GPU as a real world
+/// of one rank plus the virtual worlds; a virtual world 1 only when asked
+/// for. Empty (after printing SKIP) without a GPU.
 pub fn worlds(test: &str, needed: usize) -> Vec<World> {
     let Some(gpus) = usable_gpus(test) else {
         return vec![];
@@ -121,7 +126,7 @@ pub fn worlds(test: &str, needed: usize) -> Vec<World> {
     }
     let virtual_sizes = match asked {
         Some(v) => v,
-        None if gpus < needed => vec![2, 4, 8],
+        None if gpus < needed.max(2) => vec![2, 4, 8],
         None => vec![],
     };
     out.extend(
