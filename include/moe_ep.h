@@ -46,7 +46,8 @@
  *     own thread at the same time.
  *   - Handles (moe_ep_comm_t, moe_ep_group_t, ...) are opaque; a destroy
  *     function takes NULL and does nothing. A group holds its communicator,
- *     so destroying the communicator first is allowed.
+ *     so destroying the communicator first is allowed; a low-latency handle
+ *     holds its group in the same way (see "low-latency mode" below).
  */
 #ifndef MOE_EP_H
 #define MOE_EP_H
@@ -58,11 +59,18 @@
 extern "C" {
 #endif
 
-/* The library version this header belongs to, and its ABI version. */
+/* The library version this header belongs to (the crate's), and its ABI
+ * version. MOE_EP_ABI_VERSION grows by one with every release that adds to
+ * the ABI: functions, enum values, structs, fields appended to a versioned
+ * struct. Nothing is removed, reordered or given another meaning, so a
+ * caller built against ABI N runs against every library whose
+ * moe_ep_abi_version() is at least N (check it once at start-up); a change
+ * that broke this would come with a new library name. ABI 2 added the
+ * low-latency mode (MOE_EP_MODE_LOW_LATENCY and the moe_ep_ll_* calls). */
 #define MOE_EP_VERSION_MAJOR 0
 #define MOE_EP_VERSION_MINOR 1
 #define MOE_EP_VERSION_PATCH 0
-#define MOE_EP_ABI_VERSION 1
+#define MOE_EP_ABI_VERSION 2
 
 /* ---- status codes ---------------------------------------------------- */
 
@@ -95,17 +103,33 @@ typedef enum moe_ep_dtype {
   MOE_EP_DTYPE_U8 = 5
 } moe_ep_dtype_t;
 
-/* Receive layouts (moe_ep_layout_args_t.layout). */
+/* Receive layouts (moe_ep_layout_args_t.layout, moe_ep_ll_dispatch_args_t.layout). */
 typedef enum moe_ep_recv_layout {
   MOE_EP_LAYOUT_RANK_MAJOR = 0,   /* one row per (token, rank), grouped by source rank */
   MOE_EP_LAYOUT_EXPERT_MAJOR = 1  /* one row per (token, local expert), blocks padded to `alignment` */
 } moe_ep_recv_layout_t;
 
-/* Kernel families (moe_ep_group_config_t.mode). Only high throughput exists;
- * the low-latency mode will add a value and fields at the end of the config. */
+/* Kernel families (moe_ep_group_config_t.mode). */
 typedef enum moe_ep_mode {
-  MOE_EP_MODE_HIGH_THROUGHPUT = 0
+  MOE_EP_MODE_HIGH_THROUGHPUT = 0, /* training, prefill: moe_ep_layout, moe_ep_dispatch, ... */
+  MOE_EP_MODE_LOW_LATENCY = 1      /* decode (ABI 2): the moe_ep_ll_* calls */
 } moe_ep_mode_t;
+
+/* How a low-latency dispatch's rows travel (moe_ep_ll_dispatch_args_t.payload). */
+typedef enum moe_ep_ll_payload {
+  MOE_EP_LL_BF16 = 0,                /* x bf16, sent as bf16 */
+  MOE_EP_LL_CAST_FP8_EXACT = 1,      /* x bf16, cast to fp8 e4m3 by the sender: scale = amax / 448 */
+  MOE_EP_LL_CAST_FP8_POWER_OF_TWO = 2,/* the same with scale = 2^ceil(log2(amax / 448)) */
+  MOE_EP_LL_FP8 = 3                  /* the caller's fp8 rows (x codes, x_scales), sent as they are */
+} moe_ep_ll_payload_t;
+
+/* Where a low-latency handle's batch is (moe_ep_ll_handle_info_t.state). */
+typedef enum moe_ep_ll_state {
+  MOE_EP_LL_SENT = 1,          /* moe_ep_ll_dispatch_send done; wait for it */
+  MOE_EP_LL_RECEIVED = 2,      /* dispatched: the buffers are there */
+  MOE_EP_LL_COMBINE_SENT = 3,  /* moe_ep_ll_combine_send done; wait for it */
+  MOE_EP_LL_COMBINED = 4
+} moe_ep_ll_state_t;
 
 /* ---- opaque handles ---------------------------------------------------- */
 
@@ -114,6 +138,7 @@ typedef struct moe_ep_group moe_ep_group_t;           /* an expert-parallel grou
 typedef struct moe_ep_handle moe_ep_handle_t;         /* the routing of one batch (layout) */
 typedef struct moe_ep_buffer moe_ep_buffer_t;         /* a symmetric buffer of a group's pool */
 typedef struct moe_ep_dispatched moe_ep_dispatched_t; /* what a dispatch received */
+typedef struct moe_ep_ll_handle moe_ep_ll_handle_t;   /* one low-latency batch (ABI 2) */
 
 /* A CUDA stream: cudaStream_t and CUstream are both `struct CUstream_st *`. */
 typedef struct CUstream_st *moe_ep_stream_t;
@@ -143,6 +168,10 @@ typedef struct moe_ep_buf_mut {  /* an output */
 #define MOE_EP_MAGIC_DISPATCH_BACKWARD_ARGS 0x4d4f4507u
 #define MOE_EP_MAGIC_RECV_BUFFERS 0x4d4f4508u
 #define MOE_EP_MAGIC_HANDLE_COUNTS 0x4d4f4509u
+#define MOE_EP_MAGIC_LL_DISPATCH_ARGS 0x4d4f450au
+#define MOE_EP_MAGIC_LL_COMBINE_ARGS 0x4d4f450bu
+#define MOE_EP_MAGIC_LL_HANDLE_INFO 0x4d4f450cu
+#define MOE_EP_MAGIC_LL_BUFFERS 0x4d4f450du
 
 /* Output of moe_ep_version. */
 typedef struct moe_ep_version_info {
@@ -161,11 +190,12 @@ typedef struct moe_ep_group_config {
   uint32_t magic;
   uint64_t num_experts;          /* over all ranks; a multiple of the world size */
   uint64_t hidden;               /* token width in bf16 elements; a multiple of 8 */
-  uint64_t max_tokens_per_rank;  /* most tokens a rank passes to one layout */
+  uint64_t max_tokens_per_rank;  /* most tokens a rank passes to one layout (low latency: <= 1024) */
   uint64_t recv_capacity;        /* rows of the receive buffers; 0: world * max_tokens_per_rank */
   uint32_t num_sms;              /* SMs of the data kernels; 0: 24 */
   uint32_t combine_chunks;       /* pushed combine's pipeline depth 1, 2, 4, 8, 16; 0: 4 */
-  uint32_t mode;                 /* moe_ep_mode_t; 0: high throughput */
+  uint32_t mode;                 /* moe_ep_mode_t; 0: high throughput (recv_capacity and
+                                    combine_chunks are high throughput's only) */
   uint32_t timeout_ms;           /* bound on every wait for another GPU; 0: 10000 */
 } moe_ep_group_config_t;
 #define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0}
@@ -243,6 +273,74 @@ typedef struct moe_ep_handle_counts {
 } moe_ep_handle_counts_t;
 #define MOE_EP_HANDLE_COUNTS_INIT {sizeof(moe_ep_handle_counts_t), MOE_EP_MAGIC_HANDLE_COUNTS, 0, 0, 0, 0, 0}
 
+/* Arguments of moe_ep_ll_dispatch and moe_ep_ll_dispatch_send (ABI 2). */
+typedef struct moe_ep_ll_dispatch_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t x;                /* [T, hidden] bf16; MOE_EP_LL_FP8: [T, hidden] e4m3 codes (u8) */
+  moe_ep_buf_t x_scales;         /* MOE_EP_LL_FP8 only: [T, hidden / 128] f32; else not given */
+  moe_ep_buf_t topk_idx;         /* [T, topk] of topk_idx_dtype, global expert ids; -1 = not routed */
+  moe_ep_buf_t topk_weights;     /* [T, topk] f32 */
+  uint32_t topk_idx_dtype;       /* MOE_EP_DTYPE_I32 or MOE_EP_DTYPE_I64 */
+  uint32_t topk;                 /* 1..=16 */
+  uint32_t layout;               /* moe_ep_recv_layout_t */
+  uint32_t payload;              /* moe_ep_ll_payload_t; 0: bf16 (fp8: hidden a multiple of 128) */
+} moe_ep_ll_dispatch_args_t;
+#define MOE_EP_LL_DISPATCH_ARGS_INIT {sizeof(moe_ep_ll_dispatch_args_t), MOE_EP_MAGIC_LL_DISPATCH_ARGS, {0, 0}, {0, 0}, {0, 0}, {0, 0}, 0, 0, 0, 0}
+
+/* Arguments of moe_ep_ll_combine; moe_ep_ll_combine_send reads expert_out,
+ * moe_ep_ll_combine_wait weights and out (pass the same struct to both). */
+typedef struct moe_ep_ll_combine_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t expert_out;       /* [num_rows, hidden] bf16 in the dispatch's layout (counted rows read):
+                                    expert-major one unweighted row per (token, expert); rank-major
+                                    per row the sum of this rank's experts' weighted outputs */
+  moe_ep_buf_t weights;          /* optional, expert-major only: [T, topk] f32 applied here (the
+                                    home rank); not given: the dispatch's topk_weights */
+  moe_ep_buf_mut_t out;          /* [T, hidden] bf16 */
+} moe_ep_ll_combine_args_t;
+#define MOE_EP_LL_COMBINE_ARGS_INIT {sizeof(moe_ep_ll_combine_args_t), MOE_EP_MAGIC_LL_COMBINE_ARGS, {0, 0}, {0, 0}, {0, 0}}
+
+/* Output of moe_ep_ll_handle_info: the batch's shape (host values, no sync). */
+typedef struct moe_ep_ll_handle_info {
+  uint32_t size;
+  uint32_t magic;
+  uint64_t num_tokens;           /* T of this rank */
+  uint64_t topk;
+  uint64_t hidden;
+  uint64_t num_rows;             /* rows of the layout: expert-major El * W * M, rank-major W * M */
+  uint64_t num_local_experts;    /* El = num_experts / W */
+  uint64_t world;                /* W */
+  uint64_t max_tokens_per_rank;  /* M */
+  uint32_t layout;               /* moe_ep_recv_layout_t */
+  uint32_t fp8;                  /* 1: the rows are fp8 codes and scales, 0: bf16 */
+  uint32_t buffer_set;           /* 0 or 1 */
+  uint32_t state;                /* moe_ep_ll_state_t */
+} moe_ep_ll_handle_info_t;
+#define MOE_EP_LL_HANDLE_INFO_INIT {sizeof(moe_ep_ll_handle_info_t), MOE_EP_MAGIC_LL_HANDLE_INFO, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+/* Output of moe_ep_ll_handle_buffers: where a dispatched batch is on this
+ * rank, in the group's buffers (read only). {NULL, 0} where the batch has
+ * none. Only counted rows are defined: expert-major the first
+ * tokens_per_local_expert[j] rows of block j (rows j * W * M ...), each
+ * expert's rows packed by (source rank, token); rank-major row s * M + t
+ * for token t < tokens_from_rank[s] of rank s. */
+typedef struct moe_ep_ll_buffers {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t tokens;                   /* bf16 rows: [num_rows, hidden] bf16 */
+  moe_ep_buf_t fp8_codes;                /* fp8 rows: [num_rows, hidden] e4m3 (u8) */
+  moe_ep_buf_t fp8_scales;               /* fp8 rows: [num_rows, hidden / 128] f32 */
+  moe_ep_buf_t src;                      /* [num_rows, 2] i32: (source rank, source token) */
+  moe_ep_buf_t topk_local_idx;           /* rank-major: [W * M, topk] i32 local ids, -1 = not here */
+  moe_ep_buf_t topk_weights;             /* rank-major: [W * M, topk] f32, 0 where not here */
+  moe_ep_buf_t tokens_per_local_expert;  /* [El] i32 */
+  moe_ep_buf_t tokens_per_expert_source; /* [El * W] i32: [j * W + s] rows of expert j from rank s */
+  moe_ep_buf_t tokens_from_rank;         /* [W] i32: every rank's T */
+} moe_ep_ll_buffers_t;
+#define MOE_EP_LL_BUFFERS_INIT {sizeof(moe_ep_ll_buffers_t), MOE_EP_MAGIC_LL_BUFFERS, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
+
 /* An NCCL unique id (ncclUniqueId's 128 bytes). */
 typedef struct moe_ep_unique_id {
   char internal[128];
@@ -252,7 +350,7 @@ typedef struct moe_ep_unique_id {
 
 uint32_t moe_ep_abi_version(void);
 moe_ep_status_t moe_ep_version(moe_ep_version_info_t *out);
-/* "0.1.0 (ABI 1, NCCL headers 2.28.9)"; static storage. */
+/* "0.1.0 (ABI 2, NCCL headers 2.28.9)"; static storage. */
 const char *moe_ep_version_string(void);
 /* The message of this thread's last failing call ("" if none). */
 const char *moe_ep_last_error(void);
@@ -293,7 +391,8 @@ moe_ep_status_t moe_ep_group_config_validate(const moe_ep_group_config_t *cfg, i
  * the symmetric workspace. */
 moe_ep_status_t moe_ep_group_create(const moe_ep_comm_t *comm, const moe_ep_group_config_t *cfg,
                                     moe_ep_group_t **out);
-/* Waits for the group's work, then frees it. */
+/* Waits for the group's work, then frees it (at once, or, while low-latency
+ * handles of it live, when the last of them is destroyed). */
 moe_ep_status_t moe_ep_group_destroy(moe_ep_group_t *group);
 /* Waits for the group's work on this rank, returns and clears the first
  * error its kernels recorded. Call it on every rank after any error. */
@@ -347,6 +446,75 @@ moe_ep_status_t moe_ep_combine_backward(const moe_ep_group_t *group, moe_ep_stre
 moe_ep_status_t moe_ep_dispatch_backward(const moe_ep_group_t *group, moe_ep_stream_t stream,
                                          const moe_ep_handle_t *handle,
                                          const moe_ep_dispatch_backward_args_t *args);
+
+/* ---- low-latency mode (ABI 2; groups of MOE_EP_MODE_LOW_LATENCY) -------
+ *
+ * For decode: no layout pass, no host synchronisation, no allocation per
+ * call (CUDA-graph capturable). A batch is dispatched (one call, or send
+ * then wait with other work between), the experts read its rows through
+ * moe_ep_ll_handle_buffers, and it is combined (one call, or send then
+ * wait). Batches alternate between two buffer sets fixed at group
+ * creation; a set takes a new batch only after its previous batch was
+ * combined (a third dispatch is refused before that, MOE_EP_ERR_INVALID_STATE),
+ * and a handle's buffers hold its batch until then.
+ *
+ * Lifetimes: a moe_ep_ll_handle_t holds its group, so destroying the group
+ * first is allowed; the group's memory is then released when its last
+ * handle is destroyed (as a group destroy releases it: collective, so make
+ * the last of them the same call on every rank). A call that fails leaves
+ * the handle in its state: a wait refused (a short `out`, a stream of
+ * another context) can be made again once fixed. After an error the GPU
+ * found, moe_ep_group_check on every rank frees both buffer sets; handles
+ * of earlier batches are then refused by name. */
+
+/* Bytes a low-latency group of `cfg` over `world` ranks allocates for its
+ * two buffer sets (whatever cfg->mode says; the high-throughput workspace
+ * every group has comes on top): *symmetric from the group's pool, *local
+ * plain device memory. About 4 * hidden * M * (E + W + 16) in all. Either
+ * output may be NULL. No GPU needed. */
+moe_ep_status_t moe_ep_ll_buffer_bytes(const moe_ep_group_config_t *cfg, int world,
+                                       uint64_t *symmetric, uint64_t *local);
+/* Collective: every token of this rank to the ranks of its experts, in
+ * args->layout; *out is a MOE_EP_LL_RECEIVED handle. Errors only the GPU
+ * sees (an expert id outside [-1, E) or repeated in a token, ranks that
+ * disagree on topk, layout or payload) make every rank's later ops refuse
+ * until moe_ep_group_check. */
+moe_ep_status_t moe_ep_ll_dispatch(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                   const moe_ep_ll_dispatch_args_t *args, moe_ep_ll_handle_t **out);
+/* The first half of moe_ep_ll_dispatch: sends and returns at once with a
+ * MOE_EP_LL_SENT handle. */
+moe_ep_status_t moe_ep_ll_dispatch_send(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                        const moe_ep_ll_dispatch_args_t *args,
+                                        moe_ep_ll_handle_t **out);
+/* The second half: waits on the stream (bounded by the group's timeout)
+ * for every rank's rows and lays them out; SENT -> RECEIVED. */
+moe_ep_status_t moe_ep_ll_dispatch_wait(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                        moe_ep_ll_handle_t *handle);
+/* Collective: the expert outputs brought home and summed per token in f32
+ * in a fixed order into args->out (expert-major: the weights applied here,
+ * slot by slot; rank-major: the ranks' rows, rank by rank); a token with no
+ * expert gets zeros. RECEIVED -> COMBINED. */
+moe_ep_status_t moe_ep_ll_combine(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                  moe_ep_ll_handle_t *handle, const moe_ep_ll_combine_args_t *args);
+/* The first half of moe_ep_ll_combine (reads args->expert_out); RECEIVED ->
+ * COMBINE_SENT. */
+moe_ep_status_t moe_ep_ll_combine_send(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                       moe_ep_ll_handle_t *handle,
+                                       const moe_ep_ll_combine_args_t *args);
+/* The second half (reads args->weights and args->out); COMBINE_SENT -> COMBINED. */
+moe_ep_status_t moe_ep_ll_combine_wait(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                       moe_ep_ll_handle_t *handle,
+                                       const moe_ep_ll_combine_args_t *args);
+/* The batch's shape and state, in any state. */
+moe_ep_status_t moe_ep_ll_handle_info(const moe_ep_ll_handle_t *handle,
+                                      moe_ep_ll_handle_info_t *out);
+/* The batch's device buffers: RECEIVED, COMBINE_SENT or COMBINED (else
+ * MOE_EP_ERR_INVALID_STATE). */
+moe_ep_status_t moe_ep_ll_handle_buffers(const moe_ep_ll_handle_t *handle,
+                                         moe_ep_ll_buffers_t *out);
+/* Lets go of the batch and of the group. Wait for a SENT batch first: one
+ * never waited for keeps its buffer set from taking new batches. */
+moe_ep_status_t moe_ep_ll_handle_destroy(moe_ep_ll_handle_t *handle);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -201,6 +201,61 @@ fn rust_layout() -> BTreeMap<String, usize> {
         versioned,
         [num_tokens, topk, recv_rows, recv_tokens, num_local_experts]
     );
+    s!(
+        CLlDispatchArgs,
+        "moe_ep_ll_dispatch_args_t",
+        versioned,
+        [
+            x,
+            x_scales,
+            topk_idx,
+            topk_weights,
+            topk_idx_dtype,
+            topk,
+            layout,
+            payload
+        ]
+    );
+    s!(
+        CLlCombineArgs,
+        "moe_ep_ll_combine_args_t",
+        versioned,
+        [expert_out, weights, out]
+    );
+    s!(
+        CLlHandleInfo,
+        "moe_ep_ll_handle_info_t",
+        versioned,
+        [
+            num_tokens,
+            topk,
+            hidden,
+            num_rows,
+            num_local_experts,
+            world,
+            max_tokens_per_rank,
+            layout,
+            fp8,
+            buffer_set,
+            state
+        ]
+    );
+    s!(
+        CLlBuffers,
+        "moe_ep_ll_buffers_t",
+        versioned,
+        [
+            tokens,
+            fp8_codes,
+            fp8_scales,
+            src,
+            topk_local_idx,
+            topk_weights,
+            tokens_per_local_expert,
+            tokens_per_expert_source,
+            tokens_from_rank
+        ]
+    );
     m
 }
 
@@ -282,7 +337,48 @@ fn header_constants_agree_with_the_library() {
             "MOE_EP_MODE_HIGH_THROUGHPUT",
             MOE_EP_MODE_HIGH_THROUGHPUT as i64,
         ),
+        ("MOE_EP_MODE_LOW_LATENCY", MOE_EP_MODE_LOW_LATENCY as i64),
+        ("MOE_EP_LL_BF16", MOE_EP_LL_BF16 as i64),
+        ("MOE_EP_LL_CAST_FP8_EXACT", MOE_EP_LL_CAST_FP8_EXACT as i64),
+        (
+            "MOE_EP_LL_CAST_FP8_POWER_OF_TWO",
+            MOE_EP_LL_CAST_FP8_POWER_OF_TWO as i64,
+        ),
+        ("MOE_EP_LL_FP8", MOE_EP_LL_FP8 as i64),
+        ("MOE_EP_LL_SENT", MOE_EP_LL_SENT as i64),
+        ("MOE_EP_LL_RECEIVED", MOE_EP_LL_RECEIVED as i64),
+        ("MOE_EP_LL_COMBINE_SENT", MOE_EP_LL_COMBINE_SENT as i64),
+        ("MOE_EP_LL_COMBINED", MOE_EP_LL_COMBINED as i64),
     ] {
         assert_eq!(value(name), v, "{name}");
+    }
+}
+
+/// `moe_ep_ll_buffer_bytes` is the Rust `ll_buffer_bytes` of the same config,
+/// whatever the config's mode says.
+#[test]
+fn ll_buffer_bytes_agree_with_the_rust_api() {
+    for (world, experts, hidden, tokens) in
+        [(1, 8, 128, 1), (2, 64, 2048, 256), (8, 256, 7168, 128)]
+    {
+        let mut c = <CGroupConfig as Versioned>::init();
+        c.num_experts = experts;
+        c.hidden = hidden;
+        c.max_tokens_per_rank = tokens;
+        c.mode = MOE_EP_MODE_LOW_LATENCY;
+        let (mut sym, mut local) = (0u64, 0u64);
+        let st = unsafe { moe_ep_ll_buffer_bytes(&c, world, &mut sym, &mut local) };
+        assert_eq!(st, MOE_EP_OK);
+        let mut cfg = moe_ep::GroupConfig::new(experts as usize, hidden as usize, tokens as usize);
+        cfg.mode = moe_ep::Mode::LowLatency;
+        let want = moe_ep::ops::ll_buffer_bytes(&cfg, world as usize);
+        assert_eq!((sym, local), (want.symmetric, want.local), "world {world}");
+        c.mode = MOE_EP_MODE_HIGH_THROUGHPUT;
+        let (mut sym2, mut local2) = (0u64, 0u64);
+        assert_eq!(
+            unsafe { moe_ep_ll_buffer_bytes(&c, world, &mut sym2, &mut local2) },
+            MOE_EP_OK
+        );
+        assert_eq!((sym2, local2), (sym, local));
     }
 }

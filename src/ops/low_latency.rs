@@ -417,6 +417,24 @@ pub struct LlCombineSent {
     b: LlBatch,
 }
 
+// The C ABI keeps a sent op across a wait that failed (a short `out`, the
+// wrong stream), so that the caller can fix the call and wait again. A
+// second wait of one that ran is refused by the group's phase check.
+impl LlDispatchSent {
+    pub(crate) fn again(&self) -> LlDispatchSent {
+        LlDispatchSent { b: self.b }
+    }
+    pub(crate) fn buffer_set(&self) -> usize {
+        self.b.set
+    }
+}
+
+impl LlCombineSent {
+    pub(crate) fn again(&self) -> LlCombineSent {
+        LlCombineSent { b: self.b }
+    }
+}
+
 /// A read-only view of a low-latency output: `len()` elements of `T` at a
 /// device address in the group's buffers. Valid (the batch's data) until
 /// the next dispatch into the batch's set.

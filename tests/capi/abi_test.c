@@ -22,6 +22,10 @@ _Static_assert(sizeof(moe_ep_combine_backward_args_t) == 56, "moe_ep_combine_bac
 _Static_assert(sizeof(moe_ep_dispatch_backward_args_t) == 72, "moe_ep_dispatch_backward_args_t");
 _Static_assert(sizeof(moe_ep_recv_buffers_t) == 72, "moe_ep_recv_buffers_t");
 _Static_assert(sizeof(moe_ep_handle_counts_t) == 48, "moe_ep_handle_counts_t");
+_Static_assert(sizeof(moe_ep_ll_dispatch_args_t) == 88, "moe_ep_ll_dispatch_args_t");
+_Static_assert(sizeof(moe_ep_ll_combine_args_t) == 56, "moe_ep_ll_combine_args_t");
+_Static_assert(sizeof(moe_ep_ll_handle_info_t) == 80, "moe_ep_ll_handle_info_t");
+_Static_assert(sizeof(moe_ep_ll_buffers_t) == 152, "moe_ep_ll_buffers_t");
 _Static_assert(sizeof(moe_ep_unique_id_t) == 128, "moe_ep_unique_id_t");
 _Static_assert(sizeof(moe_ep_status_t) == sizeof(int), "moe_ep_status_t is an int");
 
@@ -73,6 +77,28 @@ static void layout(void) {
   OFF(moe_ep_handle_counts_t, num_tokens); OFF(moe_ep_handle_counts_t, topk);
   OFF(moe_ep_handle_counts_t, recv_rows); OFF(moe_ep_handle_counts_t, recv_tokens);
   OFF(moe_ep_handle_counts_t, num_local_experts);
+  SIZE(moe_ep_ll_dispatch_args_t); INIT(moe_ep_ll_dispatch_args_t, MOE_EP_LL_DISPATCH_ARGS_INIT);
+  OFF(moe_ep_ll_dispatch_args_t, x); OFF(moe_ep_ll_dispatch_args_t, x_scales);
+  OFF(moe_ep_ll_dispatch_args_t, topk_idx); OFF(moe_ep_ll_dispatch_args_t, topk_weights);
+  OFF(moe_ep_ll_dispatch_args_t, topk_idx_dtype); OFF(moe_ep_ll_dispatch_args_t, topk);
+  OFF(moe_ep_ll_dispatch_args_t, layout); OFF(moe_ep_ll_dispatch_args_t, payload);
+  SIZE(moe_ep_ll_combine_args_t); INIT(moe_ep_ll_combine_args_t, MOE_EP_LL_COMBINE_ARGS_INIT);
+  OFF(moe_ep_ll_combine_args_t, expert_out); OFF(moe_ep_ll_combine_args_t, weights);
+  OFF(moe_ep_ll_combine_args_t, out);
+  SIZE(moe_ep_ll_handle_info_t); INIT(moe_ep_ll_handle_info_t, MOE_EP_LL_HANDLE_INFO_INIT);
+  OFF(moe_ep_ll_handle_info_t, num_tokens); OFF(moe_ep_ll_handle_info_t, topk);
+  OFF(moe_ep_ll_handle_info_t, hidden); OFF(moe_ep_ll_handle_info_t, num_rows);
+  OFF(moe_ep_ll_handle_info_t, num_local_experts); OFF(moe_ep_ll_handle_info_t, world);
+  OFF(moe_ep_ll_handle_info_t, max_tokens_per_rank); OFF(moe_ep_ll_handle_info_t, layout);
+  OFF(moe_ep_ll_handle_info_t, fp8); OFF(moe_ep_ll_handle_info_t, buffer_set);
+  OFF(moe_ep_ll_handle_info_t, state);
+  SIZE(moe_ep_ll_buffers_t); INIT(moe_ep_ll_buffers_t, MOE_EP_LL_BUFFERS_INIT);
+  OFF(moe_ep_ll_buffers_t, tokens); OFF(moe_ep_ll_buffers_t, fp8_codes);
+  OFF(moe_ep_ll_buffers_t, fp8_scales); OFF(moe_ep_ll_buffers_t, src);
+  OFF(moe_ep_ll_buffers_t, topk_local_idx); OFF(moe_ep_ll_buffers_t, topk_weights);
+  OFF(moe_ep_ll_buffers_t, tokens_per_local_expert);
+  OFF(moe_ep_ll_buffers_t, tokens_per_expert_source);
+  OFF(moe_ep_ll_buffers_t, tokens_from_rank);
 }
 
 static int failures = 0;
@@ -164,8 +190,14 @@ static void structs(void) {
   expect("63 experts at world 2", moe_ep_group_config_validate(&c, 2), BAD, "`num_experts`",
          NULL);
   c = good_config();
-  c.mode = 1;
-  expect("mode 1", moe_ep_group_config_validate(&c, 2), BAD, "`mode`", NULL);
+  c.mode = MOE_EP_MODE_LOW_LATENCY;
+  expect("a low-latency config", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL, NULL);
+  c.max_tokens_per_rank = 2048;
+  expect("low latency, 2048 tokens per rank", moe_ep_group_config_validate(&c, 2), BAD,
+         "`max_tokens_per_rank`", "LowLatency");
+  c = good_config();
+  c.mode = 2;
+  expect("mode 2", moe_ep_group_config_validate(&c, 2), BAD, "`mode`", NULL);
 
   /* Every argument struct of an op is checked before anything else. */
   moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
@@ -198,6 +230,52 @@ static void structs(void) {
   hc.size = 9;
   expect("handle counts out, size 9", moe_ep_handle_counts(NULL, NULL, &hc), BAD,
          "moe_ep_handle_counts_t", "size 9");
+
+  /* The low-latency structs (ABI 2). */
+  moe_ep_ll_dispatch_args_t lda = MOE_EP_LL_DISPATCH_ARGS_INIT;
+  moe_ep_ll_handle_t *lh = NULL;
+  lda.magic = MOE_EP_MAGIC_DISPATCH_ARGS;
+  expect("ll dispatch args with the dispatch's magic", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh),
+         BAD, "`args`", "moe_ep_ll_dispatch_args_t");
+  lda = (moe_ep_ll_dispatch_args_t)MOE_EP_LL_DISPATCH_ARGS_INIT;
+  lda.size = 40;
+  expect("ll dispatch send args, size 40", moe_ep_ll_dispatch_send(NULL, NULL, &lda, &lh), BAD,
+         "moe_ep_ll_dispatch_args_t", "size 40");
+  expect("ll dispatch args NULL", moe_ep_ll_dispatch(NULL, NULL, NULL, &lh), BAD, "`args`",
+         "NULL");
+  struct {
+    moe_ep_ll_dispatch_args_t a;
+    uint32_t newer_field;
+  } lbig;
+  memset(&lbig, 0, sizeof lbig);
+  lbig.a = (moe_ep_ll_dispatch_args_t)MOE_EP_LL_DISPATCH_ARGS_INIT;
+  lbig.a.size = sizeof lbig;
+  lbig.newer_field = 5;
+  expect("a larger ll dispatch args with a field set this library lacks",
+         moe_ep_ll_dispatch(NULL, NULL, &lbig.a, &lh), BAD, "`args`", "does not know");
+  moe_ep_ll_combine_args_t lca = MOE_EP_LL_COMBINE_ARGS_INIT;
+  lca.magic = MOE_EP_MAGIC_COMBINE_ARGS;
+  expect("ll combine args with the combine's magic", moe_ep_ll_combine(NULL, NULL, NULL, &lca),
+         BAD, "`args`", "moe_ep_ll_combine_args_t");
+  lca = (moe_ep_ll_combine_args_t)MOE_EP_LL_COMBINE_ARGS_INIT;
+  lca.size = 12;
+  expect("ll combine send args, size 12", moe_ep_ll_combine_send(NULL, NULL, NULL, &lca), BAD,
+         "moe_ep_ll_combine_args_t", "size 12");
+  lca.size = 0;
+  expect("ll combine wait args, size 0", moe_ep_ll_combine_wait(NULL, NULL, NULL, &lca), BAD,
+         "moe_ep_ll_combine_args_t", "size 0");
+  moe_ep_ll_handle_info_t li = MOE_EP_LL_HANDLE_INFO_INIT;
+  li.magic = 0;
+  expect("ll handle info out, wrong magic", moe_ep_ll_handle_info(NULL, &li), BAD, "`out`",
+         "moe_ep_ll_handle_info_t");
+  moe_ep_ll_buffers_t lb = MOE_EP_LL_BUFFERS_INIT;
+  lb.size = 9;
+  expect("ll buffers out, size 9", moe_ep_ll_handle_buffers(NULL, &lb), BAD,
+         "moe_ep_ll_buffers_t", "size 9");
+  c = good_config();
+  c.magic = MOE_EP_MAGIC_LL_DISPATCH_ARGS;
+  expect("ll buffer bytes of a config with a wrong magic", moe_ep_ll_buffer_bytes(&c, 2, NULL, NULL),
+         BAD, "`cfg`", "moe_ep_group_config_t");
 }
 
 static void arguments(void) {
@@ -279,6 +357,103 @@ static void arguments(void) {
   expect("grad_tokens overlapping grad_topk_weights", moe_ep_dispatch_backward(NULL, NULL, NULL, &db),
          BAD, "`grad_tokens`", "`grad_topk_weights`");
 
+  /* Low-latency ops: every buffer named before the group is looked at. */
+  moe_ep_ll_dispatch_args_t lda = MOE_EP_LL_DISPATCH_ARGS_INIT;
+  moe_ep_ll_handle_t *lh = NULL;
+  lda.topk_idx_dtype = MOE_EP_DTYPE_I64;
+  lda.topk = 8;
+  expect("ll dispatch of a NULL group", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD, "`group`",
+         NULL);
+  expect("ll dispatch send of a NULL group", moe_ep_ll_dispatch_send(NULL, NULL, &lda, &lh), BAD,
+         "`group`", NULL);
+  lda.x.len = 7;
+  expect("ll x NULL with 7 elements", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD, "`x`",
+         "NULL");
+  lda.x.len = 0;
+  lda.topk_weights.len = 8;
+  expect("ll topk_weights NULL with 8 elements", moe_ep_ll_dispatch_send(NULL, NULL, &lda, &lh),
+         BAD, "`topk_weights`", "NULL");
+  lda.topk_weights.len = 0;
+  lda.topk_idx.len = 8;
+  expect("ll topk_idx NULL with 8 elements", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD,
+         "`topk_idx`", "NULL");
+  lda.topk_idx.len = 0;
+  lda.topk_idx_dtype = MOE_EP_DTYPE_F32;
+  expect("ll topk_idx_dtype f32", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD,
+         "`topk_idx_dtype`", NULL);
+  lda.topk_idx_dtype = MOE_EP_DTYPE_I32;
+  lda.layout = 5;
+  expect("ll layout 5", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD, "`layout`", NULL);
+  lda.layout = MOE_EP_LAYOUT_EXPERT_MAJOR;
+  lda.payload = 9;
+  expect("ll payload 9", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD, "`payload`", NULL);
+  lda.payload = MOE_EP_LL_CAST_FP8_EXACT;
+  lda.x_scales.ptr = fake;
+  lda.x_scales.len = 16;
+  expect("ll x_scales with bf16 rows", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD,
+         "`x_scales`", "MOE_EP_LL_FP8");
+  lda.payload = MOE_EP_LL_FP8;
+  lda.x_scales.ptr = NULL;
+  expect("ll x_scales NULL with 16 elements", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD,
+         "`x_scales`", "NULL");
+  lda.x_scales.len = 0;
+  expect("ll fp8 dispatch of a NULL group", moe_ep_ll_dispatch(NULL, NULL, &lda, &lh), BAD,
+         "`group`", NULL);
+  expect("ll dispatch wait of a NULL group", moe_ep_ll_dispatch_wait(NULL, NULL, NULL), BAD,
+         "`group`", NULL);
+
+  moe_ep_ll_combine_args_t lca = MOE_EP_LL_COMBINE_ARGS_INIT;
+  lca.out.len = 3;
+  expect("ll combine out NULL with 3 elements", moe_ep_ll_combine(NULL, NULL, NULL, &lca), BAD,
+         "`out`", "NULL");
+  expect("ll combine wait out NULL with 3 elements", moe_ep_ll_combine_wait(NULL, NULL, NULL, &lca),
+         BAD, "`out`", "NULL");
+  /* combine send reads only expert_out */
+  expect("ll combine send of a NULL group", moe_ep_ll_combine_send(NULL, NULL, NULL, &lca), BAD,
+         "`group`", NULL);
+  lca.expert_out.len = 2;
+  expect("ll combine send expert_out NULL with 2 elements",
+         moe_ep_ll_combine_send(NULL, NULL, NULL, &lca), BAD, "`expert_out`", "NULL");
+  lca.expert_out.ptr = fake;
+  lca.expert_out.len = 512;
+  lca.out.ptr = fake + 256;
+  lca.out.len = 512;
+  expect("ll combine out overlapping expert_out", moe_ep_ll_combine(NULL, NULL, NULL, &lca), BAD,
+         "`out`", "`expert_out`");
+  lca.out.ptr = fake + 2048;
+  lca.out.len = 64;
+  lca.weights.len = 4;
+  expect("ll combine wait weights NULL with 4 elements",
+         moe_ep_ll_combine_wait(NULL, NULL, NULL, &lca), BAD, "`weights`", "NULL");
+  lca.weights.ptr = fake + 2048;
+  expect("ll combine wait out overlapping weights", moe_ep_ll_combine_wait(NULL, NULL, NULL, &lca),
+         BAD, "`out`", "`weights`");
+  lca.weights.ptr = NULL;
+  lca.weights.len = 0;
+  expect("ll combine of a NULL group", moe_ep_ll_combine(NULL, NULL, NULL, &lca), BAD, "`group`",
+         NULL);
+  expect("ll combine wait of a NULL group", moe_ep_ll_combine_wait(NULL, NULL, NULL, &lca), BAD,
+         "`group`", NULL);
+  moe_ep_ll_handle_info_t li = MOE_EP_LL_HANDLE_INFO_INIT;
+  moe_ep_ll_buffers_t lb = MOE_EP_LL_BUFFERS_INIT;
+  expect("ll handle info of NULL", moe_ep_ll_handle_info(NULL, &li), BAD, "`handle`", NULL);
+  expect("ll handle buffers of NULL", moe_ep_ll_handle_buffers(NULL, &lb), BAD, "`handle`", NULL);
+  expect("destroy NULL ll handle", moe_ep_ll_handle_destroy(NULL), MOE_EP_OK, NULL, NULL);
+
+  moe_ep_group_config_t lc = good_config();
+  lc.mode = MOE_EP_MODE_LOW_LATENCY;
+  uint64_t sym = 0, loc = 0;
+  expect("ll buffer bytes of a NULL config", moe_ep_ll_buffer_bytes(NULL, 2, &sym, &loc), BAD,
+         "`cfg`", "NULL");
+  expect("ll buffer bytes at world 0", moe_ep_ll_buffer_bytes(&lc, 0, &sym, &loc), BAD, "`world`",
+         NULL);
+  lc.num_experts = 63;
+  expect("ll buffer bytes of 63 experts at world 2", moe_ep_ll_buffer_bytes(&lc, 2, &sym, &loc),
+         BAD, "`num_experts`", NULL);
+  lc.num_experts = 64;
+  expect("ll buffer bytes into NULL", moe_ep_ll_buffer_bytes(&lc, 2, NULL, NULL), MOE_EP_OK, NULL,
+         NULL);
+
   int n = 0;
   uint64_t cap = 0;
   moe_ep_buffer_t *b = NULL;
@@ -323,6 +498,17 @@ static void no_driver(void) {
   moe_ep_comm_t *comms[2] = {NULL, NULL};
   expect("virtual world without a driver", moe_ep_comm_create_virtual(0, 2, comms),
          MOE_EP_ERR_NO_DRIVER, "driver", NULL);
+  /* Sizing needs no driver: 64 experts, hidden 2048, 256 tokens, world 2. */
+  moe_ep_group_config_t c = good_config();
+  c.mode = MOE_EP_MODE_LOW_LATENCY;
+  uint64_t sym = 0, loc = 0;
+  expect("ll buffer bytes without a driver", moe_ep_ll_buffer_bytes(&c, 2, &sym, &loc), MOE_EP_OK,
+         NULL, NULL);
+  uint64_t approx = 4ull * 2048 * 256 * (64 + 2 + 16);
+  int sane = sym > 0 && loc > sym && sym + loc >= approx && sym + loc < approx + approx / 10;
+  printf("%s ll buffer bytes: %llu symmetric + %llu local (about %llu)\n", sane ? "ok  " : "FAIL",
+         (unsigned long long)sym, (unsigned long long)loc, (unsigned long long)approx);
+  failures += !sane;
 }
 
 int main(int argc, char **argv) {
