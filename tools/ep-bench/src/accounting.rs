@@ -20,6 +20,13 @@
 //!
 //! Malformed inputs (matrix of the wrong length, `rank >= R`) never panic:
 //! missing entries count as 0, and products saturate.
+//!
+//! The low-latency ops ([`LlTraffic`]) count the same way, with their own
+//! rows: dispatch sends a token to a rank once (bf16 rows of `2 * hidden`
+//! bytes, fp8 rows of `hidden` bytes: the scales are metadata), combine
+//! sends back one bf16 row per (token, rank) in rank-major and one per
+//! (token, expert) in expert-major (the home weights and sums them), and
+//! `ll-pair` moves the fp8 dispatch's bytes plus the combine's.
 
 use crate::cli::Op;
 
@@ -111,14 +118,87 @@ impl<'a> Traffic<'a> {
                     logical: 0,
                 }
             }
-            Op::Dispatch | Op::CombineBwd => self.dispatch_nvlink(rank),
-            Op::Combine | Op::CombinePush | Op::DispatchBwd => self.combine_nvlink(rank),
+            Op::Dispatch | Op::CombineBwd | Op::LlDispatch | Op::LlDispatchFp8 | Op::LlPair => {
+                self.dispatch_nvlink(rank)
+            }
+            Op::Combine | Op::CombinePush | Op::DispatchBwd | Op::LlCombine => {
+                self.combine_nvlink(rank)
+            }
         };
         OpBytes {
             nvlink,
             logical: self.logical(rank),
         }
     }
+}
+
+/// The bytes of the low-latency ops of one routing (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct LlTraffic<'a> {
+    /// Dispatch's bf16 rows: one per (token, destination rank).
+    bf16: Traffic<'a>,
+    /// Dispatch's fp8 rows (codes only).
+    fp8: Traffic<'a>,
+    /// Combine's bf16 rows: per (token, rank) or per (token, expert).
+    back: Traffic<'a>,
+}
+
+impl<'a> LlTraffic<'a> {
+    /// `tokens` is the `world x world` token count matrix (as
+    /// [`Traffic::new`]); `back` the matrix of combine's rows:
+    /// `tokens` itself for rank-major, for expert-major the (token, expert)
+    /// pairs `back[src * R + dst]` that `src` sends to `dst`'s experts
+    /// ([`pair_counts`]). Rows of `hidden` elements.
+    pub fn new(tokens: &'a [u32], back: &'a [u32], world: usize, hidden: usize) -> Self {
+        LlTraffic {
+            bf16: Traffic::new(tokens, world, hidden, 2),
+            fp8: Traffic::new(tokens, world, hidden, 1),
+            back: Traffic::new(back, world, hidden, 2),
+        }
+    }
+
+    /// Bytes of a low-latency op on `rank` (a high-throughput op: as
+    /// [`Traffic::op`] with bf16 rows).
+    pub fn op(&self, op: Op, rank: usize) -> OpBytes {
+        let dispatch = |t: &Traffic| OpBytes {
+            nvlink: t.dispatch_nvlink(rank),
+            logical: t.logical(rank),
+        };
+        let combine = OpBytes {
+            nvlink: self.back.combine_nvlink(rank),
+            logical: self.back.logical(rank),
+        };
+        match op {
+            Op::LlDispatch => dispatch(&self.bf16),
+            Op::LlDispatchFp8 => dispatch(&self.fp8),
+            Op::LlCombine => combine,
+            Op::LlPair => {
+                let d = dispatch(&self.fp8);
+                OpBytes {
+                    nvlink: d.nvlink.saturating_add(combine.nvlink),
+                    logical: d.logical.saturating_add(combine.logical),
+                }
+            }
+            other => self.bf16.op(other, rank),
+        }
+    }
+}
+
+/// The `world x world` matrix of (token, expert) pairs, `[src * R + dst]`
+/// = pairs that `src` routes to the experts of `dst`, from the
+/// `world x experts` matrix `per_expert[src * E + e]` (the reference's
+/// `Counts::expert`); experts `dst * E / R ..` live on `dst`.
+pub fn pair_counts(per_expert: &[u32], world: usize, experts: usize) -> Vec<u32> {
+    let local = experts.checked_div(world).unwrap_or(0).max(1);
+    let mut out = vec![0u32; world * world];
+    for src in 0..world {
+        for e in 0..experts {
+            let n = per_expert.get(src * experts + e).copied().unwrap_or(0);
+            let dst = (e / local).min(world.saturating_sub(1));
+            out[src * world + dst] = out[src * world + dst].saturating_add(n);
+        }
+    }
+    out
 }
 
 /// Bandwidth in GB/s (1 GB = 1e9 B) of `bytes` moved in `us` microseconds:
@@ -177,6 +257,35 @@ mod tests {
         assert_eq!(t.op(Op::DispatchBwd, 0).nvlink, 352);
         assert_eq!(t.op(Op::CombinePush, 2), both(288, 576));
         assert_eq!(t.op(Op::Layout, 1), both(0, 0));
+    }
+
+    #[test]
+    fn low_latency_by_hand() {
+        // tokens = [[3, 5], [2, 4]] as above; hidden 8: bf16 rows 16 B, fp8 rows 8 B.
+        // pairs (2 experts per rank): r0 -> e0 1, e1 2, e2 4, e3 3; r1 -> e0 2, e1 0, e2 3, e3 5.
+        let per_expert = [1, 2, 4, 3, 2, 0, 3, 5];
+        let pairs = pair_counts(&per_expert, 2, 4);
+        assert_eq!(pairs, vec![3, 7, 2, 8]);
+        let tokens = [3, 5, 2, 4];
+        let both = |nvlink, logical| OpBytes { nvlink, logical };
+        // Rank-major: combine rows as the tokens.
+        let rm = LlTraffic::new(&tokens, &tokens, 2, 8);
+        assert_eq!(rm.op(Op::LlDispatch, 0), both(80, 80));
+        assert_eq!(rm.op(Op::LlDispatchFp8, 0), both(40, 40));
+        assert_eq!(rm.op(Op::LlCombine, 0), both(32, 80));
+        assert_eq!(rm.op(Op::LlPair, 1), both(16 + 80, 72 + 144));
+        // Expert-major: combine sends one row per pair. r0 returns r1's 2
+        // pairs (32 B) and holds 3 + 2 = 5 pairs (80 B); r1 returns 7 (112 B)
+        // of 7 + 8 = 15 (240 B).
+        let em = LlTraffic::new(&tokens, &pairs, 2, 8);
+        assert_eq!(em.op(Op::LlCombine, 0), both(32, 80));
+        assert_eq!(em.op(Op::LlCombine, 1), both(112, 240));
+        assert_eq!(em.op(Op::LlDispatch, 1), rm.op(Op::LlDispatch, 1));
+        // One rank: nothing crosses, every row is logical.
+        let one = LlTraffic::new(&[6], &[9], 1, 8);
+        assert_eq!(one.op(Op::LlDispatch, 0), both(0, 96));
+        assert_eq!(one.op(Op::LlCombine, 0), both(0, 144));
+        assert_eq!(pair_counts(&[1, 2, 3], 1, 3), vec![6]);
     }
 
     #[test]

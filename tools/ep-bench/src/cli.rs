@@ -17,11 +17,21 @@ use std::path::{Path, PathBuf};
 
 use clap::error::ErrorKind;
 use clap::{ArgAction, Parser, ValueEnum};
+use moe_ep::ops::LlLayout;
 use moe_ep::testkit::workload;
 use moe_ep::{Mode, RecvLayout};
 
 /// Largest accepted `--tokens` value (tokens per rank).
 pub const MAX_TOKENS: usize = 65536;
+/// Largest `--tokens` value of `--mode ll` (a low-latency group's most tokens per rank).
+pub const LL_MAX_TOKENS: usize = moe_ep::ops::abi::LL_MAX_TOKENS;
+/// Tokens per rank when `--tokens` is not given (`--mode ht`).
+pub const DEFAULT_TOKENS: usize = 4096;
+/// Tokens per rank when `--tokens` is not given with `--mode ll` (decode).
+pub const LL_DEFAULT_TOKENS: usize = 128;
+/// Values per fp8 scale: the hidden size of `ll-dispatch-fp8` and `ll-pair`
+/// is a multiple of it.
+pub const FP8_BLOCK: usize = 128;
 /// Largest accepted `--topk` value (experts per token).
 pub const MAX_TOPK: usize = 16;
 /// Largest accepted `--num-sms` value (streaming multiprocessors per kernel).
@@ -56,10 +66,18 @@ address and port of that rendezvous. --virtual-ranks runs every rank in this
 process on GPU 0 instead (no launcher, no --gpus).
 
 NCCL EP: when libnccl_ep.so.0 loads (library path, or MOE_EP_NCCL_EP_LIBRARY),
-its HT flat / expert-major ops run beside ours on the same routing and SMs
-(rows nccl-ep-*, column vs NCCL-EP; --check cross-checks its outputs). It
+its HT flat / expert-major ops (--mode ll: its LL ops) run beside ours on the
+same routing and SMs (rows nccl-ep-*, column vs NCCL-EP; --check cross-checks its outputs). It
 needs NCCL >= 2.30.4 as moe-ep's own NCCL (MOE_EP_NCCL_LIBRARY), and
 NCCL_EP_HOME / NCCL_HOME for its kernel compiler; absent, one line says so.
+
+Low-latency mode (--mode ll, decode): a group of Mode::LowLatency with the
+case's tokens as its max tokens per rank (at most 1024; default 128); ops
+ll-dispatch (bf16 rows), ll-dispatch-fp8 (cast to e4m3 in the kernel, exact
+per-128 scales), ll-combine (bf16 expert outputs home) and ll-pair (the fp8
+dispatch and its combine timed together); --layout rank = rank-major,
+expert[:A] = expert-major. NCCL EP's LL mode runs beside them (rows
+nccl-ep-ll-*); --check compares with the CPU reference bit for bit.
 
 Local-copy ceilings (every layout, world 1 and virtual ranks included, same
 SMs): local-copy-dispatch reads each of this rank's token rows once and
@@ -136,17 +154,33 @@ pub enum Op {
     DispatchBwd,
     /// Backward of combine (moves data like dispatch).
     CombineBwd,
+    /// Low-latency dispatch of bf16 rows (`--mode ll`).
+    LlDispatch,
+    /// Low-latency dispatch, rows cast to fp8 e4m3 by the sender's kernel
+    /// (exact per-128 scales).
+    LlDispatchFp8,
+    /// Low-latency combine (bf16 expert outputs home, summed per token).
+    LlCombine,
+    /// A decode step's communication: fp8 dispatch then combine, timed together.
+    LlPair,
 }
 
 impl Op {
+    /// The low-latency ops (`--mode ll`), in their canonical order.
+    pub const LL: [Op; 4] = [Op::LlDispatch, Op::LlDispatchFp8, Op::LlCombine, Op::LlPair];
+
     /// All ops, in their canonical order.
-    pub const ALL: [Op; 6] = [
+    pub const ALL: [Op; 10] = [
         Op::Layout,
         Op::Dispatch,
         Op::Combine,
         Op::DispatchBwd,
         Op::CombineBwd,
         Op::CombinePush,
+        Op::LlDispatch,
+        Op::LlDispatchFp8,
+        Op::LlCombine,
+        Op::LlPair,
     ];
 
     /// The command-line and report name (`dispatch-bwd`, ...).
@@ -158,7 +192,21 @@ impl Op {
             Op::DispatchBwd => "dispatch-bwd",
             Op::CombineBwd => "combine-bwd",
             Op::CombinePush => "combine-push",
+            Op::LlDispatch => "ll-dispatch",
+            Op::LlDispatchFp8 => "ll-dispatch-fp8",
+            Op::LlCombine => "ll-combine",
+            Op::LlPair => "ll-pair",
         }
+    }
+
+    /// Whether the op belongs to `--mode ll`.
+    pub fn is_ll(self) -> bool {
+        Op::LL.contains(&self)
+    }
+
+    /// Whether the op sends fp8 rows (its hidden size a multiple of [`FP8_BLOCK`]).
+    pub fn is_fp8(self) -> bool {
+        matches!(self, Op::LlDispatchFp8 | Op::LlPair)
     }
 
     /// Inverse of [`Op::name`]; `None` for baselines and unknown names.
@@ -183,6 +231,25 @@ pub fn layout_name(l: RecvLayout) -> String {
     match l {
         RecvLayout::RankMajor => "rank".to_string(),
         RecvLayout::ExpertMajor { alignment } => format!("expert:{alignment}"),
+    }
+}
+
+/// The low-latency layout that `--layout` names under `--mode ll`: `rank`
+/// is [`LlLayout::RankMajor`], `expert` and `expert:ALIGN` are
+/// [`LlLayout::ExpertMajor`] (it has no alignment: every expert's block
+/// holds `world * tokens` rows).
+pub fn ll_layout(l: RecvLayout) -> LlLayout {
+    match l {
+        RecvLayout::RankMajor => LlLayout::RankMajor,
+        RecvLayout::ExpertMajor { .. } => LlLayout::ExpertMajor,
+    }
+}
+
+/// `rank` or `expert`, the `--layout` spelling of a low-latency layout.
+pub fn ll_layout_name(l: LlLayout) -> &'static str {
+    match l {
+        LlLayout::RankMajor => "rank",
+        LlLayout::ExpertMajor => "expert",
     }
 }
 
@@ -226,9 +293,18 @@ impl Case {
             self.hidden,
             self.topk,
             self.experts,
-            layout_name(self.layout),
+            self.layout_label(),
             self.num_sms
         )
+    }
+
+    /// The layout as `--layout` spells it: `rank`, `expert:128`; under
+    /// `--mode ll` `rank` or `expert` ([`ll_layout_name`]).
+    pub fn layout_label(&self) -> String {
+        match self.mode {
+            Mode::HighThroughput => layout_name(self.layout),
+            Mode::LowLatency => ll_layout_name(ll_layout(self.layout)).to_string(),
+        }
     }
 }
 
@@ -252,8 +328,8 @@ pub struct Opts {
     /// min(24, what fits N ranks on one GPU)
     #[arg(long, value_name = "N", value_parser = in_range(1, MAX_VIRTUAL_RANKS), conflicts_with = "gpus")]
     pub virtual_ranks: Option<usize>,
-    /// Tokens per rank, 0..=65536
-    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "4096", value_parser = in_range(0, MAX_TOKENS))]
+    /// Tokens per rank, 0..=65536 (--mode ll: 0..=1024) [default: 4096; --mode ll: 128]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, value_parser = in_range(0, MAX_TOKENS))]
     pub tokens: Vec<usize>,
     /// Hidden size, a positive multiple of 8
     #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "7168", value_parser = parse_hidden)]
@@ -264,10 +340,12 @@ pub struct Opts {
     /// Total experts, divisible by the world size
     #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "256", value_parser = in_range(1, usize::MAX))]
     pub experts: Vec<usize>,
-    /// High-throughput kernels (ht); the low-latency ones (ll) are not implemented yet
+    /// High-throughput kernels (ht: training, prefill) or the low-latency ones
+    /// (ll: decode; ops ll-dispatch, ll-dispatch-fp8, ll-combine, ll-pair)
     #[arg(long, value_name = "ht|ll", default_value = "ht", value_parser = parse_mode)]
     pub mode: Mode,
-    /// Receive-buffer layout: rank | expert | expert:ALIGN (expert = expert:128)
+    /// Receive-buffer layout: rank | expert | expert:ALIGN (expert = expert:128;
+    /// --mode ll: rank = rank-major, expert and expert:ALIGN = expert-major)
     #[arg(long = "layout", value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "rank", value_parser = parse_layout)]
     pub layouts: Vec<RecvLayout>,
     /// Payload type (only bf16 for now)
@@ -285,8 +363,10 @@ pub struct Opts {
     /// Timed iterations per op, >= 1 [default: 20; 3 under --profile]
     #[arg(long, value_name = "N", value_parser = in_range(1, usize::MAX))]
     pub iters: Option<usize>,
-    /// layout,dispatch,combine,dispatch-bwd,combine-bwd,combine-push
-    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, default_value = "layout,dispatch,combine", value_parser = parse_op)]
+    /// layout,dispatch,combine,dispatch-bwd,combine-bwd,combine-push [default:
+    /// layout,dispatch,combine]; --mode ll: ll-dispatch,ll-dispatch-fp8,ll-combine,ll-pair
+    /// [default: all four]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, value_parser = parse_op)]
     pub ops: Vec<Op>,
     /// Compare with the CPU reference once before timing
     #[arg(long)]
@@ -372,11 +452,62 @@ impl Opts {
     /// the dropping of repeated list values. `--gpus` or `--virtual-ranks`
     /// given: also [`Opts::validate_for_world`] with that size.
     pub fn validate(&mut self) -> Result<(), String> {
-        if self.mode == Mode::LowLatency {
-            return Err("--mode ll: not implemented yet (the low-latency kernels do not exist; use --mode ht)".into());
-        }
         if self.ranks_per_node.is_some() {
             return Err("--ranks-per-node: not implemented yet (there is no RDMA path between nodes: every rank is on one NVLink node)".into());
+        }
+        let ll = self.mode == Mode::LowLatency;
+        if self.tokens.is_empty() {
+            self.tokens = vec![if ll {
+                LL_DEFAULT_TOKENS
+            } else {
+                DEFAULT_TOKENS
+            }];
+        }
+        if self.ops.is_empty() {
+            self.ops = if ll {
+                Op::LL.to_vec()
+            } else {
+                vec![Op::Layout, Op::Dispatch, Op::Combine]
+            };
+        }
+        if let Some(op) = self.ops.iter().find(|op| op.is_ll() != ll) {
+            let (mode, these) = if ll {
+                ("ll", "ll-dispatch, ll-dispatch-fp8, ll-combine, ll-pair")
+            } else {
+                (
+                    "ht",
+                    "layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push",
+                )
+            };
+            return Err(format!(
+                "--ops: {} is not an op of --mode {mode} (its ops: {these})",
+                op.name()
+            ));
+        }
+        if ll {
+            if let Some(t) = self.tokens.iter().find(|&&t| t > LL_MAX_TOKENS) {
+                return Err(format!(
+                    "--tokens: {t} is more than --mode ll takes ({LL_MAX_TOKENS} tokens per rank)"
+                ));
+            }
+            // One expert-major layout: the alignment means nothing here.
+            for l in &mut self.layouts {
+                if let RecvLayout::ExpertMajor { alignment } = l {
+                    *alignment = 1;
+                }
+            }
+            let fp8: Vec<&str> = (self.ops.iter().filter(|op| op.is_fp8()))
+                .map(|op| op.name())
+                .collect();
+            if let Some(h) = self.hidden.iter().find(|&&h| !h.is_multiple_of(FP8_BLOCK)) {
+                if !fp8.is_empty() {
+                    return Err(format!(
+                        "--hidden: {h} is not a multiple of {FP8_BLOCK}, which {} need (one fp8 \
+                         scale per {FP8_BLOCK} values); leave them out of --ops",
+                        fp8.join(" and ")
+                    ));
+                }
+            }
         }
         dedup(&mut self.tokens);
         dedup(&mut self.hidden);
@@ -561,7 +692,7 @@ fn parse_hidden(s: &str) -> Result<usize, String> {
     Ok(h)
 }
 
-/// `--mode`: `ht` or `ll` (refused by [`Opts::validate`]).
+/// `--mode`: `ht` or `ll`.
 fn parse_mode(s: &str) -> Result<Mode, String> {
     match s {
         "ht" => Ok(Mode::HighThroughput),
@@ -627,7 +758,9 @@ fn parse_routing(s: &str) -> Result<Routing, String> {
 /// One `--ops` name.
 fn parse_op(s: &str) -> Result<Op, String> {
     Op::from_name(s).ok_or_else(|| {
-        "not one of layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push".into()
+        "not one of layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push \
+         (--mode ht), ll-dispatch, ll-dispatch-fp8, ll-combine, ll-pair (--mode ll)"
+            .into()
     })
 }
 
@@ -707,6 +840,8 @@ mod tests {
                         "--num-sms",
                         "local-copy-dispatch",
                         "vs local",
+                        "--mode ll",
+                        "ll-pair",
                         "Exit status",
                     ] {
                         assert!(text.contains(opt), "help lacks {opt}:\n{text}");
@@ -828,7 +963,26 @@ mod tests {
     /// Bad command lines (split at spaces), the option each error names,
     /// and a part of the message.
     const BAD: &[(&str, &str, &str)] = &[
-        ("--mode ll", "--mode", "not implemented yet"),
+        ("--mode ll --tokens 1025", "--tokens", "1024"),
+        ("--mode ll --tokens 64,2048", "--tokens", "2048"),
+        (
+            "--mode ll --ops dispatch",
+            "--ops",
+            "not an op of --mode ll",
+        ),
+        ("--ops ll-dispatch", "--ops", "not an op of --mode ht"),
+        ("--ops layout,ll-pair", "--ops", "ll-pair"),
+        (
+            "--mode ll --hidden 1032",
+            "--hidden",
+            "ll-dispatch-fp8 and ll-pair",
+        ),
+        (
+            "--mode ll --hidden 1024,1032 --ops ll-dispatch,ll-pair",
+            "--hidden",
+            "1032",
+        ),
+        ("--mode ll --ops ll-foo", "--ops", "ll-dispatch"),
         (
             "--ranks-per-node 4",
             "--ranks-per-node",
@@ -936,6 +1090,78 @@ mod tests {
         let e = err_names(&["--virtual-ranks", "3"], "--experts");
         assert!(e.contains("world size 3"), "{e}");
         run(&["--virtual-ranks", "3", "--experts", "48"]);
+    }
+
+    #[test]
+    fn low_latency_mode() {
+        let o = run(&["--mode", "ll"]);
+        assert_eq!(o.mode, Mode::LowLatency);
+        assert_eq!(o.tokens, vec![LL_DEFAULT_TOKENS]);
+        assert_eq!(
+            o.ops,
+            [Op::LlDispatch, Op::LlDispatchFp8, Op::LlCombine, Op::LlPair]
+        );
+        assert_eq!(
+            o.cases()[0].label(),
+            "tokens=128 hidden=7168 topk=8 experts=256 layout=rank sms=24"
+        );
+        // expert, expert:A: one expert-major layout; rank: rank-major.
+        let o = run(&[
+            "--mode",
+            "ll",
+            "--layout",
+            "expert,rank,expert:64",
+            "--tokens",
+            "1,1024",
+            "--ops",
+            "ll-combine,ll-pair",
+        ]);
+        assert_eq!(
+            o.layouts,
+            [
+                RecvLayout::ExpertMajor { alignment: 1 },
+                RecvLayout::RankMajor
+            ]
+        );
+        assert_eq!(
+            o.layouts.iter().map(|&l| ll_layout(l)).collect::<Vec<_>>(),
+            [LlLayout::ExpertMajor, LlLayout::RankMajor]
+        );
+        assert_eq!(o.ops, [Op::LlCombine, Op::LlPair]);
+        let labels: Vec<String> = o.cases().iter().map(Case::layout_label).collect();
+        assert_eq!(labels, ["expert", "expert", "rank", "rank"]);
+        assert!(o.cases()[0].label().contains("layout=expert sms"));
+        // Hidden sizes that are no multiple of 128 take the bf16 ops only.
+        let o = run(&[
+            "--mode",
+            "ll",
+            "--hidden",
+            "1032",
+            "--ops",
+            "ll-dispatch,ll-combine",
+        ]);
+        assert_eq!(o.hidden, vec![1032]);
+        // The world checks of --mode ht hold too.
+        run(&[
+            "--mode",
+            "ll",
+            "--virtual-ranks",
+            "2",
+            "--experts",
+            "16",
+            "--topk",
+            "4",
+        ]);
+        err_names(&["--mode", "ll", "--gpus", "3"], "--experts");
+        // --mode ht keeps its defaults.
+        let o = run(&["--mode", "ht"]);
+        assert_eq!((o.tokens[0], o.ops.len()), (DEFAULT_TOKENS, 3));
+        for op in Op::LL {
+            assert!(op.is_ll() && Op::from_name(op.name()) == Some(op));
+        }
+        assert!(Op::LlPair.is_fp8() && !Op::LlCombine.is_fp8() && !Op::Dispatch.is_ll());
+        assert_eq!(ll_layout_name(LlLayout::ExpertMajor), "expert");
+        assert_eq!(mode_name(Mode::LowLatency), "ll");
     }
 
     #[test]

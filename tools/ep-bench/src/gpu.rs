@@ -21,8 +21,9 @@
 //! included: the rows an op reads and writes, moved on the rank's own GPU
 //! with the op's SM count. NCCL EP, when its library
 //! loads, runs the same case beside ours on the same communicator, inputs
-//! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]). Rank 0 gathers every
-//! rank's statistics and returns them.
+//! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]). `--mode ll` cases run
+//! the low-latency ops instead ([`ll`]). Rank 0 gathers every rank's
+//! statistics and returns them.
 
 use std::cell::RefCell;
 use std::sync::{mpsc, Arc};
@@ -42,6 +43,8 @@ use crate::cli::{Case, Op, Opts, Routing, DEFAULT_NUM_SMS};
 use crate::launch::RankEnv;
 use crate::nccl_ep;
 use crate::report::{self, CaseResult, OpResult, Ranks, Stat};
+
+mod ll;
 
 /// Errors travel as one line of text up to `main`.
 type R<T> = Result<T, String>;
@@ -148,15 +151,32 @@ impl Ctx<'_> {
     /// With `MOE_EP_BENCH_ENQUEUE=1` each rank also prints the median host
     /// time `f` took to enqueue its work (inside the timed span: the stream
     /// is empty when the start event is recorded).
-    fn time_with(&self, what: &str, gpu_start: bool, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+    fn time_with(&self, what: &str, gpu_start: bool, f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+        self.time_prepared(what, gpu_start, || Ok(()), f)
+    }
+
+    /// [`Ctx::time_with`], with `before` enqueued ahead of every run of `f`
+    /// (warm-up ones included), outside the timed span: ahead of the L2
+    /// flush and the barrier. The low-latency ops need it: a combine times
+    /// the batch an untimed dispatch sent, and a dispatch's buffer set takes
+    /// a new batch only after the previous one's combine.
+    fn time_prepared(
+        &self,
+        what: &str,
+        gpu_start: bool,
+        mut before: impl FnMut() -> R<()>,
+        mut f: impl FnMut() -> R<()>,
+    ) -> R<Vec<f64>> {
         let iters = self.opts.iters();
         for _ in 0..self.opts.warmup() {
+            before()?;
             f()?;
         }
         self.stream.synchronize().map_err(s)?;
         let mut out = Vec::with_capacity(iters);
         let mut enqueue = Vec::with_capacity(iters);
         for _ in 0..iters {
+            before()?;
             if self.opts.flush_l2() {
                 // SAFETY: flush is a live allocation of its length.
                 unsafe {
@@ -463,6 +483,9 @@ fn run_case(
     case: &Case,
     world: usize,
 ) -> R<(Vec<OpResult>, Option<bool>, Option<bool>)> {
+    if case.mode == moe_ep::Mode::LowLatency {
+        return ll::run_case(c, case, world);
+    }
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
     let shape = Shape {
@@ -622,6 +645,10 @@ fn run_case(
                     .map(drop)
                     .map_err(s)
             })?,
+            // Refused by the command line (`--mode ll` runs them: [`ll`]).
+            Op::LlDispatch | Op::LlDispatchFp8 | Op::LlCombine | Op::LlPair => {
+                return Err(format!("{} is an op of --mode ll", op.name()))
+            }
         };
         let b = bytes(op);
         mine.push((op.name().to_string(), samples, b.nvlink, b.logical));
@@ -827,6 +854,9 @@ fn run_nccl_ep(
         Op::Combine | Op::CombinePush => ep.combine(),
         Op::DispatchBwd => ep.dispatch_bwd(),
         Op::CombineBwd => ep.combine_bwd(),
+        Op::LlDispatch | Op::LlDispatchFp8 | Op::LlCombine | Op::LlPair => {
+            Err(format!("{} is an op of --mode ll", op.name()))
+        }
     };
     // Every call once untimed before it is probed (its kernels are
     // compiled at first use). A backward pass it refuses is left out alone.

@@ -19,7 +19,7 @@
 //! | --- | --- |
 //! | `--mode ht --layout rank` | high-throughput (HT), flat layout |
 //! | `--mode ht --layout expert:A` | HT, expert-major, per-expert alignment `A` (a power of two) |
-//! | `--mode ll` (not built yet) | low-latency (LL): add its arm to [`pairing`] and its 3-D buffers to [`Runner::new`] |
+//! | `--mode ll --layout expert` / `rank` | low-latency (LL), expert-major / rank-major ([`ll`]) |
 //!
 //! Its rows ([`crate::report::nccl_ep_row`]): `nccl-ep-layout` is `ncclEpUpdateHandle` (the
 //! routing turned into its handle, what our layout op does),
@@ -70,6 +70,8 @@ use moe_ep::{bf16, Communicator, Mode, NcclVersion, RecvLayout};
 
 use crate::cli::Case;
 
+pub mod ll;
+
 /// Environment variable naming the NCCL EP library (a path or a soname).
 pub const LIBRARY_ENV: &str = "MOE_EP_NCCL_EP_LIBRARY";
 /// Library loaded when [`LIBRARY_ENV`] is unset or empty.
@@ -116,8 +118,7 @@ mod ffi {
     /// `NCCL_EP_TENSOR_MAGIC`.
     pub const TENSOR_MAGIC: c_uint = 0xCAFE_CAFE;
 
-    /// `NCCL_EP_ALGO_LOW_LATENCY` (for the LL pairing, once moe-ep has LL).
-    #[allow(dead_code)]
+    /// `NCCL_EP_ALGO_LOW_LATENCY` ([`super::ll`]).
     pub const ALGO_LOW_LATENCY: c_int = 0;
     /// `NCCL_EP_ALGO_HIGH_THROUGHPUT`.
     pub const ALGO_HIGH_THROUGHPUT: c_int = 1;
@@ -555,9 +556,7 @@ impl Pairing {
 /// What NCCL EP runs beside `case`, or why nothing does.
 pub fn pairing(case: &Case, world: usize) -> Result<Pairing, String> {
     if case.mode != Mode::HighThroughput {
-        // LL: (ALGO_LOW_LATENCY, EXPERT_MAJOR or RANK_MAJOR), 3-D buffers of
-        // [local experts or ranks, max tokens * ranks, hidden]; not yet.
-        return Err("moe-ep has no low-latency mode yet".into());
+        return Err("a --mode ll case pairs with its LL mode (nccl_ep::ll::pairing)".into());
     }
     if case.tokens == 0 {
         return Err("it needs at least one token per rank".into());
@@ -596,14 +595,14 @@ pub fn pairing(case: &Case, world: usize) -> Result<Pairing, String> {
 /// One tensor descriptor with its own extents.
 struct Desc {
     t: ffi::Tensor,
-    sizes: [usize; 2],
+    sizes: [usize; 3],
 }
 
 impl Desc {
-    /// A descriptor of `dims` (1 or 2) elements of `datatype` at `data`;
+    /// A descriptor of `dims` (1 to 3) elements of `datatype` at `data`;
     /// boxed so that its address, and `sizes`', stay put.
     fn new(datatype: c_int, data: u64, dims: &[usize]) -> Box<Desc> {
-        let mut sizes = [0usize; 2];
+        let mut sizes = [0usize; 3];
         sizes[..dims.len()].copy_from_slice(dims);
         let mut d = Box::new(Desc {
             t: ffi::Tensor {
@@ -1528,7 +1527,7 @@ mod tests {
         }
         let mut ll = case(RecvLayout::RankMajor, 8);
         ll.mode = Mode::LowLatency;
-        assert!(pairing(&ll, 1).unwrap_err().contains("low-latency"));
+        assert!(pairing(&ll, 1).unwrap_err().contains("LL mode"));
         assert_eq!(
             report::nccl_ep_row(Op::CombinePush),
             report::NCCL_EP_COMBINE

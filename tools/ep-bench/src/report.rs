@@ -24,7 +24,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::accounting::gbps;
-use crate::cli::{layout_name, mode_name, Case, Op};
+use crate::cli::{mode_name, Case, Op};
 
 /// Op name of the NCCL all-to-all baseline: grouped send/recv with every
 /// rank, this one included (PyTorch's `all_to_all_single`), moving the rows
@@ -64,6 +64,14 @@ pub const NCCL_EP_COMBINE: &str = "nccl-ep-combine";
 pub const NCCL_EP_DISPATCH_BWD: &str = "nccl-ep-dispatch-bwd";
 /// NCCL EP's backward dispatch (the data movement of our combine-bwd).
 pub const NCCL_EP_COMBINE_BWD: &str = "nccl-ep-combine-bwd";
+/// NCCL EP's low-latency dispatch of bf16 rows.
+pub const NCCL_EP_LL_DISPATCH: &str = "nccl-ep-ll-dispatch";
+/// NCCL EP's low-latency dispatch casting the rows to fp8 in its kernel.
+pub const NCCL_EP_LL_DISPATCH_FP8: &str = "nccl-ep-ll-dispatch-fp8";
+/// NCCL EP's low-latency combine.
+pub const NCCL_EP_LL_COMBINE: &str = "nccl-ep-ll-combine";
+/// NCCL EP's low-latency fp8 dispatch then combine, timed together.
+pub const NCCL_EP_LL_PAIR: &str = "nccl-ep-ll-pair";
 
 /// The NCCL EP row that one of our ops is compared with (`vs NCCL-EP`).
 pub fn nccl_ep_row(op: Op) -> &'static str {
@@ -73,17 +81,22 @@ pub fn nccl_ep_row(op: Op) -> &'static str {
         Op::Combine | Op::CombinePush => NCCL_EP_COMBINE,
         Op::DispatchBwd => NCCL_EP_DISPATCH_BWD,
         Op::CombineBwd => NCCL_EP_COMBINE_BWD,
+        Op::LlDispatch => NCCL_EP_LL_DISPATCH,
+        Op::LlDispatchFp8 => NCCL_EP_LL_DISPATCH_FP8,
+        Op::LlCombine => NCCL_EP_LL_COMBINE,
+        Op::LlPair => NCCL_EP_LL_PAIR,
     }
 }
 
 /// The local-copy ceiling that one of our ops is compared with (`vs
 /// local`): ops that fan rows out like dispatch, or in like combine; none
-/// for the layout (it moves no rows).
+/// for the layout (it moves no rows), nor for the low-latency ops that move
+/// fp8 rows (the copies move bf16 rows).
 pub fn local_copy_row(op: Op) -> Option<&'static str> {
     match op {
-        Op::Layout => None,
-        Op::Dispatch | Op::CombineBwd => Some(LOCAL_COPY_DISPATCH),
-        Op::Combine | Op::CombinePush | Op::DispatchBwd => Some(LOCAL_COPY_COMBINE),
+        Op::Layout | Op::LlDispatchFp8 | Op::LlPair => None,
+        Op::Dispatch | Op::CombineBwd | Op::LlDispatch => Some(LOCAL_COPY_DISPATCH),
+        Op::Combine | Op::CombinePush | Op::DispatchBwd | Op::LlCombine => Some(LOCAL_COPY_COMBINE),
     }
 }
 
@@ -302,7 +315,7 @@ fn case_field(c: &Case, i: usize) -> String {
         1 => c.hidden.to_string(),
         2 => c.topk.to_string(),
         3 => c.experts.to_string(),
-        4 => layout_name(c.layout),
+        4 => c.layout_label(),
         _ => c.num_sms.to_string(),
     }
 }
@@ -525,7 +538,7 @@ impl CaseRecord {
             hidden: c.hidden,
             topk: c.topk,
             experts: c.experts,
-            layout: layout_name(c.layout),
+            layout: c.layout_label(),
             num_sms: c.num_sms,
             mode: mode_name(c.mode),
             dtype: c.dtype.name(),
@@ -1124,6 +1137,115 @@ pub(crate) mod tests {
         assert_eq!(cells[cells.len() - 2..], ["0.50x", "0.50x"], "{t}");
         // Without local-copy rows the table has no such column.
         assert!(!table(&[sample(1024, 7168, None)]).contains("vs local"));
+    }
+
+    /// `--mode ll` at world 1, both layouts: our four ops beside NCCL EP's
+    /// four rows; the layouts named `expert` / `rank`; every op of ours gets
+    /// its `vs NCCL-EP` (ll-pair against NCCL EP's pair), the fp8 ops no
+    /// `vs local`.
+    #[test]
+    fn low_latency_rows() {
+        for (op, ep, local) in [
+            (
+                Op::LlDispatch,
+                NCCL_EP_LL_DISPATCH,
+                Some(LOCAL_COPY_DISPATCH),
+            ),
+            (Op::LlDispatchFp8, NCCL_EP_LL_DISPATCH_FP8, None),
+            (Op::LlCombine, NCCL_EP_LL_COMBINE, Some(LOCAL_COPY_COMBINE)),
+            (Op::LlPair, NCCL_EP_LL_PAIR, None),
+        ] {
+            assert_eq!((nccl_ep_row(op), local_copy_row(op)), (ep, local), "{op:?}");
+        }
+        let ll = |layout: RecvLayout| {
+            let mut c = case(128, 7168);
+            (c.mode, c.layout) = (Mode::LowLatency, layout);
+            // World 1: nothing crosses; the logical bytes give the GB/s.
+            let one = |name: &str, us: f64| {
+                let mut o = op(name, &[us], &[0]);
+                o.logical_bytes = vec![14_680_064];
+                o
+            };
+            CaseResult {
+                case: c,
+                ops: vec![
+                    one("ll-dispatch", 20.0),
+                    one("ll-dispatch-fp8", 25.0),
+                    one("ll-combine", 30.0),
+                    one("ll-pair", 50.0),
+                    one(LOCAL_COPY_DISPATCH, 10.0),
+                    one(LOCAL_COPY_COMBINE, 15.0),
+                    one(NCCL_EP_LL_DISPATCH, 40.0),
+                    one(NCCL_EP_LL_DISPATCH_FP8, 50.0),
+                    one(NCCL_EP_LL_COMBINE, 15.0),
+                    one(NCCL_EP_LL_PAIR, 100.0),
+                ],
+                world: 1,
+                ranks: Ranks::Nccl,
+                gpu_name: "NVIDIA H200".to_string(),
+                check: Some(true),
+                nccl_ep_check: Some(true),
+            }
+        };
+        let results = [
+            ll(RecvLayout::ExpertMajor { alignment: 1 }),
+            ll(RecvLayout::RankMajor),
+        ];
+        for r in &results {
+            for name in ["ll-dispatch", "ll-dispatch-fp8", "ll-combine", "ll-pair"] {
+                assert!(r.op(name).unwrap().is_ours(), "{name}");
+            }
+            assert!(!r.op(NCCL_EP_LL_PAIR).unwrap().is_ours());
+            let vs = |name: &str| r.vs_nccl_ep(r.op(name).unwrap()).unwrap();
+            assert_eq!(
+                ["ll-dispatch", "ll-dispatch-fp8", "ll-combine", "ll-pair"].map(vs),
+                [2.0, 2.0, 0.5, 2.0]
+            );
+            assert_eq!(r.vs_local(r.op("ll-dispatch-fp8").unwrap()), None);
+        }
+        let t = table(&results);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("mode ll"), "{t}");
+        assert!(
+            lines[1].starts_with("layout  op") && lines[1].ends_with("vs NCCL-EP  vs local  check"),
+            "{t}"
+        );
+        let rows: Vec<Vec<&str>> = lines[3..]
+            .iter()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows.len(), 20, "{t}");
+        assert_eq!(rows[0][..2], ["expert", "ll-dispatch"], "{t}");
+        assert_eq!(rows[10][..2], ["rank", "ll-dispatch"], "{t}");
+        // ll-dispatch: 14.68e6 B / 20 µs = 734.0 logical GB/s, no NVLink GB/s,
+        // 40 / 20 = 2.00x NCCL EP, 10 / 20 = 0.50x the local copy.
+        assert_eq!(
+            rows[0][2..],
+            ["20.00", "18.00", "24.00", "-", "734.0", "-", "-", "-", "2.00x", "0.50x", "ok"],
+            "{t}"
+        );
+        assert_eq!(rows[3][1], "ll-pair");
+        assert_eq!(rows[3][rows[3].len() - 3..], ["2.00x", "-", "ok"], "{t}");
+        let doc: serde_json::Value = serde_json::from_str(&json(&results)).unwrap();
+        let r0 = &doc["results"][0];
+        assert_eq!(
+            (r0["case"]["mode"].as_str(), r0["case"]["layout"].as_str()),
+            (Some("ll"), Some("expert"))
+        );
+        assert_eq!(doc["results"][1]["case"]["layout"], "rank");
+        assert_eq!(r0["ops"][2]["vs_nccl_ep"], 0.5);
+        assert_eq!(r0["ops"][9]["op"], NCCL_EP_LL_PAIR);
+        let text = csv(&results);
+        let mut rd = csv::Reader::from_reader(text.as_bytes());
+        let h: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        let at = |n: &str| h.iter().position(|x| x == n).unwrap();
+        let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+        assert_eq!(rows.len(), 20);
+        assert_eq!(
+            (&rows[13][at("op")], &rows[13][at("layout")]),
+            ("ll-pair", "rank")
+        );
+        assert_eq!(rows[13][at("vs_nccl_ep")].parse::<f64>().unwrap(), 2.0);
     }
 
     /// The table line of op `name`.

@@ -2,8 +2,10 @@
 //! `--check` that must exit 0. On >= 2 GPUs the tool starts its own ranks
 //! (`--gpus 2`) and the table has the baselines; on one GPU it runs 2, 4 and
 //! 8 virtual ranks, whose table, JSON and CSV must say so. On any GPU: the
-//! local-copy ceilings' kernel moves the right rows, and an expert-major run
-//! on virtual ranks reports its ops against those ceilings (`vs local`).
+//! local-copy ceilings' kernel moves the right rows, an expert-major run
+//! on virtual ranks reports its ops against those ceilings (`vs local`), and
+//! `--mode ll` runs and checks its four ops in both layouts on 2 virtual
+//! ranks and on one NCCL rank.
 #![cfg(feature = "multi-gpu")]
 
 use std::path::PathBuf;
@@ -419,4 +421,120 @@ fn expert_major_against_local_copy() {
         assert_eq!(row[col].parse::<f64>().is_ok(), moves_rows, "{row:?}");
     }
     let _ = (std::fs::remove_file(&json), std::fs::remove_file(&csv));
+}
+
+/// `--mode ll` on 2 virtual ranks, both layouts, `--check`: the four ops
+/// and the local-copy ceilings in the table (all checked ok), the JSON and
+/// CSV; then the same case on one NCCL rank (`--gpus 1`, without NCCL EP).
+#[test]
+fn low_latency_mode_with_check() {
+    let _turn = gpu_turn();
+    if gpus("low_latency_mode_with_check") == 0 {
+        return;
+    }
+    const OPS: [&str; 4] = ["ll-dispatch", "ll-dispatch-fp8", "ll-combine", "ll-pair"];
+    let case = [
+        "--mode",
+        "ll",
+        "--tokens",
+        "64",
+        "--hidden",
+        "1024",
+        "--topk",
+        "4",
+        "--experts",
+        "16",
+        "--layout",
+        "expert,rank",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--check",
+        "--quiet",
+    ];
+    let tmp = std::env::temp_dir().join(format!("ep-bench-ll-{}", std::process::id()));
+    let (json, csv) = (tmp.with_extension("json"), tmp.with_extension("csv"));
+    let (json_s, csv_s) = (json.to_str().unwrap(), csv.to_str().unwrap());
+    let args = [
+        &["--virtual-ranks", "2"][..],
+        &case,
+        &["--json", json_s, "--csv", csv_s],
+    ];
+    let (stdout, _) = run(&args.concat());
+    assert!(stdout.starts_with("2 virtual ranks on one GPU"), "{stdout}");
+    assert!(stdout.contains("mode ll"), "{stdout}");
+    // The layout column varies: every row starts with it.
+    for layout in ["expert", "rank"] {
+        for op in OPS {
+            let row = stdout
+                .lines()
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .find(|c| c.len() > 2 && c[0] == layout && c[1] == op)
+                .unwrap_or_else(|| panic!("no `{layout} {op}` row:\n{stdout}"));
+            assert_eq!(row.last(), Some(&"ok"), "{layout} {op}:\n{stdout}");
+        }
+    }
+    for baseline in ["nccl-", "peer-", "bulk-", "copy-engine"] {
+        assert!(!stdout.contains(baseline), "a baseline ran:\n{stdout}");
+    }
+
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("--json writes JSON");
+    let results = doc["results"].as_array().unwrap();
+    let layouts: Vec<&str> = (results.iter())
+        .map(|r| r["case"]["layout"].as_str().unwrap())
+        .collect();
+    assert_eq!(layouts, ["expert", "rank"], "{doc}");
+    for r in results {
+        assert_eq!(
+            (
+                r["ranks"].as_str(),
+                r["world"].as_u64(),
+                r["check"].as_bool()
+            ),
+            (Some("virtual"), Some(2), Some(true)),
+            "{r}"
+        );
+        assert_eq!(r["case"]["mode"], "ll", "{r}");
+        let ops = r["ops"].as_array().unwrap();
+        let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+        assert_eq!(
+            names,
+            [&OPS[..], &["local-copy-dispatch", "local-copy-combine"]].concat(),
+            "{r}"
+        );
+        for o in &ops[..4] {
+            assert!(o["median_us"].as_f64().is_some_and(|m| m > 0.0), "{o}");
+            assert!(o["logical_bytes"].as_u64().is_some_and(|b| b > 0), "{o}");
+            assert_eq!(o["baseline"], false, "{o}");
+        }
+    }
+    let mut rd = csv::Reader::from_path(&csv).expect("--csv writes CSV");
+    let header = rd.headers().unwrap().clone();
+    let col = |name: &str| header.iter().position(|h| h == name).unwrap();
+    let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+    assert_eq!(rows.len(), 2 * 6);
+    for row in &rows {
+        assert_eq!(
+            (&row[col("mode")], &row[col("check")]),
+            ("ll", "ok"),
+            "{row:?}"
+        );
+    }
+    let _ = (std::fs::remove_file(&json), std::fs::remove_file(&csv));
+
+    // One NCCL rank: the same ops, checked (NCCL EP left out: this test is
+    // about ours).
+    let (stdout, _) = run(&[&["--gpus", "1", "--no-nccl-ep"][..], &case].concat());
+    for layout in ["expert", "rank"] {
+        for op in OPS {
+            let row = stdout
+                .lines()
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .find(|c| c.len() > 2 && c[0] == layout && c[1] == op)
+                .unwrap_or_else(|| panic!("no `{layout} {op}` row:\n{stdout}"));
+            assert_eq!(row.last(), Some(&"ok"), "{layout} {op}:\n{stdout}");
+        }
+    }
 }
