@@ -414,6 +414,7 @@ std::string run_ll(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *hos
   std::string times, failed;
   bool refused = false;
   moe_ep_ll_handle_t *last = nullptr;  // kept past the group's destroy (it holds the group)
+  uint32_t batches = 0;  // the group alternates its two buffer sets over all of its batches
   for (const LlCase &c : cases) {
     bool fp8 = c.payload != MOE_EP_LL_BF16;
     moe_ep_ll_dispatch_args_t da = MOE_EP_LL_DISPATCH_ARGS_INIT;
@@ -442,8 +443,9 @@ std::string run_ll(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *hos
       ok(moe_ep_ll_handle_info(h, &info), "moe_ep_ll_handle_info");
       if (info.num_rows != (c.layout == MOE_EP_LAYOUT_EXPERT_MAJOR ? rows : W * kLlTokens) ||
           info.state != MOE_EP_LL_RECEIVED || info.fp8 != uint32_t(fp8) ||
-          info.buffer_set != uint32_t(it % 2))
+          info.buffer_set != batches % 2)
         failed += std::string(c.name) + ": unexpected handle info; ";
+      batches++;
       if (fp8 && it == 0) {
         // The experts: each received row checked against its source token's
         // cast, then dequantized to bf16 (y = e4m3(q) * scale), the rows

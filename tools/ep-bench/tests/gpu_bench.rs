@@ -359,7 +359,13 @@ fn expert_major_against_local_copy() {
         let cells: Vec<&str> = row(op).split_whitespace().collect();
         let ratio = cells[cells.len() - 2];
         assert!(
-            ratio.ends_with('x') && ratio.trim_end_matches('x').parse::<f64>().unwrap() > 0.0,
+            // A ratio, however small: virtual ranks' medians hold each
+            // other's waits (0.00x was seen at world 2 on one H200).
+            ratio.ends_with('x')
+                && ratio
+                    .trim_end_matches('x')
+                    .parse::<f64>()
+                    .is_ok_and(|r| r >= 0.0),
             "{op}: no vs local:\n{stdout}"
         );
         assert_eq!(cells[cells.len() - 1], "ok", "{stdout}");
