@@ -1830,6 +1830,50 @@ fn bad_buffers_are_refused_naming_the_argument() {
     });
 }
 
+/// Memory of another GPU as an input: refused by name, naming both GPUs
+/// (needs two real GPUs: a one-rank virtual world on GPU 0 and a buffer of
+/// GPU 1; SKIP otherwise).
+#[test]
+fn memory_of_another_gpu_is_refused() {
+    let gpus = moe_ep::device_count().unwrap_or(0);
+    if gpus < 2 {
+        eprintln!("SKIP memory_of_another_gpu_is_refused: {gpus} GPU(s), needs 2");
+        return;
+    }
+    let run = || -> Result<()> {
+        let c = small(64, 1024, 2, 16, Routing::Uniform);
+        let ctx0 = moe_ep::cuda::CudaContext::new(0).map_err(Error::cuda("cuCtxCreate"))?;
+        let ctx1 = moe_ep::cuda::CudaContext::new(1).map_err(Error::cuda("cuCtxCreate"))?;
+        let comm = moe_ep::Communicator::virtual_world(&ctx0, 1)?.remove(0);
+        let group = EpGroup::new(&comm, GroupConfig::new(c.experts, c.hidden, c.tokens))?;
+        let shape = shape_of(&c, 1);
+        let inputs = workload::rank_inputs(52, &shape, &[c.tokens], c.routing);
+        let (s0, s1) = (ctx0.default_stream(), ctx1.default_stream());
+        let (w, idx) = (
+            up(&s0, &inputs[0].topk_weights)?,
+            up(&s0, &inputs[0].topk_idx)?,
+        );
+        let x_other = up(&s1, &inputs[0].tokens)?;
+        ctx0.bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let handle = group.layout(&s0, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+        match group.dispatch(&s0, &handle, &x_other, &w, DispatchOut::default()) {
+            Err(Error::InvalidArgument { arg: "x", got, .. })
+                if got.contains("memory of GPU 1") => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "x on GPU 1 for a group on GPU 0: expected InvalidArgument for `x`, got {:?}",
+                    other.map(drop)
+                )))
+            }
+        }
+        group.check()
+    };
+    if let Err(e) = run() {
+        panic!("{e}");
+    }
+}
+
 /// Free device memory with the default stream-ordered pool trimmed (what the
 /// handles' arrays were freed into is given back first).
 fn trimmed_free_memory(r: &Rank) -> Result<usize> {
