@@ -706,27 +706,8 @@ fn run_case(
                     w: DeviceRegion::device_ptr(&w),
                 };
                 let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
-                // Every rank keeps its rows only when every rank has them.
-                let code = match &ran {
-                    Ok((_, Some(true))) => 1u8,
-                    Ok((_, Some(false))) => 2,
-                    Ok((_, None)) => 3,
-                    Err(_) => 0,
-                };
-                let all = c.comm.all_gather_host(s_, &[code]).map_err(s)?;
-                match ran {
-                    Ok((rows, v)) if all.iter().all(|&a| a != 0) => {
-                        mine.extend(rows);
-                        nccl_ep_check = v.map(|_| all.iter().all(|&a| a == 1));
-                    }
-                    Ok(_) => c.note(&format!(
-                        "ep-bench: NCCL EP: {}: failed on another rank; its rows left out",
-                        case.label()
-                    )),
-                    Err(e) => eprintln!(
-                        "ep-bench: rank {rank}: NCCL EP: {}: {e}; its rows left out",
-                        case.label()
-                    ),
+                if let Some(v) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
+                    nccl_ep_check = v;
                 }
             }
         }
@@ -806,6 +787,47 @@ fn returns_while_held(stream: &Arc<CudaStream>, f: impl FnOnce() -> R<()>) -> R<
     drop(word);
     ran?;
     Ok(!fired)
+}
+
+/// NCCL EP's rows of a case (`ran`: its measurements and cross-check
+/// verdict) go into `mine` only when every rank ran it; returns the check
+/// verdict over all ranks then (`Some(None)`: not checked), `None` when
+/// its rows were left out (said once).
+fn keep_nccl_ep_rows(
+    c: &Ctx<'_>,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    ran: R<(Vec<Measured>, Option<bool>)>,
+    mine: &mut Vec<Measured>,
+) -> R<Option<Option<bool>>> {
+    let code = match &ran {
+        Ok((_, Some(true))) => 1u8,
+        Ok((_, Some(false))) => 2,
+        Ok((_, None)) => 3,
+        Err(_) => 0,
+    };
+    let all = c.comm.all_gather_host(stream, &[code]).map_err(s)?;
+    match ran {
+        Ok((rows, v)) if all.iter().all(|&a| a != 0) => {
+            mine.extend(rows);
+            Ok(Some(v.map(|_| all.iter().all(|&a| a == 1))))
+        }
+        Ok(_) => {
+            c.note(&format!(
+                "ep-bench: NCCL EP: {}: failed on another rank; its rows left out",
+                case.label()
+            ));
+            Ok(None)
+        }
+        Err(e) => {
+            eprintln!(
+                "ep-bench: rank {}: NCCL EP: {}: {e}; its rows left out",
+                c.comm.rank(),
+                case.label()
+            );
+            Ok(None)
+        }
+    }
 }
 
 /// NCCL EP beside one case: its group and handle, its layout (handle

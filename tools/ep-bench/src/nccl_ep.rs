@@ -1095,21 +1095,48 @@ impl Runner {
 
 impl Drop for Runner {
     fn drop(&mut self) {
-        // Its work done before its buffers go (theirs are freed by destroy).
-        let _ = self.stream.synchronize();
-        if !self.handle.is_null() {
-            // SAFETY: created by ncclEpInitHandle, destroyed once.
-            let rc = unsafe { (self.lib.handle_destroy)(self.handle) };
-            if let Err(e) = self.lib.check("ncclEpHandleDestroy", rc, self.comm) {
-                eprintln!("ep-bench: {e}");
-            }
+        // SAFETY: its handle and group, created by this runner, go once.
+        unsafe {
+            destroy(
+                self.lib,
+                self.comm,
+                &self.stream,
+                self.handle,
+                self.group,
+                "",
+            )
+        };
+    }
+}
+
+/// The end of a runner (high throughput or low latency): its stream's work
+/// done before its buffers go (NCCL EP's are freed by destroy), then its
+/// handle, then its group; failures are printed (`what` tags the calls).
+///
+/// # Safety
+/// `handle` and `group` are null or live objects of `lib` on `comm`, each
+/// destroyed here once, the handle belonging to the group.
+pub(crate) unsafe fn destroy(
+    lib: &Lib,
+    comm: ffi::ncclComm_t,
+    stream: &CudaStream,
+    handle: ffi::ncclEpHandle_t,
+    group: ffi::ncclEpGroup_t,
+    what: &str,
+) {
+    let _ = stream.synchronize();
+    if !handle.is_null() {
+        // SAFETY: created by ncclEpInitHandle, destroyed once (caller).
+        let rc = unsafe { (lib.handle_destroy)(handle) };
+        if let Err(e) = lib.check(&format!("ncclEpHandleDestroy{what}"), rc, comm) {
+            eprintln!("ep-bench: {e}");
         }
-        if !self.group.is_null() {
-            // SAFETY: created by ncclEpCreateGroup, destroyed once, after its handle.
-            let rc = unsafe { (self.lib.group_destroy)(self.group) };
-            if let Err(e) = self.lib.check("ncclEpGroupDestroy", rc, self.comm) {
-                eprintln!("ep-bench: {e}");
-            }
+    }
+    if !group.is_null() {
+        // SAFETY: created by ncclEpCreateGroup, destroyed once, after its handle.
+        let rc = unsafe { (lib.group_destroy)(group) };
+        if let Err(e) = lib.check(&format!("ncclEpGroupDestroy{what}"), rc, comm) {
+            eprintln!("ep-bench: {e}");
         }
     }
 }

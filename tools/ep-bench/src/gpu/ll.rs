@@ -28,7 +28,8 @@ use moe_ep::reference::{self as refr, LlDispatchOutput, LlPayload, LlTokens, Ran
 use moe_ep::{bf16, EpGroup, GroupConfig, Mode};
 
 use super::{
-    baselines, gather, local_copies, rank_input, returns_while_held, routings, s, Ctx, Measured, R,
+    baselines, gather, keep_nccl_ep_rows, local_copies, rank_input, returns_while_held, routings,
+    s, Ctx, Measured, R,
 };
 use crate::accounting::{pair_counts, LlTraffic};
 use crate::cli::{ll_layout, ll_layout_name, Case, Op};
@@ -568,26 +569,8 @@ pub(super) fn run_case(
                     w: DeviceRegion::device_ptr(&b.w),
                 };
                 let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
-                let code = match &ran {
-                    Ok((_, Some(true))) => 1u8,
-                    Ok((_, Some(false))) => 2,
-                    Ok((_, None)) => 3,
-                    Err(_) => 0,
-                };
-                let all = c.comm.all_gather_host(s_, &[code]).map_err(s)?;
-                match ran {
-                    Ok((rows, v)) if all.iter().all(|&a| a != 0) => {
-                        mine.extend(rows);
-                        nccl_ep_check = v.map(|_| all.iter().all(|&a| a == 1));
-                    }
-                    Ok(_) => c.note(&format!(
-                        "ep-bench: NCCL EP: {}: failed on another rank; its rows left out",
-                        case.label()
-                    )),
-                    Err(e) => eprintln!(
-                        "ep-bench: rank {rank}: NCCL EP: {}: {e}; its rows left out",
-                        case.label()
-                    ),
+                if let Some(v) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
+                    nccl_ep_check = v;
                 }
             }
         }

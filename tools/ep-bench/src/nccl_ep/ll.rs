@@ -460,22 +460,17 @@ impl Runner {
 
 impl Drop for Runner {
     fn drop(&mut self) {
-        // Its work done before its buffers go (theirs are freed by destroy).
-        let _ = self.stream.synchronize();
-        if !self.handle.is_null() {
-            // SAFETY: created by ncclEpInitHandle, destroyed once.
-            let rc = unsafe { (self.lib.handle_destroy)(self.handle) };
-            if let Err(e) = self.lib.check("ncclEpHandleDestroy (LL)", rc, self.comm) {
-                eprintln!("ep-bench: {e}");
-            }
-        }
-        if !self.group.is_null() {
-            // SAFETY: created by ncclEpCreateGroup, destroyed once, after its handle.
-            let rc = unsafe { (self.lib.group_destroy)(self.group) };
-            if let Err(e) = self.lib.check("ncclEpGroupDestroy (LL)", rc, self.comm) {
-                eprintln!("ep-bench: {e}");
-            }
-        }
+        // SAFETY: its handle and group, created by this runner, go once.
+        unsafe {
+            super::destroy(
+                self.lib,
+                self.comm,
+                &self.stream,
+                self.handle,
+                self.group,
+                " (LL)",
+            )
+        };
     }
 }
 
