@@ -314,6 +314,12 @@ struct LlBufs {
   uint64_t set_seq;       // uint64: the sequence number of the set's batch
   // after both local sets:
   uint64_t counters;      // uint64 [MAX_BLOCKS] dispatch calls per block
+  // local set, again (added after the others):
+  uint64_t em_stage;      // int32 [E][M]: (expert, source)'s rows in token order, t * 32 + slot
+  uint64_t em_off;        // int32 [E + 1]: rows before each (expert, source), then the total
+  uint64_t ticket;        // uint32: blocks of the receive done (zeroed by the send)
+  uint64_t home_row;      // int32 [M][KM]: expert-major, my token's slot k -> its row here
+                          // (valid where the slot's expert is mine)
 };
 
 // Every low-latency kernel's parameters (low_latency.cu). op carries the
@@ -330,6 +336,10 @@ struct LlParams {
   const float* comb_w;    // combine recv, expert-major: [T][K] weights, or null (the dispatch's)
   void* out;              // combine recv: [T][H] bf16
   int32_t set, max_tokens, payload, cast;
+  int32_t in_place;       // combine: rows whose home is this rank stay in y (read there
+                          // by the home's sum, so y must be intact until it; the one-call
+                          // combine only)
+  int32_t _pad;
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
@@ -341,13 +351,15 @@ static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 640, "DispatchParams");
 static_assert(sizeof(CombineParams) == 472, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
-static_assert(sizeof(LlBufs) == 224, "LlBufs");
-static_assert(sizeof(LlParams) == 536, "LlParams");
+static_assert(sizeof(LlBufs) == 256, "LlBufs");
+static_assert(sizeof(LlParams) == 576, "LlParams");
 static_assert(offsetof(LlBufs, local) == 64 && offsetof(LlBufs, sig_dispatch) == 88 &&
-                  offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 216,
+                  offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 216 &&
+                  offsetof(LlBufs, ticket) == 240,
               "LlBufs offsets");
-static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 464 &&
-                  offsetof(LlParams, out) == 512 && offsetof(LlParams, set) == 520,
+static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 496 &&
+                  offsetof(LlParams, out) == 544 && offsetof(LlParams, set) == 552 &&
+                  offsetof(LlParams, in_place) == 568,
               "LlParams offsets");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&

@@ -46,7 +46,7 @@ namespace {
 constexpr uint32_t kE4m3MaxInvBits = 0x3B124925u;
 constexpr float kE4m3Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
-constexpr int kLlUnroll = 4;  // 16-byte vectors in flight per lane per row pass
+constexpr int kLlUnroll = 8;  // 16-byte vectors in flight per lane per row pass
 
 // ---- one buffer set as mapped here ----
 __device__ __forceinline__ char* sym_set(const LlParams& p, int r) {
@@ -65,14 +65,18 @@ __device__ __forceinline__ size_t row_bytes(const LlParams& p) {
 }
 
 // The sender's sequence number: this block's dispatch counter + 1; block 0
-// records it in the set for the set's later kernels.
+// records it in the set for the set's later kernels (and zeroes the set's
+// ticket for the receive).
 __device__ uint64_t ll_next_seq(const LlParams& p) {
   __shared__ uint64_t s_seq;
   if (threadIdx.x == 0) {
     uint64_t* c = at<uint64_t>(p.b.local, p.b.counters) + blockIdx.x;
     s_seq = *c + 1;
     *c = s_seq;
-    if (blockIdx.x == 0) *at<uint64_t>(local_set(p), p.b.set_seq) = s_seq;
+    if (blockIdx.x == 0) {
+      *at<uint64_t>(local_set(p), p.b.set_seq) = s_seq;
+      *at<unsigned>(local_set(p), p.b.ticket) = 0u;  // the receive's last-block ticket
+    }
   }
   __syncthreads();
   return s_seq;
@@ -120,21 +124,57 @@ __device__ __forceinline__ void block_scale(float amax, bool pow2, float* scale,
   }
 }
 
-// ---- sender: one token's row to every rank in dmask (a warp) ----
-// bf16 rows, or the caller's fp8 rows (codes, then scales): copied as they are.
-__device__ __forceinline__ void send_row_copy(const LlParams& p, int t, size_t row,
-                                              unsigned dmask, int lane) {
-  const int R = p.op.world, H = p.op.hidden;
-  const bool fp8 = p.payload == MOE_EP_LL_FP8;
-  const size_t rb = row_bytes(p);
-  const int n16 = (int)(rb / 16);
-  const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + (size_t)t * rb);
-  for (int base = 0; base < n16; base += 32 * kLlUnroll) {
+// ---- flat work over the grid's warps ----
+// A row of n16 16-byte vectors is cut into `parts` pieces of whole warp
+// passes (32 vectors each), so that few rows still keep every warp busy.
+__device__ __forceinline__ int parts_for(int rows, int n16, int nw) {
+  const int passes = (n16 + 31) / 32;
+  const int want = rows > 0 ? nw / rows : 1;
+  return want < 1 ? 1 : (want > passes ? passes : want);
+}
+// Vector range [c0, c1) of piece `part` of `parts` of a row of n16 vectors.
+__device__ __forceinline__ void piece(int n16, int part, int parts, int* c0, int* c1) {
+  const int passes = (n16 + 31) / 32;
+  *c0 = (passes * part / parts) * 32;
+  const int e = (passes * (part + 1) / parts) * 32;
+  *c1 = e < n16 ? e : n16;
+}
+// Copies vectors [c0, c1) of src to dst, a warp, kLlUnroll loads in flight
+// per lane.
+__device__ __forceinline__ void warp_copy(const int4* src, int4* dst, int c0, int c1, int lane) {
+  for (int base = c0; base < c1; base += 32 * kLlUnroll) {
     int4 v[kLlUnroll];
 #pragma unroll
     for (int i = 0; i < kLlUnroll; ++i) {
       const int c = base + i * 32 + lane;
-      if (c < n16) v[i] = ld_nc_v4(src + c);
+      if (c < c1) v[i] = ld_nc_v4(src + c);
+    }
+#pragma unroll
+    for (int i = 0; i < kLlUnroll; ++i) {
+      const int c = base + i * 32 + lane;
+      if (c < c1) st_na_v4(dst + c, v[i]);
+    }
+  }
+}
+
+// ---- sender: a piece of one token's row to every rank in dmask (a warp) ----
+// bf16 rows, or the caller's fp8 rows (codes; the scales with piece 0):
+// copied as they are.
+__device__ __forceinline__ void send_row_copy(const LlParams& p, int t, size_t row,
+                                              unsigned dmask, int lane, int part, int parts) {
+  const int R = p.op.world, H = p.op.hidden;
+  const bool fp8 = p.payload == MOE_EP_LL_FP8;
+  const size_t rb = row_bytes(p);
+  const int n16 = (int)(rb / 16);
+  int c0, c1;
+  piece(n16, part, parts, &c0, &c1);
+  const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + (size_t)t * rb);
+  for (int base = c0; base < c1; base += 32 * kLlUnroll) {
+    int4 v[kLlUnroll];
+#pragma unroll
+    for (int i = 0; i < kLlUnroll; ++i) {
+      const int c = base + i * 32 + lane;
+      if (c < c1) v[i] = ld_nc_v4(src + c);
     }
     for (int d = 0; d < R; ++d) {
       if (!((dmask >> d) & 1u)) continue;
@@ -142,11 +182,11 @@ __device__ __forceinline__ void send_row_copy(const LlParams& p, int t, size_t r
 #pragma unroll
       for (int i = 0; i < kLlUnroll; ++i) {
         const int c = base + i * 32 + lane;
-        if (c < n16) st_na_v4(dst + c, v[i]);
+        if (c < c1) st_na_v4(dst + c, v[i]);
       }
     }
   }
-  if (fp8) {
+  if (fp8 && part == 0) {
     const int nb = H / MOE_EP_FP8_BLOCK;
     for (int c = lane; c < nb; c += 32) {
       const float sc = p.x_scales[(size_t)t * nb + c];
@@ -157,46 +197,92 @@ __device__ __forceinline__ void send_row_copy(const LlParams& p, int t, size_t r
   }
 }
 
-// bf16 rows cast to fp8 on the way: a half warp per block of 128 values
-// (8 per lane), the block's amax by shuffles, one scale per block.
+// A piece of a bf16 row cast to fp8 on the way: a half warp per block of
+// 128 values (8 per lane), the block's amax by shuffles, one scale per
+// block. kCastUnroll passes' loads are issued before any is used.
+constexpr int kCastUnroll = 4;
 __device__ __forceinline__ void send_row_cast(const LlParams& p, int t, size_t row,
-                                              unsigned dmask, int lane) {
+                                              unsigned dmask, int lane, int part, int parts) {
   const int R = p.op.world, H = p.op.hidden, n16 = H / 8, nb = H / MOE_EP_FP8_BLOCK;
   const bool pow2 = p.cast == MOE_EP_LL_CAST_POW2;
   const int4* src = reinterpret_cast<const int4*>(p.x) + (size_t)t * n16;
-  for (int base = 0; base < n16; base += 32) {
-    const int c = base + lane;  // this lane's 8 values; block c / 16
-    const bool act = c < n16;   // n16 is a multiple of 16: whole half warps
-    const int4 v = act ? ld_nc_v4(src + c) : make_int4(0, 0, 0, 0);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    float f[8];
+  int c0, c1;
+  piece(n16, part, parts, &c0, &c1);
+  for (int base0 = c0; base0 < c1; base0 += 32 * kCastUnroll) {
+    int4 in[kCastUnroll];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 x = __bfloat1622float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
+    for (int u = 0; u < kCastUnroll; ++u) {
+      const int c = base0 + u * 32 + lane;
+      in[u] = c < c1 ? ld_nc_v4(src + c) : make_int4(0, 0, 0, 0);
     }
-    float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    for (int u = 0; u < kCastUnroll; ++u) {
+      const int base = base0 + u * 32;
+      if (base >= c1) break;      // warp-uniform
+      const int c = base + lane;  // this lane's 8 values; block c / 16
+      const bool act = c < c1;    // c1 is a multiple of 16: whole half warps
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&in[u]);
+      float f[8];
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    amax = fmaxf(kAmaxFloor, amax);
-    float scale, mul;
-    block_scale(amax, pow2, &scale, &mul);
-    uint2 q;
-    q.x = e4m3x2(__fmul_rn(f[0], mul), __fmul_rn(f[1], mul)) |
-          (e4m3x2(__fmul_rn(f[2], mul), __fmul_rn(f[3], mul)) << 16);
-    q.y = e4m3x2(__fmul_rn(f[4], mul), __fmul_rn(f[5], mul)) |
-          (e4m3x2(__fmul_rn(f[6], mul), __fmul_rn(f[7], mul)) << 16);
-    if (!act) continue;
-    for (int d = 0; d < R; ++d) {
-      if (!((dmask >> d) & 1u)) continue;
-      char* s = sym_set(p, d);
-      *reinterpret_cast<uint2*>(s + p.b.recv_x + row * (size_t)H + (size_t)c * 8) = q;
-      if ((lane & 15) == 0) at<float>(s, p.b.recv_scales)[row * nb + c / 16] = scale;
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = __bfloat1622float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      amax = fmaxf(kAmaxFloor, amax);
+      float scale, mul;
+      block_scale(amax, pow2, &scale, &mul);
+      uint2 q;
+      q.x = e4m3x2(__fmul_rn(f[0], mul), __fmul_rn(f[1], mul)) |
+            (e4m3x2(__fmul_rn(f[2], mul), __fmul_rn(f[3], mul)) << 16);
+      q.y = e4m3x2(__fmul_rn(f[4], mul), __fmul_rn(f[5], mul)) |
+            (e4m3x2(__fmul_rn(f[6], mul), __fmul_rn(f[7], mul)) << 16);
+      if (!act) continue;
+      for (int d = 0; d < R; ++d) {
+        if (!((dmask >> d) & 1u)) continue;
+        char* s = sym_set(p, d);
+        *reinterpret_cast<uint2*>(s + p.b.recv_x + row * (size_t)H + (size_t)c * 8) = q;
+        if ((lane & 15) == 0) at<float>(s, p.b.recv_scales)[row * nb + c / 16] = scale;
+      }
     }
   }
+}
+
+// ---- expert-major rows of a set, counted (after the dispatch receive) ----
+// Staged entry i of (local expert j, source s): token t and top-k slot,
+// packed as t * 32 + slot at em_stage[(j * R + s) * M + i]; em_off[j * R +
+// s] is the number of rows before it in (j, s) order, em_off[E] the total.
+// Row f of that order: its (j, s), its token and slot, and its row in the
+// expert-major layout.
+struct EmRow {
+  int j, s, t, slot;
+  size_t row;
+};
+__device__ __forceinline__ EmRow em_locate(const LlParams& p, const int32_t* off, int f) {
+  const int R = p.op.world, E = p.op.num_experts, M = p.max_tokens;
+  int lo = 0, hi = E;  // off[lo] <= f < off[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= f) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const int i = f - off[lo];
+  const int e = at<const int32_t>(local_set(p), p.b.em_stage)[(size_t)lo * M + i];
+  EmRow r;
+  r.j = lo / R;
+  r.s = lo % R;
+  r.t = e >> 5;
+  r.slot = e & 31;
+  r.row = (size_t)r.j * R * M + (size_t)(off[lo] - off[r.j * R]) + i;
+  return r;
 }
 
 }  // namespace
@@ -219,8 +305,13 @@ __device__ void ll_dispatch_send(const LlParams& p) {
   char* loc = local_set(p);
   int32_t* home_topk = at<int32_t>(loc, p.b.home_topk);
   float* home_w = at<float>(loc, p.b.home_w);
+  const int n16 = (int)(p.cast != MOE_EP_LL_CAST_NONE ? p.op.hidden / 8 : row_bytes(p) / 16);
+  const int parts = parts_for(T, n16, nw);
 
-  for (int t = gw; t < T; t += nw) {
+  // Item (token t, piece part): every piece reads the token's routing; piece
+  // 0 also reports it and writes the slots.
+  for (int it = gw; it < T * parts; it += nw) {
+    const int t = it / parts, part = it % parts;
     // Routing, lane k = slot k: an id outside [-1, E) or one an earlier slot
     // already named is reported (the lowest such slot of the lowest token,
     // by every receiver) and not routed.
@@ -230,40 +321,42 @@ __device__ void ll_dispatch_send(const LlParams& p) {
       const long long o = __shfl_sync(0xffffffffu, v, k2);
       if (code == 0 && k2 < lane && lane < K && v >= 0 && o == v) code = MOE_EP_ERR_DUP_EXPERT;
     }
-    const unsigned bad_lanes = __ballot_sync(0xffffffffu, code != 0);
-    if (bad_lanes != 0u && lane == __ffs(bad_lanes) - 1) {
-      atomicMax(&s_bad, bad_entry_word(t, lane, code, v));
-    }
     const int e = (lane < K && code == 0) ? (int)v : -1;
-    const float w = lane < K ? p.topk_w[(size_t)t * K + lane] : 0.f;
-    if (lane < K) {
-      home_topk[(size_t)t * K + lane] = e;
-      home_w[(size_t)t * K + lane] = w;
-    }
     const int dk = e >= 0 ? e / El : -1;
     unsigned dmask = 0u;
     for (int d = 0; d < R; ++d) {
       if (__ballot_sync(0xffffffffu, dk == d) != 0u) dmask |= 1u << d;
     }
-    // Every receiver learns all T rows of mine: slots, weights, source.
     const size_t row = (size_t)me * M + t;
-    for (int d = 0; d < R; ++d) {
-      char* s = sym_set(p, d);
-      if (lane < K) {
-        at<int32_t>(s, p.b.recv_idx)[row * K + lane] = dk == d ? e - d * El : -1;
-        at<float>(s, p.b.recv_w)[row * K + lane] = dk == d ? w : 0.f;
+    if (part == 0) {
+      const unsigned bad_lanes = __ballot_sync(0xffffffffu, code != 0);
+      if (bad_lanes != 0u && lane == __ffs(bad_lanes) - 1) {
+        atomicMax(&s_bad, bad_entry_word(t, lane, code, v));
       }
-      if (lane < 2) {
-        const bool here = (dmask >> d) & 1u;
-        at<int32_t>(s, p.b.recv_src)[row * 2 + lane] = here ? (lane == 0 ? me : t) : -1;
+      const float w = lane < K ? p.topk_w[(size_t)t * K + lane] : 0.f;
+      if (lane < K) {
+        home_topk[(size_t)t * K + lane] = e;
+        home_w[(size_t)t * K + lane] = w;
+      }
+      // Every receiver learns all T rows of mine: slots, weights, source.
+      for (int d = 0; d < R; ++d) {
+        char* s = sym_set(p, d);
+        if (lane < K) {
+          at<int32_t>(s, p.b.recv_idx)[row * K + lane] = dk == d ? e - d * El : -1;
+          at<float>(s, p.b.recv_w)[row * K + lane] = dk == d ? w : 0.f;
+        }
+        if (lane < 2) {
+          const bool here = (dmask >> d) & 1u;
+          at<int32_t>(s, p.b.recv_src)[row * 2 + lane] = here ? (lane == 0 ? me : t) : -1;
+        }
       }
     }
     // The row itself, once per rank that hosts one of the token's experts.
     if (dmask != 0u) {
       if (p.cast != MOE_EP_LL_CAST_NONE) {
-        send_row_cast(p, t, row, dmask, lane);
+        send_row_cast(p, t, row, dmask, lane, part, parts);
       } else {
-        send_row_copy(p, t, row, dmask, lane);
+        send_row_copy(p, t, row, dmask, lane, part, parts);
       }
     }
   }
@@ -286,7 +379,7 @@ __device__ void ll_dispatch_send(const LlParams& p) {
 }
 
 // ============================================================================
-// Dispatch, receiver.
+// Dispatch, receiver: counts (and the expert-major order, staged).
 // ============================================================================
 template <bool kExpertMajor>
 __device__ void ll_dispatch_recv(const LlParams& p) {
@@ -299,39 +392,52 @@ __device__ void ll_dispatch_recv(const LlParams& p) {
   char* mine = sym_set(p, me);
   char* loc = local_set(p);
   const LlSignal* sig = at<const LlSignal>(mine, p.b.sig_dispatch);
-  if (!wait_all(reinterpret_cast<const char*>(sig), sizeof(LlSignal), R, nb, seq, p, err,
-                MOE_EP_CTR_LL_DISPATCH)) {
-    return;
-  }
 
-  // The verdict, from the signals alone (the same on every rank): ranks
-  // that disagree (topk, layout, payload), then the lowest rank's first bad
-  // routing entry. Either stops every rank's kernels from here on.
+  // Each thread waits for its (source, block) signals and reads what they
+  // say; the verdict (the same on every rank): ranks that disagree (topk,
+  // layout, payload), the lowest (source, block, field) first; else the
+  // lowest rank's first bad routing entry. Either stops every rank's
+  // kernels from here on.
   __shared__ int s_code;
+  __shared__ int s_mismatch;  // (s * MAX_BLOCKS + b) * 3 + field, or INT_MAX
+  __shared__ unsigned long long s_badw[MOE_EP_MAX_RANKS];
   __shared__ int s_tokens[MOE_EP_MAX_RANKS];
-  if (threadIdx.x == 0) {
-    int code = 0;
-    const int32_t want[3] = {K, (int32_t)p.op.layout, p.payload};
-    const int field[3] = {MOE_EP_FIELD_TOPK, MOE_EP_FIELD_LAYOUT, MOE_EP_FIELD_PAYLOAD};
-    for (int s = 0; s < R && code == 0; ++s) {
-      for (int b = 0; b < nb && code == 0; ++b) {
-        const volatile LlSignal* g = sig + s * MOE_EP_MAX_BLOCKS + b;
-        const int32_t got[3] = {g->topk, g->layout, g->payload};
-        for (int f = 0; f < 3 && code == 0; ++f) {
-          if (got[f] != want[f]) {
-            code = MOE_EP_ERR_MISMATCH;
-            report_error(err, code, me, s, field[f], (uint64_t)(int64_t)want[f],
-                         (uint64_t)(int64_t)got[f], 0, 0);
-          }
-        }
+  if (threadIdx.x == 0) s_mismatch = 0x7fffffff;
+  if (threadIdx.x < MOE_EP_MAX_RANKS) s_badw[threadIdx.x] = 0ull;
+  __syncthreads();
+  bool ok = true;
+  const int32_t want[3] = {K, (int32_t)p.op.layout, p.payload};
+  for (int i = threadIdx.x; i < R * nb; i += blockDim.x) {
+    const int s = i / nb, b = i % nb;
+    const LlSignal* g = sig + s * MOE_EP_MAX_BLOCKS + b;
+    ok &= wait_at_least(&g->seq, seq, p.op.timeout_ns, err, me, s, MOE_EP_CTR_LL_DISPATCH);
+    if (!ok) continue;
+    const volatile LlSignal* vg = g;
+    const int32_t got[3] = {vg->topk, vg->layout, vg->payload};
+    for (int f = 0; f < 3; ++f) {
+      if (got[f] != want[f]) {
+        atomicMin(&s_mismatch, (s * MOE_EP_MAX_BLOCKS + b) * 3 + f);
+        break;
       }
     }
+    atomicMax(&s_badw[s], (unsigned long long)vg->bad);
+    if (b == 0) s_tokens[s] = vg->num_tokens;
+  }
+  if (__syncthreads_and(ok) == 0) return;
+  if (threadIdx.x == 0) {
+    int code = 0;
+    if (s_mismatch != 0x7fffffff) {
+      const int f = s_mismatch % 3, s = s_mismatch / 3 / MOE_EP_MAX_BLOCKS,
+                b = s_mismatch / 3 % MOE_EP_MAX_BLOCKS;
+      const int field[3] = {MOE_EP_FIELD_TOPK, MOE_EP_FIELD_LAYOUT, MOE_EP_FIELD_PAYLOAD};
+      const volatile LlSignal* g = sig + s * MOE_EP_MAX_BLOCKS + b;
+      const int32_t got[3] = {g->topk, g->layout, g->payload};
+      code = MOE_EP_ERR_MISMATCH;
+      report_error(err, code, me, s, field[f], (uint64_t)(int64_t)want[f],
+                   (uint64_t)(int64_t)got[f], 0, 0);
+    }
     for (int s = 0; s < R && code == 0; ++s) {
-      unsigned long long w = 0ull;
-      for (int b = 0; b < nb; ++b) {
-        const unsigned long long x = (sig + s * MOE_EP_MAX_BLOCKS + b)->bad;
-        w = x > w ? x : w;
-      }
+      const unsigned long long w = s_badw[s];
       if (w != 0ull) {
         const unsigned long long key = ~w;
         code = (int)((key >> 32) & 0xfu);
@@ -342,71 +448,124 @@ __device__ void ll_dispatch_recv(const LlParams& p) {
     }
     if (code != 0) *ws.status(me) = (unsigned long long)code;
     s_code = code;
-    for (int s = 0; s < R; ++s) s_tokens[s] = sig[s * MOE_EP_MAX_BLOCKS].num_tokens;
   }
   __syncthreads();
   if (s_code != 0) return;
 
-  // Counts: [El] per local expert, [El * R] per (expert, source), [R] per source.
+  // Counts: [El] per local expert, [El * R] per (expert, source), [R] per
+  // source. A warp per (local expert j, source s): its rows in token order
+  // (a token names an expert at most once), ranked by ballots.
   int32_t* counts = at<int32_t>(loc, p.b.counts);
-  if (blockIdx.x == 0 && threadIdx.x < R) counts[El + El * R + threadIdx.x] = s_tokens[threadIdx.x];
-
-  // Per local expert j (a block each): its (source, token) pairs in order,
-  // by a block-wide scan over each source's tokens; expert-major copies the
-  // rows into the expert's block as it goes.
   const int32_t* ridx = at<const int32_t>(mine, p.b.recv_idx);
+  int32_t* stage = at<int32_t>(loc, p.b.em_stage);
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  constexpr int kU = 4;  // 32-token chunks whose slots are loaded together
+  for (int js = gw; js < El * R; js += nw) {
+    const int j = js / R, s = js % R, Ts = s_tokens[s];
+    const int32_t* rs = ridx + (size_t)s * M * K;
+    int n = 0;
+    for (int t0 = 0; t0 < Ts; t0 += 32 * kU) {
+      int slot[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int t = t0 + u * 32 + lane;
+        int32_t li[MOE_EP_MAX_TOPK];
+#pragma unroll
+        for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) li[k] = (t < Ts && k < K) ? rs[(size_t)t * K + k] : -1;
+        slot[u] = -1;
+#pragma unroll
+        for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+          if (li[k] == j) slot[u] = k;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const unsigned bal = __ballot_sync(0xffffffffu, slot[u] >= 0);
+        if (kExpertMajor && slot[u] >= 0) {
+          const int pos = n + __popc(bal & ((1u << lane) - 1u));
+          stage[(size_t)js * M + pos] = (t0 + u * 32 + lane) * 32 + slot[u];
+        }
+        n += __popc(bal);
+      }
+    }
+    if (lane == 0) counts[El + js] = n;
+  }
+
+  // The last block to finish sums them: per expert, and (expert-major) the
+  // rows before each (expert, source) in that order. Its ticket was zeroed
+  // by the batch's send.
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned* ticket = at<unsigned>(loc, p.b.ticket);
+    s_last = atomicAdd(ticket, 1u) == gridDim.x - 1 ? 1 : 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x < R) counts[El + El * R + threadIdx.x] = s_tokens[threadIdx.x];
+  for (int j = threadIdx.x; j < El; j += blockDim.x) {
+    int n = 0;
+    for (int s = 0; s < R; ++s) n += __ldcg(counts + El + j * R + s);
+    counts[j] = n;
+  }
+  if (kExpertMajor) {
+    __shared__ int scratch[33];
+    int32_t* off = at<int32_t>(loc, p.b.em_off);
+    int running = 0;
+    for (int base = 0; base < E; base += blockDim.x) {
+      const int i = base + threadIdx.x;
+      const int v = i < E ? __ldcg(counts + El + i) : 0;
+      int total;
+      const int pos = block_exclusive_scan(v, scratch, &total);
+      if (i < E) off[i] = running + pos;
+      running += total;
+    }
+    if (threadIdx.x == 0) off[E] = running;
+  }
+}
+
+// ============================================================================
+// Dispatch, receiver, expert-major: the counted rows into their blocks (the
+// extra copies of a token for this rank's other experts are made here, from
+// the one that crossed).
+// ============================================================================
+__device__ void ll_dispatch_copy(const LlParams& p) {
+  const int E = p.op.num_experts, me = p.op.rank, M = p.max_tokens;
+  const Ws ws = ws_of(p.op);
+  if (ws.stopped(me)) return;
+  char* mine = sym_set(p, me);
+  char* loc = local_set(p);
+  const int32_t* off = at<const int32_t>(loc, p.b.em_off);
+  const int N = off[E];
   const bool fp8 = p.payload == MOE_EP_LL_FP8;
   const size_t rb = row_bytes(p);
   const int n16 = (int)(rb / 16), nbk = p.op.hidden / MOE_EP_FP8_BLOCK;
-  int32_t* em_src = at<int32_t>(loc, p.b.em_src);
-  int32_t* em_slot = at<int32_t>(loc, p.b.em_slot);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __shared__ int scratch[33];
-  __shared__ int2 s_rows[MOE_EP_THREADS];  // (expert-major row, staging row)
-  for (int j = blockIdx.x; j < El; j += gridDim.x) {
-    int running = 0;
-    for (int s = 0; s < R; ++s) {
-      const int Ts = s_tokens[s];
-      int from_s = 0;
-      for (int t0 = 0; t0 < Ts; t0 += blockDim.x) {
-        const int t = t0 + threadIdx.x;
-        int slot = -1;
-        if (t < Ts) {
-          const int32_t* li = ridx + ((size_t)s * M + t) * K;
-          for (int k = 0; k < K; ++k) {
-            if (li[k] == j) slot = k;
-          }
-        }
-        int total;
-        const int pos = block_exclusive_scan(slot >= 0 ? 1 : 0, scratch, &total);
-        if (kExpertMajor && slot >= 0) {
-          const int row = j * R * M + running + pos;
-          em_src[(size_t)row * 2] = s;
-          em_src[(size_t)row * 2 + 1] = t;
-          em_slot[row] = slot;
-          s_rows[pos] = make_int2(row, s * M + t);
-        }
-        running += total;
-        from_s += total;
-        if (kExpertMajor) {
-          __syncthreads();
-          for (int i = warp; i < total; i += kWarps) {
-            const int2 rr = s_rows[i];
-            const int4* src = reinterpret_cast<const int4*>(mine + p.b.recv_x + (size_t)rr.y * rb);
-            int4* dst = reinterpret_cast<int4*>(loc + p.b.em_x + (size_t)rr.x * rb);
-            for (int c = lane; c < n16; c += 32) st_na_v4(dst + c, ld_v4(src + c));
-            if (fp8) {
-              const float* ss = at<const float>(mine, p.b.recv_scales) + (size_t)rr.y * nbk;
-              float* ds = at<float>(loc, p.b.em_scales) + (size_t)rr.x * nbk;
-              for (int c = lane; c < nbk; c += 32) ds[c] = ss[c];
-            }
-          }
-          __syncthreads();
-        }
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  const int parts = parts_for(N, n16, nw);
+  for (int it = gw; it < N * parts; it += nw) {
+    const int f = it / parts, part = it % parts;
+    const EmRow r = em_locate(p, off, f);
+    const size_t from = (size_t)r.s * M + r.t;
+    if (part == 0) {
+      if (lane < 2) at<int32_t>(loc, p.b.em_src)[r.row * 2 + lane] = lane == 0 ? r.s : r.t;
+      if (lane == 0) at<int32_t>(loc, p.b.em_slot)[r.row] = r.slot;
+      if (lane == 0 && r.s == me) {  // my own token: where its slot's row is, for the home
+        at<int32_t>(loc, p.b.home_row)[(size_t)r.t * p.op.topk + r.slot] = (int32_t)r.row;
       }
-      if (threadIdx.x == 0) counts[El + j * R + s] = from_s;
+      if (fp8) {
+        const float* ss = at<const float>(mine, p.b.recv_scales) + from * nbk;
+        float* ds = at<float>(loc, p.b.em_scales) + r.row * nbk;
+        for (int c = lane; c < nbk; c += 32) ds[c] = ss[c];
+      }
     }
-    if (threadIdx.x == 0) counts[j] = running;
+    int c0, c1;
+    piece(n16, part, parts, &c0, &c1);
+    warp_copy(reinterpret_cast<const int4*>(mine + p.b.recv_x + from * rb),
+              reinterpret_cast<int4*>(loc + p.b.em_x + r.row * rb), c0, c1, lane);
   }
 }
 
@@ -416,7 +575,7 @@ __device__ void ll_dispatch_recv(const LlParams& p) {
 template <bool kExpertMajor>
 __device__ void ll_combine_send(const LlParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
-  const int M = p.max_tokens, n16 = p.op.hidden / 8, RM = R * M;
+  const int M = p.max_tokens, n16 = p.op.hidden / 8;
   const Ws ws = ws_of(p.op);
   if (ws.stopped(me)) return;
   const uint64_t seq = set_seq(p);
@@ -424,38 +583,34 @@ __device__ void ll_combine_send(const LlParams& p) {
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   char* loc = local_set(p);
   const int32_t* counts = at<const int32_t>(loc, p.b.counts);
+  const int32_t* off = at<const int32_t>(loc, p.b.em_off);
   const int4* y = static_cast<const int4*>(p.y);
-  const int n_items = kExpertMajor ? El * RM : RM;
-  for (int i = gw; i < n_items; i += nw) {
+  // Expert-major: the counted rows, in (expert, source) order; rank-major:
+  // every (source, token) slot, those that did not come here skipped.
+  const int n_items = kExpertMajor ? off[E] : R * M;
+  const int parts = parts_for(n_items, n16, nw);
+  for (int it = gw; it < n_items * parts; it += nw) {
+    const int i = it / parts, part = it % parts;
     int home, slot;
+    size_t row;
     if (kExpertMajor) {
-      const int j = i / RM, r = i % RM;
-      if (r >= counts[j]) continue;
-      const int32_t* src = at<const int32_t>(loc, p.b.em_src) + (size_t)i * 2;
-      home = src[0];
-      slot = src[1] * K + at<const int32_t>(loc, p.b.em_slot)[i];
+      const EmRow r = em_locate(p, off, i);
+      home = r.s;
+      slot = r.t * K + r.slot;
+      row = r.row;
     } else {
       const int s = i / M, t = i % M;
       if (t >= counts[El + El * R + s]) continue;
       if (at<const int32_t>(sym_set(p, me), p.b.recv_src)[(size_t)i * 2] < 0) continue;
       home = s;
       slot = me * M + t;
+      row = (size_t)i;
     }
-    const int4* src = y + (size_t)i * n16;
-    int4* dst = at<int4>(sym_set(p, home), p.b.comb) + (size_t)slot * n16;
-    for (int base = 0; base < n16; base += 32 * kLlUnroll) {
-      int4 v[kLlUnroll];
-#pragma unroll
-      for (int u = 0; u < kLlUnroll; ++u) {
-        const int c = base + u * 32 + lane;
-        if (c < n16) v[u] = ld_nc_v4(src + c);
-      }
-#pragma unroll
-      for (int u = 0; u < kLlUnroll; ++u) {
-        const int c = base + u * 32 + lane;
-        if (c < n16) st_na_v4(dst + c, v[u]);
-      }
-    }
+    if (p.in_place && home == me) continue;  // read in y by the home's sum
+    int c0, c1;
+    piece(n16, part, parts, &c0, &c1);
+    warp_copy(y + row * n16, at<int4>(sym_set(p, home), p.b.comb) + (size_t)slot * n16, c0, c1,
+              lane);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -489,41 +644,78 @@ __device__ void ll_combine_recv(const LlParams& p) {
   const int32_t* home_topk = at<const int32_t>(loc, p.b.home_topk);
   const float* wts = p.comb_w != nullptr ? p.comb_w : at<const float>(loc, p.b.home_w);
   const int4* comb = at<const int4>(mine, p.b.comb);
+  const int4* y = static_cast<const int4*>(p.y);  // in place: this rank's own rows
+  const int32_t* home_row = at<const int32_t>(loc, p.b.home_row);
   int4* out = static_cast<int4*>(p.out);
-  for (int t = gw; t < T; t += nw) {
+  // Item (token t, chunk of 32 * kV vectors): each lane sums kV vectors, all
+  // of their terms' loads issued together.
+  constexpr int kV = 4;
+  const int chunks = (n16 + 32 * kV - 1) / (32 * kV);
+  for (int it = gw; it < T * chunks; it += nw) {
+    const int t = it / chunks, c0 = (it % chunks) * 32 * kV;
     const int e = lane < K ? home_topk[(size_t)t * K + lane] : -1;
-    // NOTE: the terms are gathered with full-warp ballots and shuffles
-    // before the vector loop, where lanes may leave early.
     unsigned terms = 0u;  // expert-major: slots k; rank-major: ranks d
     float w[MOE_EP_MAX_TOPK];
+    int hrow[MOE_EP_MAX_TOPK];  // expert-major, in place: slot k's row in y, or -1
     if (kExpertMajor) {
       const float wl = lane < K ? wts[(size_t)t * K + lane] : 0.f;
+      const bool here = p.in_place && e >= 0 && e / El == me;
+      const int hr = here ? home_row[(size_t)t * K + lane] : -1;
       terms = __ballot_sync(0xffffffffu, e >= 0);
 #pragma unroll
-      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) w[k] = __shfl_sync(0xffffffffu, wl, k);
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        w[k] = __shfl_sync(0xffffffffu, wl, k);
+        hrow[k] = __shfl_sync(0xffffffffu, hr, k);
+      }
     } else {
       const int dk = e >= 0 ? e / El : -1;
       for (int d = 0; d < R; ++d) {
         if (__ballot_sync(0xffffffffu, dk == d) != 0u) terms |= 1u << d;
       }
     }
-    for (int c = lane; c < n16; c += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (kExpertMajor) {
+    float acc[kV][8];
 #pragma unroll
-        for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
-          if ((terms >> k) & 1u) {
-            acc_v4(acc, ld_v4(comb + ((size_t)t * K + k) * n16 + c), w[k], true);
-          }
+    for (int v = 0; v < kV; ++v) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[v][i] = 0.f;
+    }
+    if (kExpertMajor) {
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        if (!((terms >> k) & 1u)) continue;
+        const int4* src = hrow[k] >= 0 ? y + (size_t)hrow[k] * n16 : comb + ((size_t)t * K + k) * n16;
+        int4 x[kV];
+#pragma unroll
+        for (int v = 0; v < kV; ++v) {
+          const int c = c0 + v * 32 + lane;
+          if (c < n16) x[v] = ld_v4(src + c);
         }
-      } else {
-        for (int d = 0; d < R; ++d) {
-          if ((terms >> d) & 1u) {
-            acc_v4(acc, ld_v4(comb + ((size_t)d * M + t) * n16 + c), 1.f, false);
-          }
+#pragma unroll
+        for (int v = 0; v < kV; ++v) {
+          if (c0 + v * 32 + lane < n16) acc_v4(acc[v], x[v], w[k], true);
         }
       }
-      st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc));
+    } else {
+      for (int d = 0; d < R; ++d) {
+        if (!((terms >> d) & 1u)) continue;
+        const int4* row = (p.in_place && d == me) ? y + ((size_t)me * M + t) * n16
+                                                  : comb + ((size_t)d * M + t) * n16;
+        int4 x[kV];
+#pragma unroll
+        for (int v = 0; v < kV; ++v) {
+          const int c = c0 + v * 32 + lane;
+          if (c < n16) x[v] = ld_v4(row + c);
+        }
+#pragma unroll
+        for (int v = 0; v < kV; ++v) {
+          if (c0 + v * 32 + lane < n16) acc_v4(acc[v], x[v], 1.f, false);
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      const int c = c0 + v * 32 + lane;
+      if (c < n16) st_na_v4(out + (size_t)t * n16 + c, pack_v4(acc[v]));
     }
   }
 }
@@ -532,6 +724,7 @@ MOE_EP_ENTRY(moe_ep_ll_dispatch_send_i32, LlParams, ll_dispatch_send<int32_t>)
 MOE_EP_ENTRY(moe_ep_ll_dispatch_send_i64, LlParams, ll_dispatch_send<long long>)
 MOE_EP_ENTRY(moe_ep_ll_dispatch_recv_rank_major, LlParams, ll_dispatch_recv<false>)
 MOE_EP_ENTRY(moe_ep_ll_dispatch_recv_expert_major, LlParams, ll_dispatch_recv<true>)
+MOE_EP_ENTRY(moe_ep_ll_dispatch_copy_expert_major, LlParams, ll_dispatch_copy)
 MOE_EP_ENTRY(moe_ep_ll_combine_send_rank_major, LlParams, ll_combine_send<false>)
 MOE_EP_ENTRY(moe_ep_ll_combine_send_expert_major, LlParams, ll_combine_send<true>)
 MOE_EP_ENTRY(moe_ep_ll_combine_recv_rank_major, LlParams, ll_combine_recv<false>)

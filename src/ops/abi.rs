@@ -314,6 +314,13 @@ pub struct LlBufs {
     pub set_seq: u64,
     /// From the local base, after both sets.
     pub counters: u64,
+    /// Local set again: staged expert-major rows, their offsets, the
+    /// receive's last-block ticket.
+    pub em_stage: u64,
+    pub em_off: u64,
+    pub ticket: u64,
+    /// Expert-major: this rank's token slot -> its row here (local experts).
+    pub home_row: u64,
 }
 
 /// Every low-latency kernel's parameters (`LlParams`, `low_latency.cu`).
@@ -333,6 +340,10 @@ pub struct LlParams {
     pub max_tokens: i32,
     pub payload: i32,
     pub cast: i32,
+    /// Combine: rows homed on this rank are read in `y` by the sum (the
+    /// one-call combine only).
+    pub in_place: i32,
+    pub _pad: i32,
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -389,8 +400,8 @@ const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 640);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
-const _: () = assert!(std::mem::size_of::<LlBufs>() == 224);
-const _: () = assert!(std::mem::size_of::<LlParams>() == 536);
+const _: () = assert!(std::mem::size_of::<LlBufs>() == 256);
+const _: () = assert!(std::mem::size_of::<LlParams>() == 576);
 
 #[cfg(test)]
 mod tests {
@@ -424,10 +435,12 @@ mod tests {
         assert_eq!(offset_of!(LlBufs, sig_dispatch), 88);
         assert_eq!(offset_of!(LlBufs, em_x), 152);
         assert_eq!(offset_of!(LlBufs, counters), 216);
+        assert_eq!(offset_of!(LlBufs, ticket), 240);
         assert_eq!(offset_of!(LlParams, b), 240);
-        assert_eq!(offset_of!(LlParams, x), 464);
-        assert_eq!(offset_of!(LlParams, out), 512);
-        assert_eq!(offset_of!(LlParams, set), 520);
+        assert_eq!(offset_of!(LlParams, x), 496);
+        assert_eq!(offset_of!(LlParams, out), 544);
+        assert_eq!(offset_of!(LlParams, set), 552);
+        assert_eq!(offset_of!(LlParams, in_place), 568);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.

@@ -728,7 +728,7 @@ fn agree(
 
 #[cfg(test)]
 mod tests {
-    use super::super::low_latency::{LL_COMBINE_RECV, LL_COMBINE_SEND, LL_RECV, LL_SEND};
+    use super::super::low_latency::{LL_COMBINE_RECV, LL_COMBINE_SEND, LL_COPY, LL_RECV, LL_SEND};
     use super::*;
 
     /// Every entry point `Kernels::load` looks up is in its module's PTX
@@ -746,7 +746,14 @@ mod tests {
             ),
             (
                 "low_latency",
-                [LL_SEND, LL_RECV, LL_COMBINE_SEND, LL_COMBINE_RECV].concat(),
+                [
+                    &LL_SEND[..],
+                    &LL_RECV,
+                    &[LL_COPY],
+                    &LL_COMBINE_SEND,
+                    &LL_COMBINE_RECV,
+                ]
+                .concat(),
             ),
         ];
         for (module, entries) in modules {

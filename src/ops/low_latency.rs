@@ -60,6 +60,8 @@
 //! local (device memory of this rank), per set:
 //!   E * M * 2H    + E * M * 4 NB  + E * M * 12      expert-major rows, scales, sources, slots
 //!   4 (El + E + R) + 2 * M * KM * 4 + 8             counts, the home's routing, sequence
+//!   E * M * 4     + 4 (E + 1)     + 8               staged expert-major order, offsets, ticket
+//!   M * KM * 4                                      the home's rows of its local slots
 //! plus 132 * 8 bytes of counters; everything times 2 sets.
 //! ```
 //!
@@ -120,6 +122,8 @@ pub(crate) const LL_RECV: [&str; 2] = [
     "moe_ep_ll_dispatch_recv_rank_major",
     "moe_ep_ll_dispatch_recv_expert_major",
 ];
+/// Expert-major only: the counted rows into their experts' blocks.
+pub(crate) const LL_COPY: &str = "moe_ep_ll_dispatch_copy_expert_major";
 pub(crate) const LL_COMBINE_SEND: [&str; 2] = [
     "moe_ep_ll_combine_send_rank_major",
     "moe_ep_ll_combine_send_expert_major",
@@ -133,6 +137,7 @@ pub(crate) const LL_COMBINE_RECV: [&str; 2] = [
 pub(crate) struct LlKernels {
     send: [Function; 2],
     recv: [Function; 2],
+    copy: Function,
     combine_send: [Function; 2],
     combine_recv: [Function; 2],
 }
@@ -146,6 +151,7 @@ impl LlKernels {
         Ok(LlKernels {
             send: two(LL_SEND)?,
             recv: two(LL_RECV)?,
+            copy: m.function(LL_COPY)?,
             combine_send: two(LL_COMBINE_SEND)?,
             combine_recv: two(LL_COMBINE_RECV)?,
         })
@@ -155,6 +161,7 @@ impl LlKernels {
         self.send
             .iter()
             .chain(&self.recv)
+            .chain(std::iter::once(&self.copy))
             .chain(&self.combine_send)
             .chain(&self.combine_recv)
     }
@@ -227,6 +234,10 @@ fn carve(world: usize, cfg: &GroupConfig) -> (LlBufs, LlBufferBytes) {
     b.home_topk = l.take(m * km * 4);
     b.home_w = l.take(m * km * 4);
     b.set_seq = l.take(8);
+    b.em_stage = l.take(e * m * 4);
+    b.em_off = l.take((e + 1) * 4);
+    b.ticket = l.take(8);
+    b.home_row = l.take(m * km * 4);
     b.local_set_bytes = l.0;
     b.counters = LL_SETS as u64 * b.local_set_bytes;
     let bytes = LlBufferBytes {
@@ -255,6 +266,8 @@ fn carve(world: usize, cfg: &GroupConfig) -> (LlBufs, LlBufferBytes) {
 /// local (device memory of this rank), per set:
 ///   E * M * 2H    + E * M * 4 NB  + E * M * 12      expert-major rows, scales, sources, slots
 ///   4 (El + E + R) + 2 * M * KM * 4 + 8             counts, the home's routing, sequence
+///   E * M * 4     + 4 (E + 1)     + 8               staged expert-major order, offsets, ticket
+///   M * KM * 4                                      the home's rows of its local slots
 /// plus 132 * 8 bytes of counters; everything times 2 sets.
 /// ```
 ///
@@ -859,6 +872,9 @@ impl EpGroup {
         self.ll_expect(ll, &b, Phase::Sent, "ll_dispatch_wait")?;
         let p = self.ll_params(ll, &b);
         self.ll_launch(stream, &self.ll_kernels().recv[li(b.layout)], &p)?;
+        if b.layout == LlLayout::ExpertMajor {
+            self.ll_launch(stream, &self.ll_kernels().copy, &p)?;
+        }
         self.ll_set_phase(ll, &b, Phase::Received);
         Ok(LlHandle { group: self, b })
     }
@@ -984,6 +1000,7 @@ impl EpGroup {
         stream: &Arc<CudaStream>,
         handle: &LlHandle<'_>,
         expert_out: &dyn DeviceRegion<bf16>,
+        in_place: bool,
     ) -> Result<LlCombineSent> {
         let ll = self.ll_buffers()?;
         let b = handle.b;
@@ -991,6 +1008,7 @@ impl EpGroup {
         self.ll_check_expert_out(handle, expert_out)?;
         let mut p = self.ll_params(ll, &b);
         p.y = expert_out.device_ptr();
+        p.in_place = in_place as i32;
         self.ll_launch(stream, &self.ll_kernels().combine_send[li(b.layout)], &p)?;
         self.ll_set_phase(ll, &b, Phase::CombineSent);
         Ok(LlCombineSent { b })
@@ -1002,12 +1020,17 @@ impl EpGroup {
         b: LlBatch,
         w: u64,
         out: u64,
+        in_place_y: Option<u64>,
     ) -> Result<()> {
         let ll = self.ll_buffers()?;
         self.ll_expect(ll, &b, Phase::CombineSent, "ll_combine_wait")?;
         let mut p = self.ll_params(ll, &b);
         p.comb_w = w;
         p.out = out;
+        if let Some(y) = in_place_y {
+            p.y = y;
+            p.in_place = 1;
+        }
         self.ll_launch(stream, &self.ll_kernels().combine_recv[li(b.layout)], &p)?;
         self.ll_set_phase(ll, &b, Phase::Combined);
         Ok(())
@@ -1023,7 +1046,8 @@ impl EpGroup {
         expert_out: &dyn DeviceRegion<bf16>,
     ) -> Result<LlCombineSent> {
         let _turn = self.turn("moe_ep::ll_combine_send", stream)?;
-        self.ll_combine_send_on_turn(stream, handle, expert_out)
+        // Not in place: the caller may reuse expert_out before the wait.
+        self.ll_combine_send_on_turn(stream, handle, expert_out, false)
     }
 
     /// Waits (bounded) for every rank's rows of a sent combine and sums them
@@ -1038,7 +1062,7 @@ impl EpGroup {
         let _turn = self.turn("moe_ep::ll_combine_wait", stream)?;
         let b = sent.b;
         let w = self.ll_check_wait(&b, weights, &*out)?;
-        self.ll_combine_wait_on_turn(stream, b, w, out.device_ptr())
+        self.ll_combine_wait_on_turn(stream, b, w, out.device_ptr(), None)
     }
 
     /// Low-latency combine (collective): the expert outputs of `handle`'s
@@ -1048,7 +1072,10 @@ impl EpGroup {
     /// - `expert_out`: `[rows, H]` bf16 in the dispatch's layout (only
     ///   counted rows are read; any device memory). Expert-major: one row per
     ///   (token, expert), unweighted. Rank-major: per token, the sum of this
-    ///   rank's experts' weighted outputs.
+    ///   rank's experts' weighted outputs. The rows of this rank's own tokens
+    ///   are not copied: the sum reads them here, in place (the two-phase
+    ///   form copies them in [`EpGroup::ll_combine_send`], so that
+    ///   `expert_out` may be reused before the wait).
     /// - `weights`: expert-major only, `[T, K]` f32 applied on this (the
     ///   home) rank, `out[t] = sum over k ascending of w[t, k] * row(t, k)`;
     ///   `None` = the `topk_weights` the dispatch was given. Rank-major:
@@ -1071,8 +1098,11 @@ impl EpGroup {
         self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
         self.ll_check_expert_out(handle, expert_out)?;
         let w = self.ll_check_wait(&handle.b, weights, &*out)?;
-        let sent = self.ll_combine_send_on_turn(stream, handle, expert_out)?;
-        self.ll_combine_wait_on_turn(stream, sent.b, w, out.device_ptr())
+        // Both halves on one stream within this call: the rows homed here
+        // stay in expert_out, read there by the sum (no copy of them).
+        let sent = self.ll_combine_send_on_turn(stream, handle, expert_out, true)?;
+        let y = expert_out.device_ptr();
+        self.ll_combine_wait_on_turn(stream, sent.b, w, out.device_ptr(), Some(y))
     }
 }
 
@@ -1113,7 +1143,11 @@ mod tests {
             + up(e * m * 4)
             + up(4 * (32 + e + r))
             + 2 * up(m * 16 * 4)
-            + up(8);
+            + up(8)
+            + up(e * m * 4)
+            + up(4 * (e + 1))
+            + up(8)
+            + up(m * 16 * 4);
         let got = ll_buffer_bytes(&cfg, 8);
         assert_eq!(got.symmetric, 2 * sym);
         assert_eq!(got.local, 2 * local + 132 * 8);
