@@ -130,56 +130,6 @@ __device__ __forceinline__ void partial_chunks(const int4* y, const RowSet& rs, 
   for (int j = 0; j < kU; ++j) out[j] = pack_v4(acc[j]);
 }
 
-// Expert-major home rows through shared memory: each warp owns two stages
-// of kEmRows rows x 512 bytes in the kernel's dynamic shared memory; while
-// it sums one 32-vector chunk of a token's rows from one stage, bulk (TMA)
-// loads bring the next chunk (or the next token's first) into the other. A
-// warp keeps 4 KiB per stage in flight without registers (the register
-// path holds 4 rows x 2 vectors per lane). Row sets of more than kEmRows
-// rows take the register path.
-constexpr int kEmRows = 8;
-constexpr int kEmStage = kEmRows * 512;
-static_assert(kWarps * 2 * kEmStage <= MOE_EP_COMBINE_SMEM, "expert-major stages");
-struct EmPipe {
-  unsigned char* buf;  // this warp's two stages
-  uint64_t* bar;       // their mbarriers
-  int cur;             // the stage the next chunk to sum is in
-  uint32_t phase;      // bit s: parity of stage s's next completion
-};
-// Loads vectors [base, min(base + 32, lim)) of every row of rs into stage s.
-__device__ __forceinline__ void em_issue(EmPipe& q, int s, const int4* y, const RowSet& rs,
-                                         int n16, int base, int lim, int lane) {
-  const uint32_t bytes = (uint32_t)(min(lim, base + 32) - base) * 16;
-  __syncwarp();
-  if (lane == 0) {
-    fence_proxy_async_shared();  // the stage's earlier reads before its refill
-    mbar_expect_tx(&q.bar[s], bytes * (uint32_t)rs.n);
-  }
-  __syncwarp();
-  if (lane < rs.n) {
-    bulk_load(q.buf + s * kEmStage + lane * 512, y + (size_t)rs.row * n16 + base, bytes, &q.bar[s]);
-  }
-}
-// Waits for stage q.cur and sums its rows (ascending, as partial_chunks:
-// the same bits) into out (one vector per lane). False on a timeout.
-__device__ __forceinline__ bool em_sum(EmPipe& q, const RowSet& rs, int base, int lim, int lane,
-                                       bool weighted, const CombineParams& p, const ErrSink& err,
-                                       int4& out) {
-  const int s = q.cur;
-  const bool ok = mbar_wait(&q.bar[s], (q.phase >> s) & 1u, p.op.timeout_ns, err, p.op.rank,
-                            MOE_EP_CTR_BULK_COPY);
-  q.phase ^= 1u << s;
-  q.cur ^= 1;
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int4* st = reinterpret_cast<const int4*>(q.buf + s * kEmStage);
-  for (int i = 0; i < rs.n; ++i) {
-    const float w = __shfl_sync(0xffffffffu, rs.w, i);
-    if (base + lane < lim) acc_v4(acc, st[i * 32 + lane], w, weighted);
-  }
-  out = pack_v4(acc);
-  return __all_sync(0xffffffffu, ok) != 0;
-}
-
 // Which rank's stream a flattened index over the ranges [lo[s], hi[s]) of
 // every s != me falls in; returns s and turns *i into the row (lo[s] + rest).
 __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int me, int* i) {
@@ -213,8 +163,7 @@ __device__ void combine_push(const CombineParams& p) {
   // ranks: 4 and 8 measured alike, BENCHMARKS.md); expert-major home sums
   // hold f32 accumulators too: fewer vectors.
   constexpr int kHomeRm = kMaxR <= 2 ? 4 : (kMaxR <= 4 ? 2 : 1);
-  // (Expert-major: one vector, the 512-byte chunks of the home rows' stages.)
-  constexpr int kHome = kExpertMajor ? 1 : kHomeRm;
+  constexpr int kHome = kExpertMajor ? (kMaxR <= 2 ? 2 : 1) : kHomeRm;
   constexpr int kEm = 2;  // expert-major partials: vectors per lane per step (f32 sums)
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
   const int n16 = p.op.hidden / 8, T = p.op.num_tokens, nb = p.op.num_blocks;
@@ -265,12 +214,6 @@ __device__ void combine_push(const CombineParams& p) {
     mbar_init(&s_bar[threadIdx.x], 1);
     fence_mbar_init();
   }
-  __shared__ uint64_t s_em_bar[kExpertMajor ? kWarps * 2 : 1];
-  if (expert_major && threadIdx.x < kWarps * 2) {
-    mbar_init(&s_em_bar[threadIdx.x], 1);
-    fence_mbar_init();
-  }
-  EmPipe em{s_bulk + (size_t)warp * 2 * kEmStage, s_em_bar + (kExpertMajor ? warp * 2 : 0), 0, 0u};
   const uint64_t seq = next_seq(ws, 2, me);  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.op.error, me);
   publish_desc(ws, 1, seq, p.desc, me);
@@ -349,7 +292,6 @@ __device__ void combine_push(const CombineParams& p) {
     RowSet rs_next;  // expert-major: the next item's own rows, when have_next
     rs_next.n = 0;
     bool have_next = false;
-    bool em_have = false;  // stage em.cur holds this item's first chunk
     for (int it = w0; it < n_items; it += nws) {
       const int t = t_lo + it / pc.n, piece = it % pc.n;
       const int slot =
@@ -371,40 +313,24 @@ __device__ void combine_push(const CombineParams& p) {
         rs = row_set(p, u_self, expert_major, K, lane);
       }
       have_next = false;
-      const int fn = (itn % pc.n) * pc.per * 32, lim_n = min(n16, fn + pc.per * 32);
       if (expert_major && itn < n_items) {
         // The next item's own rows: worked out now, prefetched into L2.
         const int pn = __shfl_sync(0xffffffffu, pos_next, me);
         if (pn >= 0) {
           rs_next = row_set(p, s_src_u_off[me] + pn, true, K, lane);
           have_next = true;
-          prefetch_rows(y, rs_next, n16, fn, min(lim_n, fn + kPrefetchVecs), lane);
+          const int fn = (itn % pc.n) * pc.per * 32;
+          prefetch_rows(y, rs_next, n16, fn, min(min(n16, fn + pc.per * 32), fn + kPrefetchVecs),
+                        lane);
         }
       }
       const int first = piece * pc.per * 32, lim = min(n16, first + pc.per * 32);
-      // Expert-major own rows through the shared stages (em_issue / em_sum).
-      const bool tma = expert_major && u_self >= 0 && rs.n <= kEmRows;
-      const bool tma_next = have_next && rs_next.n <= kEmRows;
-      if (tma && !em_have) em_issue(em, em.cur, y, rs, n16, first, lim, lane);
-      em_have = false;
       for (int base = first; base < lim; base += 32 * kHome) {
         if (expert_major) {
           const int ahead = base + kPrefetchVecs;
           prefetch_rows(y, rs, n16, ahead, min(lim, ahead + 32 * kHome), lane);
         }
         int4 v[kMaxR][kHome];
-        int4 own = make_int4(0, 0, 0, 0);
-        if (tma) {
-          // The next chunk (this item's, else the next item's first) into
-          // the other stage, then this one summed.
-          if (base + 32 < lim) {
-            em_issue(em, em.cur ^ 1, y, rs, n16, base + 32, lim, lane);
-          } else if (tma_next) {
-            em_issue(em, em.cur ^ 1, y, rs_next, n16, fn, lim_n, lane);
-            em_have = true;
-          }
-          if (!em_sum(em, rs, base, lim, lane, weighted, p, err, own)) return;
-        }
         if (!expert_major && base == first && pos_next >= 0) {
           // Lane d < R: the next item's partial from rank d.
           const int fn = (itn % pc.n) * pc.per * 32;
@@ -419,12 +345,6 @@ __device__ void combine_push(const CombineParams& p) {
         for (int d = 0; d < kMaxR; ++d) {
           if (d >= R || slots[d] < 0) continue;
           if (d == me) {
-            if constexpr (kExpertMajor) {
-              if (tma) {
-                v[d][0] = own;
-                continue;
-              }
-            }
             partial_chunks<kHome>(y, rs, n16, lim, base, lane, weighted, expert_major, v[d]);
           } else {
 #pragma unroll

@@ -129,12 +129,6 @@ MOE_EP_DEVICE void bulk_wait() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// Orders this thread's earlier generic accesses of shared memory before
-// later bulk (async proxy) writes to it (a buffer read, then refilled).
-MOE_EP_DEVICE void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 MOE_EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
