@@ -679,37 +679,33 @@ __device__ void ll_combine_recv(const LlParams& p) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[v][i] = 0.f;
     }
+    // One term: kV vectors of row src, loads first, added as acc += w * x
+    // (weighted) or acc + x.
+    auto add_row = [&](const int4* src, float wk, bool weighted) {
+      int4 x[kV];
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        const int c = c0 + v * 32 + lane;
+        if (c < n16) x[v] = ld_v4(src + c);
+      }
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        if (c0 + v * 32 + lane < n16) acc_v4(acc[v], x[v], wk, weighted);
+      }
+    };
     if (kExpertMajor) {
 #pragma unroll
       for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
         if (!((terms >> k) & 1u)) continue;
-        const int4* src = hrow[k] >= 0 ? y + (size_t)hrow[k] * n16 : comb + ((size_t)t * K + k) * n16;
-        int4 x[kV];
-#pragma unroll
-        for (int v = 0; v < kV; ++v) {
-          const int c = c0 + v * 32 + lane;
-          if (c < n16) x[v] = ld_v4(src + c);
-        }
-#pragma unroll
-        for (int v = 0; v < kV; ++v) {
-          if (c0 + v * 32 + lane < n16) acc_v4(acc[v], x[v], w[k], true);
-        }
+        add_row(hrow[k] >= 0 ? y + (size_t)hrow[k] * n16 : comb + ((size_t)t * K + k) * n16, w[k],
+                true);
       }
     } else {
       for (int d = 0; d < R; ++d) {
         if (!((terms >> d) & 1u)) continue;
-        const int4* row = (p.in_place && d == me) ? y + ((size_t)me * M + t) * n16
-                                                  : comb + ((size_t)d * M + t) * n16;
-        int4 x[kV];
-#pragma unroll
-        for (int v = 0; v < kV; ++v) {
-          const int c = c0 + v * 32 + lane;
-          if (c < n16) x[v] = ld_v4(row + c);
-        }
-#pragma unroll
-        for (int v = 0; v < kV; ++v) {
-          if (c0 + v * 32 + lane < n16) acc_v4(acc[v], x[v], 1.f, false);
-        }
+        add_row((p.in_place && d == me) ? y + ((size_t)me * M + t) * n16
+                                        : comb + ((size_t)d * M + t) * n16,
+                1.f, false);
       }
     }
 #pragma unroll
