@@ -307,7 +307,6 @@ struct LlBufs {
   uint64_t em_x;          // [El * R * M] expert-major rows, as recv_x
   uint64_t em_scales;     // f32 [El * R * M][NB]
   uint64_t em_src;        // int32 [El * R * M][2]
-  uint64_t em_slot;       // int32 [El * R * M] top-k slot of the row's token
   uint64_t counts;        // int32 [El] per local expert, [El * R] per (expert, source), [R] per source
   uint64_t home_topk;     // int32 [M][K] this rank's routing (bad entries -1)
   uint64_t home_w;        // f32 [M][K] this rank's top-k weights
@@ -351,15 +350,15 @@ static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 640, "DispatchParams");
 static_assert(sizeof(CombineParams) == 472, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
-static_assert(sizeof(LlBufs) == 256, "LlBufs");
-static_assert(sizeof(LlParams) == 576, "LlParams");
+static_assert(sizeof(LlBufs) == 248, "LlBufs");
+static_assert(sizeof(LlParams) == 568, "LlParams");
 static_assert(offsetof(LlBufs, local) == 64 && offsetof(LlBufs, sig_dispatch) == 88 &&
-                  offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 216 &&
-                  offsetof(LlBufs, ticket) == 240,
+                  offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 208 &&
+                  offsetof(LlBufs, ticket) == 232,
               "LlBufs offsets");
-static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 496 &&
-                  offsetof(LlParams, out) == 544 && offsetof(LlParams, set) == 552 &&
-                  offsetof(LlParams, in_place) == 568,
+static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 488 &&
+                  offsetof(LlParams, out) == 536 && offsetof(LlParams, set) == 544 &&
+                  offsetof(LlParams, in_place) == 560,
               "LlParams offsets");
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&

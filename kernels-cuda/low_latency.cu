@@ -552,7 +552,6 @@ __device__ void ll_dispatch_copy(const LlParams& p) {
     const size_t from = (size_t)r.s * M + r.t;
     if (part == 0) {
       if (lane < 2) at<int32_t>(loc, p.b.em_src)[r.row * 2 + lane] = lane == 0 ? r.s : r.t;
-      if (lane == 0) at<int32_t>(loc, p.b.em_slot)[r.row] = r.slot;
       if (lane == 0 && r.s == me) {  // my own token: where its slot's row is, for the home
         at<int32_t>(loc, p.b.home_row)[(size_t)r.t * p.op.topk + r.slot] = (int32_t)r.row;
       }

@@ -307,7 +307,6 @@ pub struct LlBufs {
     pub em_x: u64,
     pub em_scales: u64,
     pub em_src: u64,
-    pub em_slot: u64,
     pub counts: u64,
     pub home_topk: u64,
     pub home_w: u64,
@@ -400,8 +399,8 @@ const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 640);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
-const _: () = assert!(std::mem::size_of::<LlBufs>() == 256);
-const _: () = assert!(std::mem::size_of::<LlParams>() == 576);
+const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
+const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
 
 #[cfg(test)]
 mod tests {
@@ -434,13 +433,13 @@ mod tests {
         assert_eq!(offset_of!(LlBufs, local), 64);
         assert_eq!(offset_of!(LlBufs, sig_dispatch), 88);
         assert_eq!(offset_of!(LlBufs, em_x), 152);
-        assert_eq!(offset_of!(LlBufs, counters), 216);
-        assert_eq!(offset_of!(LlBufs, ticket), 240);
+        assert_eq!(offset_of!(LlBufs, counters), 208);
+        assert_eq!(offset_of!(LlBufs, ticket), 232);
         assert_eq!(offset_of!(LlParams, b), 240);
-        assert_eq!(offset_of!(LlParams, x), 496);
-        assert_eq!(offset_of!(LlParams, out), 544);
-        assert_eq!(offset_of!(LlParams, set), 552);
-        assert_eq!(offset_of!(LlParams, in_place), 568);
+        assert_eq!(offset_of!(LlParams, x), 488);
+        assert_eq!(offset_of!(LlParams, out), 536);
+        assert_eq!(offset_of!(LlParams, set), 544);
+        assert_eq!(offset_of!(LlParams, in_place), 560);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.

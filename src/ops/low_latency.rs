@@ -58,7 +58,7 @@
 //!   R * M * 8     + 2 * R * M * KM * 4              sources, slots' local ids and weights
 //!   M * KM * 2H                                     combine rows arriving home
 //! local (device memory of this rank), per set:
-//!   E * M * 2H    + E * M * 4 NB  + E * M * 12      expert-major rows, scales, sources, slots
+//!   E * M * 2H    + E * M * 4 NB  + E * M * 8       expert-major rows, scales, sources
 //!   4 (El + E + R) + 2 * M * KM * 4 + 8             counts, the home's routing, sequence
 //!   E * M * 4     + 4 (E + 1)     + 8               staged expert-major order, offsets, ticket
 //!   M * KM * 4                                      the home's rows of its local slots
@@ -229,7 +229,6 @@ fn carve(world: usize, cfg: &GroupConfig) -> (LlBufs, LlBufferBytes) {
     b.em_x = l.take(rows * 2 * h);
     b.em_scales = l.take(rows * 4 * nb);
     b.em_src = l.take(rows * 8);
-    b.em_slot = l.take(rows * 4);
     b.counts = l.take((el + el * r + r) * 4);
     b.home_topk = l.take(m * km * 4);
     b.home_w = l.take(m * km * 4);
@@ -264,7 +263,7 @@ fn carve(world: usize, cfg: &GroupConfig) -> (LlBufs, LlBufferBytes) {
 ///   R * M * 8     + 2 * R * M * KM * 4              sources, slots' local ids and weights
 ///   M * KM * 2H                                     combine rows arriving home
 /// local (device memory of this rank), per set:
-///   E * M * 2H    + E * M * 4 NB  + E * M * 12      expert-major rows, scales, sources, slots
+///   E * M * 2H    + E * M * 4 NB  + E * M * 8       expert-major rows, scales, sources
 ///   4 (El + E + R) + 2 * M * KM * 4 + 8             counts, the home's routing, sequence
 ///   E * M * 4     + 4 (E + 1)     + 8               staged expert-major order, offsets, ticket
 ///   M * KM * 4                                      the home's rows of its local slots
@@ -1140,7 +1139,6 @@ mod tests {
         let local = up(e * m * 2 * h)
             + up(e * m * 4 * nb)
             + up(e * m * 8)
-            + up(e * m * 4)
             + up(4 * (32 + e + r))
             + 2 * up(m * 16 * 4)
             + up(8)
