@@ -33,9 +33,6 @@
 #define MOE_EP_BULK_VECS 32
 #define MOE_EP_BULK_BUFS (MOE_EP_COMBINE_SMEM / (MOE_EP_BULK_VECS * 512))
 #define MOE_EP_BULK_AHEAD (MOE_EP_BULK_BUFS / 2)
-// Expert-major pushed combine and dispatch backward: the dynamic shared
-// memory they launch with, their ring of row pieces (combine_push.cu).
-#define MOE_EP_EM_SMEM (200 * 1024)
 // sizeof(ncclConfig_t) of NCCL 2.28 (checked in symm.cu).
 #define MOE_EP_NCCL_CONFIG_BYTES 80
 

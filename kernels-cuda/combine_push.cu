@@ -145,46 +145,6 @@ __device__ __forceinline__ int locate(const int* lo, const int* hi, int R, int m
   return -1;
 }
 
-// Expert-major partials are sums of whole rows (a token's rows for the
-// local experts), read once each: the kernel moves them through a ring of
-// shared-memory slots. Warp 0 of each block streams the row pieces (up to
-// kEmSlotVecs vectors, 8 KiB) of the block's items into the slots by bulk
-// (TMA) loads, in the order the items come, and posts each item's
-// description; kEmConsumers other warps sum an item's slots as they land,
-// kEmBatch at a time, every lane its own vectors of the piece, and free them
-// at once (the block's remaining warps have no work). The ring keeps up to
-// MOE_EP_EM_RING bytes of loads in flight per SM with no registers held
-// (loads into registers held 4 KiB per warp, 64 KiB per SM, and left the
-// kernel latency bound: BENCHMARKS.md). Both are compile-time knobs
-// (MOE_EP_KERNEL_DEFINES, build.rs) for measuring variants.
-#ifndef MOE_EP_EM_RING
-#define MOE_EP_EM_RING MOE_EP_EM_SMEM
-#endif
-#ifndef MOE_EP_EM_CONSUMERS
-#define MOE_EP_EM_CONSUMERS 8
-#endif
-static_assert(MOE_EP_EM_RING <= MOE_EP_EM_SMEM, "the ring fits the launch's shared memory");
-constexpr int kEmSlotVecs = 512;
-constexpr int kEmSlotBytes = kEmSlotVecs * 16;
-constexpr int kEmSlots = MOE_EP_EM_RING / kEmSlotBytes;
-constexpr int kEmItems = 16;  // item descriptions in flight
-constexpr int kNoRow = 0x7fffffff;  // sorts after every row
-constexpr int kEmConsumers = MOE_EP_EM_CONSUMERS;
-static_assert(kEmConsumers >= 1 && kEmConsumers < kWarps, "a producer warp and consumers");
-constexpr int kEmBatch = 4;  // slots waited for, then loaded together
-constexpr int kEmV = (kEmSlotVecs + kEmConsumers * 32 - 1) / (kEmConsumers * 32);  // per lane
-static_assert(kEmSlots >= kEmBatch && kEmSlots <= 32, "expert-major ring: a lane per slot");
-// One item: a piece [first, lim) of a row set. Pushed: its partial goes to
-// row `slot` of rank `home`'s stage (u: the row set's first row here).
-// Summed at home (home < 0): token t, with pos[d] its position in rank d's
-// rows for this rank (-1: none).
-// (gw: the dispatch backward's weight gradients by top-k slot, piece 0.)
-struct EmItem {
-  int n, first, lim, piece, home, slot, t;
-  int pos[MOE_EP_MAX_RANKS];
-  float w[MOE_EP_MAX_TOPK], gw[MOE_EP_MAX_TOPK];
-};
-
 // kMaxR: compile-time bound on the world, so the home's loads of every
 // rank's partial stay in registers (kHome vectors each). kGradW: the
 // dispatch backward's weight gradients travel beside the rows.
@@ -254,17 +214,6 @@ __device__ void combine_push(const CombineParams& p) {
     mbar_init(&s_bar[threadIdx.x], 1);
     fence_mbar_init();
   }
-  // Expert-major ring: [0, S) slot full, [S, 2S) slot free, then item
-  // posted, item free (S = kEmSlots).
-  constexpr int kEmBars = kExpertMajor ? 2 * (kEmSlots + kEmItems) : 1;
-  __shared__ uint64_t s_em_bar[kEmBars];
-  __shared__ EmItem s_em_item[kExpertMajor ? kEmItems : 1];
-  if (expert_major && threadIdx.x < kEmBars) {
-    const int b = threadIdx.x;
-    const bool by_consumers = (b >= kEmSlots && b < 2 * kEmSlots) || b >= 2 * kEmSlots + kEmItems;
-    mbar_init(&s_em_bar[b], by_consumers ? kEmConsumers : 1);
-    fence_mbar_init();
-  }
   const uint64_t seq = next_seq(ws, 2, me);  // also the barrier for the shared arrays
   const ErrSink err = ws.err(p.op.error, me);
   publish_desc(ws, 1, seq, p.desc, me);
@@ -287,25 +236,19 @@ __device__ void combine_push(const CombineParams& p) {
     for (int s = 0; s < R; ++s) rows += s == me ? 0 : s_lo[c + 1][s] - s_lo[c][s];
     return rows;
   };
-  // Push item `it` of chunk c (rows cut into n_pieces pieces of `vecs`
-  // vectors): piece `piece` of row u (from home s) into slot `slot` there.
+  // Push item `it` of chunk c: piece `piece` of row u (from home s) into slot `slot` there.
   struct PushItem {
     int u, s, slot, piece, first, lim;
   };
-  auto push_item = [&](int c, int it, int n_pieces, int vecs) {
+  auto push_item = [&](int c, int it, const Pieces& pc) {
     PushItem q;
-    q.u = it / n_pieces;
-    q.piece = it % n_pieces;
+    q.u = it / pc.n;
+    q.piece = it % pc.n;
     q.s = locate(s_lo[c], s_lo[c + 1], R, me, &q.u);
     q.slot = s_my_slot_on[q.s] + (q.u - s_src_u_off[q.s]);
-    q.first = q.piece * vecs;
-    q.lim = min(n16, q.first + vecs);
+    q.first = q.piece * pc.per * 32;
+    q.lim = min(n16, q.first + pc.per * 32);
     return q;
-  };
-  // Home tokens [*lo, *hi) of chunk cs.
-  auto chunk_tokens = [&](int cs, int* lo, int* hi) {
-    *lo = (int)((long)(cs * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
-    *hi = (int)((long)((cs + 1) * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
   };
   // Gradient of the dispatched top-k weights travels home beside the row.
   auto push_grad_w = [&](const PushItem& q) {
@@ -340,8 +283,8 @@ __device__ void combine_push(const CombineParams& p) {
   };
   // Sums home tokens of chunk cs, items w0, w0 + nws, ... (one warp).
   auto reduce_chunk = [&](int cs, int w0, int nws) {
-    int t_lo, t_hi;
-    chunk_tokens(cs, &t_lo, &t_hi);
+    const int t_lo = (int)((long)(cs * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
+    const int t_hi = (int)((long)((cs + 1) * sub_per_chunk) * T / MOE_EP_SUBCHUNKS);
     const Pieces pc = pieces_for(t_hi - t_lo, nws);
     const int n_items = (t_hi - t_lo) * pc.n;
     int pos =
@@ -440,389 +383,6 @@ __device__ void combine_push(const CombineParams& p) {
     if (info[o.rows_needed + d] > p.op.recv_capacity) return;
   }
 
-  if constexpr (kExpertMajor) {
-    // ---- expert-major: warp 0 fills the ring, the other warps sum ----
-    // Both walk the same sequence of this block's items: chunk by chunk,
-    // the partials pushed for chunk c (rows whose home tokens are in it),
-    // then the home sums of chunk c - 1, whose slots are the token's rows
-    // here (ascending) and then the partials other ranks pushed (ascending
-    // rank). Only the producer waits for other ranks' chunks.
-    uint64_t* full = s_em_bar;
-    uint64_t* freed = s_em_bar + kEmSlots;
-    uint64_t* posted = s_em_bar + 2 * kEmSlots;
-    uint64_t* item_free = posted + kEmItems;
-    unsigned char* ring = s_bulk;
-    // Items of n_rows row sets: pieces of up to kEmSlotVecs vectors, cut
-    // finer when there are fewer items than blocks (short chunks still
-    // spread over every SM).
-    struct EmPieces {
-      int n, vecs;
-    };
-    auto em_pieces = [&](int n_rows) {
-      int np = (n16 + kEmSlotVecs - 1) / kEmSlotVecs;
-      if (n_rows > 0 && n_rows * np < nb) np = min((nb + n_rows - 1) / n_rows, (n16 + 31) / 32);
-      const int vecs = (n16 + np - 1) / np;
-      return EmPieces{(n16 + vecs - 1) / vecs, vecs};
-    };
-    // The block's items of one phase (push: chunk c's pushed rows; home:
-    // chunk c's home tokens): how they are cut, and how many are this block's.
-    struct EmPhase {
-      EmPieces pe;
-      int t_lo, mine;
-    };
-    auto em_phase = [&](bool push, int c) {
-      EmPhase ph;
-      int t_hi = 0, n_rows;
-      ph.t_lo = 0;
-      if (push) {
-        n_rows = rows_of_chunk(c);
-      } else {
-        chunk_tokens(c, &ph.t_lo, &t_hi);
-        n_rows = t_hi - ph.t_lo;
-      }
-      ph.pe = em_pieces(n_rows);
-      const int n_items = n_rows * ph.pe.n;
-      ph.mine = n_items > (int)blockIdx.x ? (n_items - (int)blockIdx.x + nb - 1) / nb : 0;
-      return ph;
-    };
-    uint32_t g = 0;  // slots so far (warp-uniform)
-    uint32_t i = 0;  // items so far
-    if (warp == 0) {
-      // ---- producer: 32 items at a time, lane l works out item l ----
-      // (an item's rows are a chain of dependent loads, position -> rows ->
-      // weights: one item at a time, that chain paced the whole block.)
-      auto produce_phase = [&](bool push, int c) -> bool {
-        const EmPhase ph = em_phase(push, c);
-        if (!push) {
-          // The other ranks' partials of chunk c are read by bulk loads:
-          // their arrival (acquired) ordered before those async-proxy reads.
-          if (!wait_chunk(c)) return false;
-          fence_proxy_async_global();
-        }
-        for (int m0 = 0; m0 < ph.mine; m0 += 32) {
-          const int m = m0 + lane;
-          const int it = (int)blockIdx.x + m * nb;
-          int first = 0, lim = 0, piece = 0, home = -1, slot = -1, u = -1, t = -1;
-          int pos[kMaxR];
-#pragma unroll
-          for (int d = 0; d < kMaxR; ++d) pos[d] = -1;
-          if (m < ph.mine) {
-            if (push) {
-              const PushItem pq = push_item(c, it, ph.pe.n, ph.pe.vecs);
-              first = pq.first;
-              lim = pq.lim;
-              piece = pq.piece;
-              home = pq.s;
-              slot = pq.slot;
-              u = pq.u;
-            } else {
-              t = ph.t_lo + it / ph.pe.n;
-              piece = it % ph.pe.n;
-              first = piece * ph.pe.vecs;
-              lim = min(n16, first + ph.pe.vecs);
-#pragma unroll
-              for (int d = 0; d < kMaxR; ++d) {
-                if (d < R) pos[d] = p.op.bufs.rank_pos[(size_t)t * R + d];
-              }
-              int pos_me = -1;
-#pragma unroll
-              for (int d = 0; d < kMaxR; ++d) pos_me = d == me ? pos[d] : pos_me;
-              u = pos_me >= 0 ? s_src_u_off[me] + pos_me : -1;
-            }
-          }
-          // The row set (rows here for the local experts, ascending) and weights.
-          int rows[MOE_EP_MAX_TOPK];
-          float w[MOE_EP_MAX_TOPK], gw[MOE_EP_MAX_TOPK];
-#pragma unroll
-          for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
-            const int raw = (u >= 0 && k < K) ? p.op.bufs.meta[(size_t)u * K + k] : -1;
-            rows[k] = raw < 0 ? kNoRow : raw;
-            gw[k] = 0.f;
-            if (kGradW && push && raw >= 0) gw[k] = p.grad_w_in[raw];  // by top-k slot
-          }
-#pragma unroll
-          for (int pass = 0; pass < MOE_EP_MAX_TOPK; ++pass) {
-#pragma unroll
-            for (int k = pass & 1; k + 1 < MOE_EP_MAX_TOPK; k += 2) {
-              const int a = min(rows[k], rows[k + 1]), b = max(rows[k], rows[k + 1]);
-              rows[k] = a;
-              rows[k + 1] = b;
-            }
-          }
-          int n = 0;
-#pragma unroll
-          for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
-            n += rows[k] != kNoRow ? 1 : 0;
-            w[k] = (weighted && rows[k] != kNoRow) ? p.w_rows[rows[k]] : 1.f;
-          }
-          if (kGradW && !push && t >= 0 && piece == 0) {
-            // The weight gradients home: each top-k slot's from the rank
-            // that holds its expert (the partial's, or this rank's rows).
-#pragma unroll
-            for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
-              if (k >= K) continue;
-              const int e = p.op.bufs.topk[(size_t)t * K + k];
-              if (e < 0) continue;
-              const int d = e / El;
-              int pd = -1;
-#pragma unroll
-              for (int dd = 0; dd < kMaxR; ++dd) pd = dd == d ? pos[dd] : pd;
-              if (pd < 0) continue;
-              if (d != me) {
-                gw[k] = stage_w_here[(size_t)(s_home_slot[d] + pd) * MOE_EP_MAX_TOPK + k];
-              } else {
-                const int row_k = p.op.bufs.meta[(size_t)(s_src_u_off[me] + pd) * K + k];
-                gw[k] = row_k >= 0 ? p.grad_w_in[row_k] : 0.f;
-              }
-            }
-          }
-          // Post each item, then load its slots (lane s: slot s).
-          const int n_batch = min(32, ph.mine - m0);
-          for (int j = 0; j < n_batch; ++j) {
-            const int di = (int)(i % kEmItems);
-            bool ok = true;
-            if (lane == j) {
-              if (i >= kEmItems) {
-                ok = mbar_wait(&item_free[di], ((i / kEmItems) - 1) & 1u, p.op.timeout_ns, err, me,
-                               MOE_EP_CTR_BULK_COPY);
-              }
-              if (ok) {
-                EmItem& q = s_em_item[di];
-                q.n = n;
-                q.first = first;
-                q.lim = lim;
-                q.piece = piece;
-                q.home = home;
-                q.slot = slot;
-                q.t = t;
-#pragma unroll
-                for (int d = 0; d < kMaxR; ++d) q.pos[d] = pos[d];
-#pragma unroll
-                for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
-                  q.w[k] = w[k];
-                  if (kGradW) q.gw[k] = gw[k];
-                }
-                mbar_arrive(&posted[di]);
-              }
-            }
-            if (!__shfl_sync(0xffffffffu, ok, j)) return false;
-            ++i;
-            // Item j's slots: its n rows, then (home sums) the partials.
-            const int nj = __shfl_sync(0xffffffffu, n, j);
-            const int fj = __shfl_sync(0xffffffffu, first, j);
-            const int lj = __shfl_sync(0xffffffffu, lim, j);
-            int pj[kMaxR];
-            int n_slots = nj;
-#pragma unroll
-            for (int d = 0; d < kMaxR; ++d) {
-              pj[d] = __shfl_sync(0xffffffffu, pos[d], j);
-              n_slots += (d < R && d != me && pj[d] >= 0) ? 1 : 0;
-            }
-            const uint32_t bytes = (uint32_t)(lj - fj) * 16;
-            for (int s0 = 0; s0 < n_slots; s0 += kEmSlots) {
-              const int sj = s0 + lane;
-              int row = -1;
-#pragma unroll
-              for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
-                const int r = __shfl_sync(0xffffffffu, rows[k], j);
-                row = sj == k ? r : row;
-              }
-              if (lane < kEmSlots && sj < n_slots) {
-                const int4* src;
-                if (sj < nj) {
-                  src = y + (size_t)row * n16 + fj;
-                } else {
-                  int want = sj - nj, at = -1;  // the want-th present other rank's partial
-#pragma unroll
-                  for (int d = 0; d < kMaxR; ++d) {
-                    if (d < R && d != me && pj[d] >= 0) {
-                      if (want == 0) at = s_home_slot[d] + pj[d];
-                      --want;
-                    }
-                  }
-                  src = stage_here + (size_t)at * n16 + fj;
-                }
-                const uint32_t gs = g + (uint32_t)sj;
-                const int sl = (int)(gs % kEmSlots);
-                if (gs >= (uint32_t)kEmSlots) {
-                  ok = mbar_wait(&freed[sl], ((gs / kEmSlots) - 1) & 1u, p.op.timeout_ns, err, me,
-                                 MOE_EP_CTR_BULK_COPY);
-                }
-                if (ok) {
-                  fence_proxy_async_shared();
-                  mbar_expect_tx(&full[sl], bytes);
-                  bulk_load(ring + (size_t)sl * kEmSlotBytes, src, bytes, &full[sl]);
-                }
-              }
-              if (!__all_sync(0xffffffffu, ok)) return false;
-            }
-            g += (uint32_t)n_slots;
-          }
-        }
-        return true;
-      };
-      for (int c = 0; c <= C; ++c) {
-        if (c < C && !produce_phase(true, c)) return;
-        if (c > 0 && !produce_phase(false, c - 1)) return;
-      }
-      return;
-    }
-    // ---- consumers: every lane its vectors of each item's piece ----
-    const int cw = warp - 1;
-    if (cw >= kEmConsumers) return;
-    // Waits for item i's description; *q gets it.
-    auto next_item = [&](EmItem* q) -> bool {
-      const int di = (int)(i % kEmItems);
-      const bool ok =
-          mbar_wait(&posted[di], (i / kEmItems) & 1u, p.op.timeout_ns, err, me, MOE_EP_CTR_BULK_COPY);
-      if (!__all_sync(0xffffffffu, ok)) return false;
-      const EmItem& d = s_em_item[di];
-      q->n = d.n;
-      q->first = d.first;
-      q->lim = d.lim;
-      q->piece = d.piece;
-      q->home = d.home;
-      q->slot = d.slot;
-      q->t = d.t;
-#pragma unroll
-      for (int r = 0; r < kMaxR; ++r) q->pos[r] = d.pos[r];
-      return true;
-    };
-    // Adds the next slot's vectors into acc (weight w) and frees the slot.
-    auto take_slot = [&](float (&acc)[kEmV][8], float w, bool wtd, int len) -> bool {
-      const int sl = (int)(g % kEmSlots);
-      const bool ok = __all_sync(0xffffffffu, mbar_wait(&full[sl], (g / kEmSlots) & 1u,
-                                                        p.op.timeout_ns, err, me,
-                                                        MOE_EP_CTR_BULK_COPY)) != 0;
-      const int4* src = reinterpret_cast<const int4*>(ring + (size_t)sl * kEmSlotBytes);
-#pragma unroll
-      for (int k = 0; k < kEmV; ++k) {
-        const int v = (k * kEmConsumers + cw) * 32 + lane;
-        if (ok && v < len) acc_v4(acc[k], src[v], w, wtd);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&freed[sl]);
-      ++g;
-      return ok;
-    };
-    // This lane's vectors of item q's own rows, summed in ascending row
-    // order: kEmBatch slots waited for, loaded, then added in turn.
-    auto own_sum = [&](float (&acc)[kEmV][8], const EmItem& q) -> bool {
-      const int di = (int)(i % kEmItems), len = q.lim - q.first;
-#pragma unroll
-      for (int k = 0; k < kEmV; ++k)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[k][e] = 0.f;
-      for (int j0 = 0; j0 < q.n; j0 += kEmBatch) {
-        const int nb_ = min(kEmBatch, q.n - j0);
-        bool ok = true;
-#pragma unroll
-        for (int b = 0; b < kEmBatch; ++b) {
-          const uint32_t gb = g + (uint32_t)b;
-          if (b < nb_) {
-            ok &= mbar_wait(&full[gb % kEmSlots], (gb / kEmSlots) & 1u, p.op.timeout_ns, err, me,
-                            MOE_EP_CTR_BULK_COPY);
-          }
-        }
-        if (!__all_sync(0xffffffffu, ok)) return false;
-        int4 v[kEmBatch][kEmV];
-#pragma unroll
-        for (int b = 0; b < kEmBatch; ++b) {
-          const int4* src =
-              reinterpret_cast<const int4*>(ring + (size_t)((g + b) % kEmSlots) * kEmSlotBytes);
-#pragma unroll
-          for (int k = 0; k < kEmV; ++k) {
-            const int x = (k * kEmConsumers + cw) * 32 + lane;
-            v[b][k] = (b < nb_ && x < len) ? src[x] : make_int4(0, 0, 0, 0);
-          }
-        }
-#pragma unroll
-        for (int b = 0; b < kEmBatch; ++b) {
-          if (b >= nb_) break;
-          const float w = s_em_item[di].w[j0 + b];
-#pragma unroll
-          for (int k = 0; k < kEmV; ++k) {
-            if ((k * kEmConsumers + cw) * 32 + lane < len) acc_v4(acc[k], v[b][k], w, weighted);
-          }
-        }
-        __syncwarp();
-        if (lane < nb_) mbar_arrive(&freed[(g + (uint32_t)lane) % kEmSlots]);
-        g += (uint32_t)nb_;
-      }
-      return true;
-    };
-    auto free_item = [&]() {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&item_free[(int)(i % kEmItems)]);
-      ++i;
-    };
-    for (int c = 0; c <= C; ++c) {
-      if (c < C) {
-        const EmPhase ph = em_phase(true, c);
-        for (int m = 0; m < ph.mine; ++m) {
-          EmItem q;
-          float acc[kEmV][8];
-          if (!next_item(&q) || !own_sum(acc, q)) return;
-          int4* dst = ws.stage(q.home, parity, p.op.hidden) + (size_t)q.slot * n16 + q.first;
-#pragma unroll
-          for (int k = 0; k < kEmV; ++k) {
-            const int v = (k * kEmConsumers + cw) * 32 + lane;
-            if (v < q.lim - q.first) st_na_v4(dst + v, pack_v4(acc[k]));
-          }
-          if (kGradW && cw == 0 && q.piece == 0 && lane < K) {
-            ws.stage_w(q.home, parity)[(size_t)q.slot * MOE_EP_MAX_TOPK + lane] =
-                s_em_item[(int)(i % kEmItems)].gw[lane];
-          }
-          free_item();
-        }
-        // The block's last consumer to finish chunk c releases it to every rank.
-        __syncwarp();
-        if (lane == 0) {
-          __threadfence_block();
-          if (atomicAdd(&s_arrived[c], 1u) == kEmConsumers - 1) release_chunk(c);
-        }
-      }
-      if (c == 0) continue;
-      const EmPhase ph = em_phase(false, c - 1);
-      for (int m = 0; m < ph.mine; ++m) {
-        EmItem q;
-        float acc[kEmV][8];
-        if (!next_item(&q) || !own_sum(acc, q)) return;
-        // Every present rank's partial in ascending rank order (the one
-        // order of every combine, sum_ranks_store): this rank's the sum just
-        // made, rounded to bf16 as a pushed one is; the others' from their
-        // slots, in that order.
-        float a[kEmV][8];
-#pragma unroll
-        for (int k = 0; k < kEmV; ++k)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) a[k][e] = 0.f;
-        for (int d = 0; d < R; ++d) {
-          int pd = -1;
-#pragma unroll
-          for (int dd = 0; dd < kMaxR; ++dd) pd = dd == d ? q.pos[dd] : pd;
-          if (pd < 0) continue;
-          if (d == me) {
-#pragma unroll
-            for (int k = 0; k < kEmV; ++k) acc_v4(a[k], pack_v4(acc[k]), 1.f, false);
-          } else if (!take_slot(a, 1.f, false, q.lim - q.first)) {
-            return;
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kEmV; ++k) {
-          const int v = (k * kEmConsumers + cw) * 32 + lane;
-          if (v < q.lim - q.first) st_na_v4(out + (size_t)q.t * n16 + q.first + v, pack_v4(a[k]));
-        }
-        if (kGradW && cw == 0 && q.piece == 0 && lane < K) {
-          p.grad_w_out[(size_t)q.t * K + lane] = s_em_item[(int)(i % kEmItems)].gw[lane];
-        }
-        free_item();
-      }
-    }
-    return;
-  }
-
   // Rank-major without weight gradients: pusher + summers. With them (the
   // dispatch backward) every warp moves rows and gradients, as in expert-major:
   // per-row gradient loads in the pusher's issue loop slowed it down.
@@ -868,7 +428,7 @@ __device__ void combine_push(const CombineParams& p) {
     for (int c = 0; c < C; ++c) total += mine(c);
     auto item_at = [&](Cursor& k, int g) {
       seek(k, g);
-      return push_item(k.c, blockIdx.x + (g - k.lo) * nb, pb.n, pb.per * 32);
+      return push_item(k.c, blockIdx.x + (g - k.lo) * nb, pb);
     };
     // NOTE: working out an item (item_at) is a chain of dependent shared
     // loads and divisions, about 600 cycles: done for every load and every
@@ -950,7 +510,7 @@ __device__ void combine_push(const CombineParams& p) {
       if (c < C) {
         const Pieces pc = pieces_for(rows_of_chunk(c), nw);
         const int n_items = rows_of_chunk(c) * pc.n;
-        PushItem q_next = gw < n_items ? push_item(c, gw, pc.n, pc.per * 32) : PushItem{};
+        PushItem q_next = gw < n_items ? push_item(c, gw, pc) : PushItem{};
         RowSet rs_next;
         if (gw < n_items) rs_next = row_set(p, q_next.u, expert_major, K, lane);
         for (int it = gw; it < n_items; it += nw) {
@@ -958,7 +518,7 @@ __device__ void combine_push(const CombineParams& p) {
           const RowSet rs = rs_next;
           if (it + nw < n_items) {
             // The next item's rows: worked out now, prefetched into L2.
-            q_next = push_item(c, it + nw, pc.n, pc.per * 32);
+            q_next = push_item(c, it + nw, pc);
             rs_next = row_set(p, q_next.u, expert_major, K, lane);
             if (expert_major) {
               prefetch_rows(y, rs_next, n16, q_next.first,

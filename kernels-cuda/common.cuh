@@ -91,11 +91,6 @@ MOE_EP_DEVICE void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
                "r"(bytes)
                : "memory");
 }
-// One arrival (release, CTA scope) without bytes: a consumer is done with a
-// buffer, or a producer posted what the buffer's readers need.
-MOE_EP_DEVICE void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
 MOE_EP_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -131,18 +126,6 @@ MOE_EP_DEVICE void bulk_wait_read() {
 template <int N>
 MOE_EP_DEVICE void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// Orders this thread's earlier accesses of shared memory before its later
-// bulk (async proxy) writes there (a buffer read, then refilled).
-MOE_EP_DEVICE void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// Orders the global memory this thread has acquired (peers' generic writes)
-// before its later bulk (async proxy) reads of it.
-MOE_EP_DEVICE void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 

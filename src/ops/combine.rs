@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_SMEM, THREADS};
+use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, THREADS};
 use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
 use super::group::EpGroup;
 use super::handle::Handle;
@@ -140,16 +140,12 @@ impl EpGroup {
             _pad: 0,
             desc: d,
         };
-        // NOTE: every other combine kernel launches with the pushed
-        // rank-major ring's shared memory, as the one combine kernel did
-        // before the paths had entry points of their own: the L1 / shared
-        // split, and so the measured times, stay as they were (BENCHMARKS.md).
-        let smem = match (&call.pull, handle.layout) {
-            (None, RecvLayout::ExpertMajor { .. }) => EM_SMEM,
-            _ => COMBINE_SMEM,
-        };
+        // NOTE: every combine kernel launches with the pushed rank-major
+        // ring's shared memory, as the one combine kernel did before the
+        // paths had entry points of their own: the L1 / shared split, and so
+        // the measured times, stay as they were (BENCHMARKS.md).
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
-        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, smem, &p) }
+        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, COMBINE_SMEM, &p) }
     }
 
     /// Brings expert outputs home and sums them per token in f32, in a fixed

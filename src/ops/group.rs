@@ -266,8 +266,7 @@ pub(crate) struct Kernels {
     pub(crate) combine_bwd: ByLayout,
     // combine_pull.cu and combine_push.cu: the smallest compile-time world
     // bound that fits (registers); every one may take COMBINE_SMEM of
-    // dynamic shared memory (the pushed rank-major bulk-copy ring), the
-    // expert-major pushed ones EM_SMEM (their ring of row pieces).
+    // dynamic shared memory (the pushed rank-major bulk-copy ring).
     pub(crate) combine_pull: Function,
     pub(crate) dispatch_bwd_pull: Function,
     pub(crate) combine_push: ByLayout,
@@ -290,17 +289,10 @@ impl Kernels {
             _ => 2,
         };
         let pick = |names: [&'static str; 3]| names[bound];
-        let combine_smem = |m: &Arc<Module>, name: &'static str, smem: u32| -> Result<Function> {
+        let combine = |m: &Arc<Module>, name: &'static str| -> Result<Function> {
             let f = m.function(name)?;
-            f.allow_dynamic_smem(smem)?;
+            f.allow_dynamic_smem(abi::COMBINE_SMEM)?;
             Ok(f)
-        };
-        let combine = |m: &Arc<Module>, name| combine_smem(m, name, abi::COMBINE_SMEM);
-        let by_layout = |names: [[&'static str; 3]; 2]| {
-            Ok::<_, Error>(ByLayout {
-                rank_major: combine(&push, pick(names[0]))?,
-                expert_major: combine_smem(&push, pick(names[1]), abi::EM_SMEM)?,
-            })
         };
         Ok(Kernels {
             layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
@@ -310,8 +302,8 @@ impl Kernels {
             combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
             combine_pull: combine(&pull, pick(COMBINE_PULL))?,
             dispatch_bwd_pull: combine(&pull, pick(DISPATCH_BWD_PULL))?,
-            combine_push: by_layout(COMBINE_PUSH)?,
-            dispatch_bwd_push: by_layout(DISPATCH_BWD_PUSH)?,
+            combine_push: ByLayout::load(COMBINE_PUSH.map(pick), |f| combine(&push, f))?,
+            dispatch_bwd_push: ByLayout::load(DISPATCH_BWD_PUSH.map(pick), |f| combine(&push, f))?,
             ll: match mode {
                 Mode::LowLatency => Some(LlKernels::load(comm)?),
                 Mode::HighThroughput => None,
@@ -333,9 +325,9 @@ impl Kernels {
             (&self.combine_pull, smem),
             (&self.dispatch_bwd_pull, smem),
             (&self.combine_push.rank_major, smem),
-            (&self.combine_push.expert_major, abi::EM_SMEM),
+            (&self.combine_push.expert_major, smem),
             (&self.dispatch_bwd_push.rank_major, smem),
-            (&self.dispatch_bwd_push.expert_major, abi::EM_SMEM),
+            (&self.dispatch_bwd_push.expert_major, smem),
         ];
         all.extend(self.ll.iter().flat_map(|k| k.all().map(|f| (f, 0))));
         all
