@@ -14,7 +14,7 @@ use std::time::Duration;
 use cudarc::driver::CudaStream;
 
 use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
-use super::layout::{exchange_smem, RecvLayout};
+use super::layout::{exchange_smem, exchange_smem_limit, RecvLayout};
 use super::low_latency::{LlBuffers, LlKernels};
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, MappedHost, Module};
@@ -297,7 +297,12 @@ impl Kernels {
         Ok(Kernels {
             layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
             layout_scan_i64: layout.function(LAYOUT_SCAN[1])?,
-            layout_exchange: layout.function(LAYOUT_EXCHANGE)?,
+            layout_exchange: {
+                // Up to 2 x MAX_EXPERTS int32 (128 KiB): above the default 48 KiB.
+                let f = layout.function(LAYOUT_EXCHANGE)?;
+                f.allow_dynamic_smem(exchange_smem_limit())?;
+                f
+            },
             dispatch: ByLayout::load(DISPATCH, |f| dispatch.function(f))?,
             combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
             combine_pull: combine(&pull, pick(COMBINE_PULL))?,
@@ -312,12 +317,12 @@ impl Kernels {
     }
 
     /// Every kernel with the dynamic shared memory its launches ask for.
-    pub(crate) fn with_smem(&self, num_experts: usize) -> Vec<(&Function, u32)> {
+    pub(crate) fn with_smem(&self, world: usize, num_experts: usize) -> Vec<(&Function, u32)> {
         let smem = abi::COMBINE_SMEM;
         let mut all = vec![
             (&self.layout_scan_i32, 0),
             (&self.layout_scan_i64, 0),
-            (&self.layout_exchange, exchange_smem(num_experts)),
+            (&self.layout_exchange, exchange_smem(world, num_experts)),
             (&self.dispatch.rank_major, 0),
             (&self.dispatch.expert_major, 0),
             (&self.combine_bwd.rank_major, 0),
@@ -357,7 +362,7 @@ impl EpGroup {
         // buffers).
         let k = Kernels::load(comm, cfg.mode)?;
         let local = cfg.validate(world).and_then(|_| {
-            super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
+            super::residency::measure(comm, &k.with_smem(world, cfg.num_experts))?.check(cfg.num_sms)
         });
         let recv_capacity = if cfg.recv_capacity == 0 {
             world * cfg.max_tokens_per_rank
