@@ -362,7 +362,8 @@ impl EpGroup {
         // buffers).
         let k = Kernels::load(comm, cfg.mode)?;
         let local = cfg.validate(world).and_then(|_| {
-            super::residency::measure(comm, &k.with_smem(world, cfg.num_experts))?.check(cfg.num_sms)
+            super::residency::measure(comm, &k.with_smem(world, cfg.num_experts))?
+                .check(cfg.num_sms)
         });
         let recv_capacity = if cfg.recv_capacity == 0 {
             world * cfg.max_tokens_per_rank

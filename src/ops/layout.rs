@@ -216,7 +216,10 @@ mod tests {
         assert_eq!(exchange_smem(1, MAX_EXPERTS), 128 * 1024);
         assert_eq!(exchange_smem_limit(), 128 * 1024);
         for (r, e) in [(1, 8), (2, 1024), (4, 2048), (8, 1024), (8, 16384)] {
-            assert!(exchange_smem(r, e) <= exchange_smem_limit(), "{r} ranks, {e} experts");
+            assert!(
+                exchange_smem(r, e) <= exchange_smem_limit(),
+                "{r} ranks, {e} experts"
+            );
         }
     }
 }
