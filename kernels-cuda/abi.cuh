@@ -123,14 +123,6 @@ struct LayoutBufs {
 #define MOE_EP_ROW_TAIL 8
 __host__ __device__ inline int row_tail(int R, int E) { return E + R * MOE_EP_SUBCHUNKS; }
 __host__ __device__ inline int count_row(int R, int E) { return row_tail(R, E) + MOE_EP_ROW_TAIL; }
-// The layout exchange's dynamic shared memory: [E] expert totals, [E] padded
-// block starts, then the gathered count matrix [R][count_row] when all of it
-// fits in MOE_EP_EXCHANGE_SMEM_MAX bytes (else the kernel reads the matrix
-// from device memory).
-#define MOE_EP_EXCHANGE_SMEM_MAX (96 * 1024)
-__host__ __device__ inline bool exchange_matrix_in_smem(int R, int E) {
-  return (2l * E + (long)R * count_row(R, E)) * 4 <= MOE_EP_EXCHANGE_SMEM_MAX;
-}
 
 // The first bad entry of a rank's topk_idx as one word that atomicMax keeps
 // (the lowest token, then slot, wins): ~(token << 40 | slot << 36 | code << 32

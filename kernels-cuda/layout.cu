@@ -210,26 +210,22 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const ErrSink err = ws.err(p.op.error, me);
 
   // Phase 1: my row (its tail: what the receivers check) to every rank,
-  // then one release flag each. The tail is made by the threads that send
-  // it (no round trip through device memory and a barrier first); the
-  // gathered matrix below brings it into info as part of my own row.
-  const int32_t* row = info + o.counts + me * n;
-  const int tail_at = row_tail(R, E);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    int32_t v;
-    if (i < tail_at) {
-      v = row[i];
-    } else {
-      const unsigned long long bad = *reinterpret_cast<const unsigned long long*>(info + o.bad);
-      const int f = i - tail_at;
-      v = f == 0   ? (int32_t)(uint32_t)(bad >> 32)
-          : f == 1 ? (int32_t)(uint32_t)bad
-          : f == 2 ? p.op.topk
-          : f == 3 ? (int32_t)p.op.layout
-          : f == 4 ? p.op.alignment
-                   : 0;
-    }
-    for (int d = 0; d < R; ++d) st_relaxed_sys_s32(ws.counts(d, parity) + me * n + i, v);
+  // then one release flag each.
+  int32_t* row = info + o.counts + me * n;
+  if (threadIdx.x == 0) {
+    const unsigned long long bad = *reinterpret_cast<const unsigned long long*>(info + o.bad);
+    int32_t* tail = row + row_tail(R, E);
+    tail[0] = (int32_t)(uint32_t)(bad >> 32);
+    tail[1] = (int32_t)(uint32_t)bad;
+    tail[2] = p.op.topk;
+    tail[3] = (int32_t)p.op.layout;
+    tail[4] = p.op.alignment;
+    tail[5] = tail[6] = tail[7] = 0;
+  }
+  __syncthreads();
+  for (int d = 0; d < R; ++d) {
+    int32_t* dst = ws.counts(d, parity) + me * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, row[i]);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -243,25 +239,16 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
                        threadIdx.x, MOE_EP_CTR_LAYOUT_COUNTS);
   }
   if (!__syncthreads_and(ok)) return;
-  // The gathered matrix into info (the data kernels read it there) and,
-  // when it fits, into shared memory, where phases 3 and 4 read it (each of
-  // their dependent reads then costs no device-memory round trip).
-  extern __shared__ int32_t smem[];  // [E] expert totals, [E] padded block starts, [R][n] matrix
-  int32_t* tot = smem;
-  int32_t* start = smem + E;
-  const bool c_in_smem = exchange_matrix_in_smem(R, E);
   const int32_t* all = ws.counts(me, parity);
-  for (int i = threadIdx.x; i < R * n; i += blockDim.x) {
-    const int32_t v = ld_relaxed_sys_s32(all + i);
-    info[o.counts + i] = v;
-    if (c_in_smem) smem[2 * E + i] = v;
-  }
+  for (int i = threadIdx.x; i < R * n; i += blockDim.x) info[o.counts + i] = ld_relaxed_sys_s32(all + i);
   __syncthreads();
 
   // Phase 3: offsets. C(s, e) expert counts, N(s, d) rank counts.
-  const int32_t* C = c_in_smem ? smem + 2 * E : info + o.counts;
+  const int32_t* C = info + o.counts;
   auto N = [&](int s, int d) { return C[s * n + E + d]; };
-  __shared__ int32_t s_need[MOE_EP_MAX_RANKS];  // rows_needed, for the verdict
+  extern __shared__ int32_t smem[];  // [E] expert totals, then [E] padded block starts
+  int32_t* tot = smem;
+  int32_t* start = smem + E;
   const bool expert_major = p.op.layout == LayoutKind::ExpertMajor;
   const int align = p.op.alignment > 0 ? p.op.alignment : 1;
   // Every expert's padded block start within its rank d = e / El: one
@@ -300,7 +287,6 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
     }
     info[o.dst_u_off + d] = before_me;
     info[o.rows_needed + d] = expert_major ? acc : rows;
-    s_need[d] = expert_major ? acc : rows;
     if (d == me) info[o.expert_start + El] = acc;
     int slot = 0;
     for (int d2 = 0; d2 < me; ++d2) slot += N(d, d2);
@@ -360,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
       }
     }
     for (int d = 0; d < R && code == 0; ++d) {
-      const int need = s_need[d];
+      const int need = info[o.rows_needed + d];
       if (need > p.op.recv_capacity) {
         code = MOE_EP_ERR_CAPACITY;
         report_error(err, code, me, d, 0, 0, 0, need, p.op.recv_capacity);

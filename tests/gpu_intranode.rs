@@ -129,8 +129,8 @@ case_table! {
     // More experts than a block has threads: the layout's exchange scans the
     // experts' block starts in two tiles.
     uniform_t200_h2048_k8_e1024 = case(200, 2048, 8, 1024, Routing::Uniform);
-    // The most experts a group takes: the exchange's per-expert arrays need
-    // 128 KiB of shared memory, and the count matrix stays in device memory.
+    // The most experts a group takes: the layout exchange's per-expert
+    // arrays need 128 KiB of shared memory.
     uniform_t100_h512_k8_e16384 = case(100, 512, 8, 16384, Routing::Uniform);
     // The largest sizes of the NVLink path's scope (16384 tokens per rank,
     // hidden 16384, 512 experts), in two cases to keep the CPU side short.

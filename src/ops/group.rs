@@ -317,12 +317,12 @@ impl Kernels {
     }
 
     /// Every kernel with the dynamic shared memory its launches ask for.
-    pub(crate) fn with_smem(&self, world: usize, num_experts: usize) -> Vec<(&Function, u32)> {
+    pub(crate) fn with_smem(&self, num_experts: usize) -> Vec<(&Function, u32)> {
         let smem = abi::COMBINE_SMEM;
         let mut all = vec![
             (&self.layout_scan_i32, 0),
             (&self.layout_scan_i64, 0),
-            (&self.layout_exchange, exchange_smem(world, num_experts)),
+            (&self.layout_exchange, exchange_smem(num_experts)),
             (&self.dispatch.rank_major, 0),
             (&self.dispatch.expert_major, 0),
             (&self.combine_bwd.rank_major, 0),
@@ -362,8 +362,7 @@ impl EpGroup {
         // buffers).
         let k = Kernels::load(comm, cfg.mode)?;
         let local = cfg.validate(world).and_then(|_| {
-            super::residency::measure(comm, &k.with_smem(world, cfg.num_experts))?
-                .check(cfg.num_sms)
+            super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
         });
         let recv_capacity = if cfg.recv_capacity == 0 {
             world * cfg.max_tokens_per_rank

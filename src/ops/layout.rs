@@ -13,10 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::abi::{
-    count_row, info_offsets, LayoutKind, LayoutParams, EXCHANGE_SMEM_MAX, MAX_TOPK, SCAN_EXPERTS,
-    THREADS,
-};
+use super::abi::{info_offsets, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS, THREADS};
 use super::buffers::TopkIdx;
 use super::group::{EpGroup, MAX_EXPERTS};
 use super::handle::{ArenaOffsets, Handle};
@@ -86,21 +83,15 @@ impl RecvLayout {
     }
 }
 
-/// Dynamic shared memory of the layout exchange (`exchange_matrix_in_smem`
-/// in abi.cuh): two int32 per expert, then the gathered count matrix when
-/// all of it fits in [`EXCHANGE_SMEM_MAX`] bytes.
-pub(crate) fn exchange_smem(world: usize, num_experts: usize) -> u32 {
-    let both = 2 * num_experts + world * count_row(world, num_experts);
-    if both * 4 <= EXCHANGE_SMEM_MAX as usize {
-        (both * 4) as u32
-    } else {
-        (2 * num_experts * 4) as u32
-    }
+/// Dynamic shared memory of the layout exchange: two int32 per expert.
+pub(crate) fn exchange_smem(num_experts: usize) -> u32 {
+    (2 * num_experts * 4) as u32
 }
 
-/// The most [`exchange_smem`] asks for at any world and expert count.
+/// The most [`exchange_smem`] asks for: 128 KiB at [`MAX_EXPERTS`], above
+/// the 48 KiB a launch gets without raising the kernel's limit.
 pub(crate) fn exchange_smem_limit() -> u32 {
-    EXCHANGE_SMEM_MAX.max((2 * MAX_EXPERTS * 4) as u32)
+    exchange_smem(MAX_EXPERTS)
 }
 
 impl EpGroup {
@@ -195,7 +186,7 @@ impl EpGroup {
             scan.launch(stream, (groups + r + check_blocks) as u32, THREADS, 0, &p)?;
             self.k
                 .layout_exchange
-                .launch(stream, 1, THREADS, exchange_smem(r, e), &p)?;
+                .launch(stream, 1, THREADS, exchange_smem(e), &p)?;
         }
         Ok(handle)
     }
@@ -206,20 +197,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn exchange_smem_holds_the_matrix_only_when_it_fits() {
-        // 8 ranks, 256 experts: 2 x 256 + 8 rows of 256 + 8 x 16 + 8 words.
-        assert_eq!(exchange_smem(8, 256), ((2 * 256 + 8 * 392) * 4) as u32);
-        assert_eq!(count_row(8, 256), 392);
-        // 8 ranks, 4096 experts: the matrix (131 KiB) stays in device memory.
-        assert_eq!(exchange_smem(8, 4096), 2 * 4096 * 4);
-        // The most experts: 128 KiB of per-expert arrays, the launch limit.
-        assert_eq!(exchange_smem(1, MAX_EXPERTS), 128 * 1024);
+    fn exchange_smem_is_two_words_per_expert_up_to_the_limit() {
+        assert_eq!(exchange_smem(256), 2 * 256 * 4);
+        // The most experts: 128 KiB, what the exchange's limit is raised to.
+        assert_eq!(exchange_smem(MAX_EXPERTS), 128 * 1024);
         assert_eq!(exchange_smem_limit(), 128 * 1024);
-        for (r, e) in [(1, 8), (2, 1024), (4, 2048), (8, 1024), (8, 16384)] {
-            assert!(
-                exchange_smem(r, e) <= exchange_smem_limit(),
-                "{r} ranks, {e} experts"
-            );
-        }
     }
 }

@@ -104,7 +104,7 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
 /// low-latency kernels are counted too).
 pub fn residency(comm: &Arc<Communicator>, num_experts: usize) -> Result<Residency> {
     let k = super::group::Kernels::load(comm, super::group::Mode::LowLatency)?;
-    measure(comm, &k.with_smem(comm.world(), num_experts))
+    measure(comm, &k.with_smem(num_experts))
 }
 
 #[cfg(test)]
