@@ -30,6 +30,11 @@
 // MOE_EP_BULK_VECS 16-byte vectors per lane (16 KiB) each; loads run half the
 // ring ahead of the stores. (16 KiB copies beat 8 KiB and 4 KiB: BENCHMARKS.md.)
 #define MOE_EP_COMBINE_SMEM (128 * 1024)
+// Dynamic shared memory of the expert-major pushed combine kernels: their
+// stages of row pieces (at hidden 7168, top-8: 3 stages of 8 half rows,
+// 7 KiB copies; 128 KiB gave 3 stages of thirds, 606 against 478 us at
+// world 1, BENCHMARKS.md).
+#define MOE_EP_EM_COMBINE_SMEM (200 * 1024)
 #define MOE_EP_BULK_VECS 32
 #define MOE_EP_BULK_BUFS (MOE_EP_COMBINE_SMEM / (MOE_EP_BULK_VECS * 512))
 #define MOE_EP_BULK_AHEAD (MOE_EP_BULK_BUFS / 2)

@@ -101,6 +101,10 @@ MOE_EP_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
   return done != 0;
 }
+// One arrival without bytes (release: this thread's earlier accesses come first).
+MOE_EP_DEVICE void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 // global -> shared, completion counted on `bar` (expect_tx first).
 MOE_EP_DEVICE void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(

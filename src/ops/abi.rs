@@ -13,6 +13,9 @@ pub const THREADS: u32 = 512;
 /// Dynamic shared memory of the combine kernels (`MOE_EP_COMBINE_SMEM`): the
 /// rank-major pushed combine's bulk-copy ring.
 pub const COMBINE_SMEM: u32 = 128 * 1024;
+/// Dynamic shared memory of the expert-major pushed combine kernels
+/// (`MOE_EP_EM_COMBINE_SMEM`): their ring of row slots.
+pub const EM_COMBINE_SMEM: u32 = 200 * 1024;
 /// Sub-chunks of each rank's tokens that combine pipelines over
 /// (`MOE_EP_SUBCHUNKS`).
 pub const SUBCHUNKS: usize = 16;
@@ -485,6 +488,8 @@ mod tests {
         assert_eq!(desc::PUSHED, 1u64 << 63);
         assert_eq!(define("MOE_EP_COMBINE_SMEM"), "(128 * 1024)");
         assert_eq!(COMBINE_SMEM, 128 * 1024);
+        assert_eq!(define("MOE_EP_EM_COMBINE_SMEM"), "(200 * 1024)");
+        assert_eq!(EM_COMBINE_SMEM, 200 * 1024);
         let kinds = "enum class LayoutKind : int32_t { RankMajor = 0, ExpertMajor = 1 };";
         assert!(text.contains(kinds), "abi.cuh: {kinds}");
         assert_eq!(LayoutKind::RankMajor as i32, 0);

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, THREADS};
+use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
 use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
 use super::group::EpGroup;
 use super::handle::Handle;
@@ -145,7 +145,11 @@ impl EpGroup {
         // paths had entry points of their own: the L1 / shared split, and so
         // the measured times, stay as they were (BENCHMARKS.md).
         // SAFETY: p mirrors CombineParams; sizes were validated by callers.
-        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, COMBINE_SMEM, &p) }
+        let smem = match (&call.pull, handle.layout) {
+            (None, RecvLayout::ExpertMajor { .. }) => EM_COMBINE_SMEM,
+            _ => COMBINE_SMEM,
+        };
+        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, smem, &p) }
     }
 
     /// Brings expert outputs home and sums them per token in f32, in a fixed

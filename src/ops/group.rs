@@ -289,10 +289,20 @@ impl Kernels {
             _ => 2,
         };
         let pick = |names: [&'static str; 3]| names[bound];
-        let combine = |m: &Arc<Module>, name: &'static str| -> Result<Function> {
+        let combine_with = |m: &Arc<Module>, name: &'static str, smem: u32| -> Result<Function> {
             let f = m.function(name)?;
-            f.allow_dynamic_smem(abi::COMBINE_SMEM)?;
+            f.allow_dynamic_smem(smem)?;
             Ok(f)
+        };
+        let combine = |m: &Arc<Module>, name: &'static str| combine_with(m, name, abi::COMBINE_SMEM);
+        // The expert-major pushed kernels: their own ring of row slots.
+        let em_push = |f: &'static str| {
+            let smem = if f.contains("expert_major") {
+                abi::EM_COMBINE_SMEM
+            } else {
+                abi::COMBINE_SMEM
+            };
+            combine_with(&push, f, smem)
         };
         Ok(Kernels {
             layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
@@ -307,8 +317,8 @@ impl Kernels {
             combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
             combine_pull: combine(&pull, pick(COMBINE_PULL))?,
             dispatch_bwd_pull: combine(&pull, pick(DISPATCH_BWD_PULL))?,
-            combine_push: ByLayout::load(COMBINE_PUSH.map(pick), |f| combine(&push, f))?,
-            dispatch_bwd_push: ByLayout::load(DISPATCH_BWD_PUSH.map(pick), |f| combine(&push, f))?,
+            combine_push: ByLayout::load(COMBINE_PUSH.map(pick), em_push)?,
+            dispatch_bwd_push: ByLayout::load(DISPATCH_BWD_PUSH.map(pick), em_push)?,
             ll: match mode {
                 Mode::LowLatency => Some(LlKernels::load(comm)?),
                 Mode::HighThroughput => None,
@@ -330,9 +340,9 @@ impl Kernels {
             (&self.combine_pull, smem),
             (&self.dispatch_bwd_pull, smem),
             (&self.combine_push.rank_major, smem),
-            (&self.combine_push.expert_major, smem),
+            (&self.combine_push.expert_major, abi::EM_COMBINE_SMEM),
             (&self.dispatch_bwd_push.rank_major, smem),
-            (&self.dispatch_bwd_push.expert_major, smem),
+            (&self.dispatch_bwd_push.expert_major, abi::EM_COMBINE_SMEM),
         ];
         all.extend(self.ll.iter().flat_map(|k| k.all().map(|f| (f, 0))));
         all
