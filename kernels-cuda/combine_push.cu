@@ -306,6 +306,9 @@ __device__ void combine_push(const CombineParams& p) {
               ok = __shfl_sync(0xffffffffu, ok, 0) != 0;
               if (!ok) break;
             }
+            // Every lane's writes below come after lane 0's acquire of the
+            // stage (a shuffle orders no memory).
+            __syncwarp();
             const int* src = reinterpret_cast<const int*>(&s_tab[i]);
             int* dst = reinterpret_cast<int*>(&s_hdr[st]);
             dst[lane] = src[lane];
