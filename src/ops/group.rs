@@ -266,7 +266,8 @@ pub(crate) struct Kernels {
     pub(crate) combine_bwd: ByLayout,
     // combine_pull.cu and combine_push.cu: the smallest compile-time world
     // bound that fits (registers); every one may take COMBINE_SMEM of
-    // dynamic shared memory (the pushed rank-major bulk-copy ring).
+    // dynamic shared memory (the pushed rank-major bulk-copy ring), the
+    // pushed expert-major ones EM_COMBINE_SMEM (their stages).
     pub(crate) combine_pull: Function,
     pub(crate) dispatch_bwd_pull: Function,
     pub(crate) combine_push: ByLayout,
@@ -294,8 +295,9 @@ impl Kernels {
             f.allow_dynamic_smem(smem)?;
             Ok(f)
         };
-        let combine = |m: &Arc<Module>, name: &'static str| combine_with(m, name, abi::COMBINE_SMEM);
-        // The expert-major pushed kernels: their own ring of row slots.
+        let combine =
+            |m: &Arc<Module>, name: &'static str| combine_with(m, name, abi::COMBINE_SMEM);
+        // The expert-major pushed kernels: their own stages (EM_COMBINE_SMEM).
         let em_push = |f: &'static str| {
             let smem = if f.contains("expert_major") {
                 abi::EM_COMBINE_SMEM
