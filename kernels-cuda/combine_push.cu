@@ -209,7 +209,7 @@ __device__ void combine_push(const CombineParams& p) {
     static_assert(kItemWords <= 64, "an item's words: two per lane");
     __shared__ EmItem s_tab[32];
     __shared__ EmItem s_hdr[kEmStages];
-    // Pieces: the fewest that give kEmStages >= 3 stages of K pieces each.
+    // Pieces: the fewest that give kEmMinStages stages of K pieces each.
     auto slot_bytes_of = [&](int np) { return (((n16 + np - 1) / np) * 16 + 127) / 128 * 128; };
     int np_min = 1;
     while (np_min < n16 && K * slot_bytes_of(np_min) * kEmMinStages > MOE_EP_EM_COMBINE_SMEM) ++np_min;
@@ -359,8 +359,14 @@ __device__ void combine_push(const CombineParams& p) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
       const unsigned char* base = s_bulk + st * stage_bytes + (x - h.first) * 16;
-      for (int j = 0; j < h.n; ++j) {
-        acc_v4(acc, *reinterpret_cast<const int4*>(base + j * slot_bytes), h.w[j], weighted);
+      if (weighted) {
+        for (int j = 0; j < h.n; ++j) {
+          acc_v4(acc, *reinterpret_cast<const int4*>(base + j * slot_bytes), h.w[j], true);
+        }
+      } else {
+        for (int j = 0; j < h.n; ++j) {
+          acc_v4(acc, *reinterpret_cast<const int4*>(base + j * slot_bytes), 1.f, false);
+        }
       }
     };
     for (int c = 0; c <= C; ++c) {

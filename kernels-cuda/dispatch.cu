@@ -56,10 +56,10 @@ __device__ uint64_t* dispatch_flags(const Ws& ws, int r) { return ws.dispatch_do
 // combine backward's scaled rows).
 __device__ __forceinline__ int4 scale_v4(int4 v, float w) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  const uint32_t h[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 f = __bfloat1622float2(h[i]);
+    const float2 f = bf16x2_to_f32x2(h[i]);
     acc[2 * i] = __fmul_rn(w, f.x);
     acc[2 * i + 1] = __fmul_rn(w, f.y);
   }

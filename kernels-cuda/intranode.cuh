@@ -194,11 +194,20 @@ __device__ uint64_t next_seq(const Ws& ws, int which, int me) {
 }
 
 // ---- bf16 <-> f32 on 16-byte vectors of 8 values ----
+// The two bf16 of a 32-bit word as f32 (exact: a bf16 is the top half of its
+// f32): one shift and one mask, where __bfloat1622float2 compiles to three
+// instructions (the sums below are bound by instruction issue, BENCHMARKS.md).
+__device__ __forceinline__ float2 bf16x2_to_f32x2(uint32_t u) {
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+// acc += w * v (weighted) or acc += v, per value in f32. Keep `weighted` a
+// constant where this sits in a loop (hoist the test): a run-time flag makes
+// every value cost both the add and the multiply-add, predicated.
 __device__ __forceinline__ void acc_v4(float (&acc)[8], int4 v, float w, bool weighted) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  const uint32_t h[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 f = __bfloat1622float2(h[i]);
+    const float2 f = bf16x2_to_f32x2(h[i]);
     if (weighted) {
       acc[2 * i] = __fmaf_rn(w, f.x, acc[2 * i]);
       acc[2 * i + 1] = __fmaf_rn(w, f.y, acc[2 * i + 1]);
