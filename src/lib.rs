@@ -36,7 +36,9 @@ pub(crate) mod sys;
 pub mod testkit;
 
 pub use error::{Error, NcclVersion, Result};
-pub use ops::{DeviceRegion, DeviceRegionMut, EpGroup, GroupConfig, Handle, Mode, RecvLayout};
+pub use ops::{
+    DeviceRegion, DeviceRegionMut, EpGroup, GroupConfig, Handle, Mode, RecvLayout, Topology,
+};
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};
 

@@ -55,6 +55,70 @@ fn group_config_rejects_each_bad_field_by_name() {
     );
 }
 
+/// `ranks_per_node`: the default (0) and the world size are one node and
+/// accepted; a value that does not divide the world, more than 8 ranks per
+/// node, and more than one node (the inter-node path is not built yet) are
+/// refused by name, each with its own message, the last only once every
+/// other field has passed. A single node of more than 8 ranks stays a
+/// `world` error.
+#[test]
+fn ranks_per_node_is_checked_by_name() {
+    let ok = GroupConfig::new(256, 7168, 4096);
+    assert_eq!(ok.ranks_per_node, 0, "the default is one node");
+    for world in [1, 2, 4, 8] {
+        ok.validate(world)
+            .expect("the default at any world of one node");
+        let mut c = ok.clone();
+        c.ranks_per_node = world;
+        c.validate(world).expect("ranks_per_node = world");
+        let t = c.topology(world).unwrap();
+        assert_eq!((t.nodes(), t.ranks_per_node()), (1, world));
+        assert_eq!(ok.topology(world).unwrap(), t);
+    }
+    let refused = |g: usize, world: usize| {
+        let mut c = ok.clone();
+        c.ranks_per_node = g;
+        let e = c.validate(world).unwrap_err();
+        let msg = e.to_string();
+        (arg_of(e), msg)
+    };
+    let (arg, not_divisor) = refused(3, 8);
+    assert_eq!(arg, "ranks_per_node");
+    assert!(
+        not_divisor.contains("divisor of the world size 8"),
+        "{not_divisor}"
+    );
+    let (arg, too_many) = refused(16, 32);
+    assert_eq!(arg, "ranks_per_node");
+    assert!(
+        too_many.contains("at most 8") && too_many.contains("16"),
+        "{too_many}"
+    );
+    for (g, world, nodes) in [(4, 8, 2), (1, 2, 2), (2, 8, 4), (8, 16, 2), (8, 64, 8)] {
+        let (arg, msg) = refused(g, world);
+        assert_eq!(arg, "ranks_per_node", "{g} x {nodes}");
+        assert!(
+            msg.contains("inter-node path is not built yet")
+                && msg.contains(&format!("{nodes} nodes")),
+            "{msg}"
+        );
+        assert!(msg != not_divisor && msg != too_many);
+    }
+    assert_ne!(not_divisor, too_many);
+    // More than 8 ranks on one node: the world check of a single node.
+    assert_eq!(refused(0, 16).0, "world");
+    assert_eq!(refused(16, 16).0, "world");
+    assert_eq!(refused(0, 0).0, "world");
+    // A multi-node world is refused after the other fields' checks.
+    let mut c = ok.clone();
+    c.ranks_per_node = 4;
+    c.hidden = 7170;
+    assert_eq!(arg_of(c.validate(8).unwrap_err()), "hidden");
+    c.hidden = 7168;
+    c.num_experts = 12;
+    assert_eq!(arg_of(c.validate(8).unwrap_err()), "num_experts");
+}
+
 /// The low-latency mode is accepted with up to 1024 tokens per rank (any
 /// hidden a multiple of 8: fp8 needs a multiple of 128 only per call), and
 /// refuses the same bad fields as the high-throughput one; its buffers

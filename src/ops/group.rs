@@ -3,7 +3,8 @@
 //! its configuration. The ops are in the files of their own (layout.rs,
 //! dispatch.rs, combine.rs).
 //!
-//! Tests: `tests/cpu_api.rs` (`GroupConfig::validate`),
+//! Tests: `tests/cpu_api.rs` (`GroupConfig::validate`, `ranks_per_node`
+//! included),
 //! `tests/gpu_intranode.rs` (every op; a device error reported by the next
 //! call; a timeout leaves the group unusable).
 
@@ -16,6 +17,7 @@ use cudarc::driver::CudaStream;
 use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
 use super::layout::{exchange_smem, exchange_smem_limit, RecvLayout};
 use super::low_latency::{LlBuffers, LlKernels};
+use super::topology::Topology;
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, MappedHost, Module};
 use crate::symm::{SymmBuffer, SymmPool};
@@ -58,10 +60,21 @@ pub struct GroupConfig {
     pub mode: Mode,
     /// Bound on every wait for another GPU.
     pub timeout: Duration,
+    /// Ranks per node: the world is `world / ranks_per_node` nodes of
+    /// `ranks_per_node` ranks, rank `r` on node `r / ranks_per_node` with
+    /// local index `r % ranks_per_node` ([`Topology`]). Ranks of a node reach
+    /// each other over NVLink; tokens for another node cross the network
+    /// once, to the rank of that node with the same local index (the rail
+    /// peer; `docs/rdma-model.md`). A divisor of the world size, at most 8;
+    /// `0` (the default) is the whole world on one node. Only the single
+    /// node is built: a value that makes more than one node is refused by
+    /// [`validate`](Self::validate).
+    pub ranks_per_node: usize,
 }
 
 impl GroupConfig {
-    /// Defaults: 24 SMs, high-throughput, 10 s timeout, rank-major capacity.
+    /// Defaults: 24 SMs, high-throughput, 10 s timeout, rank-major capacity,
+    /// one node.
     pub fn new(num_experts: usize, hidden: usize, max_tokens_per_rank: usize) -> Self {
         GroupConfig {
             num_experts,
@@ -72,18 +85,24 @@ impl GroupConfig {
             combine_chunks: 4,
             mode: Mode::HighThroughput,
             timeout: Duration::from_secs(10),
+            ranks_per_node: 0,
         }
     }
 
+    /// The nodes of a world of `world` ranks under this config's
+    /// `ranks_per_node`; errors as [`Topology::new`].
+    pub fn topology(&self, world: usize) -> Result<Topology> {
+        Topology::new(world, self.ranks_per_node)
+    }
+
     /// Checks every field against the world size, naming the bad one.
+    ///
+    /// The world and `ranks_per_node` first ([`Topology::new`]: at most 8
+    /// ranks on one node, a divisor of the world), then every other field;
+    /// last, a world of more than one node is refused by `ranks_per_node`,
+    /// since the inter-node path is not built yet.
     pub fn validate(&self, world: usize) -> Result<()> {
-        if world == 0 || world > MAX_RANKS {
-            return Err(Error::arg(
-                "world",
-                format!("1..={MAX_RANKS} ranks on one NVLink node"),
-                world,
-            ));
-        }
+        let topology = self.topology(world)?;
         if self.num_experts == 0
             || !self.num_experts.is_multiple_of(world)
             || self.num_experts > MAX_EXPERTS
@@ -137,6 +156,16 @@ impl GroupConfig {
                 "recv_capacity",
                 "at most 2^31-1 rows",
                 self.recv_capacity,
+            ));
+        }
+        if topology.nodes() > 1 {
+            return Err(Error::arg(
+                "ranks_per_node",
+                format!(
+                    "the world size {world} or 0: the inter-node path is not built yet, \
+                     so all ranks must be on one node"
+                ),
+                format!("{} ({} nodes)", self.ranks_per_node, topology.nodes()),
             ));
         }
         Ok(())
@@ -692,8 +721,17 @@ impl EpGroup {
 /// Numbers the groups of the process (`EpGroup::id`).
 static NEXT_GROUP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// The fields of a config every rank must share, with their names.
-fn shared_fields(cfg: &GroupConfig, recv_capacity: usize) -> [(&'static str, u64); 7] {
+/// The fields of a config every rank must share, with their names
+/// (`recv_capacity` and `ranks_per_node` after their defaults).
+fn shared_fields(
+    cfg: &GroupConfig,
+    world: usize,
+    recv_capacity: usize,
+) -> [(&'static str, u64); 8] {
+    let ranks_per_node = match cfg.ranks_per_node {
+        0 => world,
+        g => g,
+    };
     [
         ("num_experts", cfg.num_experts as u64),
         ("hidden", cfg.hidden as u64),
@@ -702,6 +740,7 @@ fn shared_fields(cfg: &GroupConfig, recv_capacity: usize) -> [(&'static str, u64
         ("num_sms", cfg.num_sms as u64),
         ("combine_chunks", cfg.combine_chunks as u64),
         ("mode", cfg.mode as u64),
+        ("ranks_per_node", ranks_per_node as u64),
     ]
 }
 
@@ -716,7 +755,7 @@ fn agree(
     recv_capacity: usize,
     local: Result<()>,
 ) -> Result<()> {
-    let fields = shared_fields(cfg, recv_capacity);
+    let fields = shared_fields(cfg, comm.world(), recv_capacity);
     let mut mine = vec![local.is_ok() as u64];
     mine.extend(fields.iter().map(|&(_, v)| v));
     let all = comm.all_gather_host(stream, &mine)?;

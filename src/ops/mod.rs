@@ -8,7 +8,8 @@
 //! the group and its kernels in `group.rs`, [`Handle`] in `handle.rs`, the
 //! buffer types in `buffers.rs`, the parameter structs the kernels see in
 //! [`abi`] (mirrors of `kernels-cuda/abi.cuh`), the residency check in
-//! `residency.rs`.
+//! `residency.rs`, the nodes of a world and their rail peers ([`Topology`])
+//! in `topology.rs`.
 //!
 //! ```ignore
 //! let group = EpGroup::new(&comm, GroupConfig::new(256, 7168, 4096))?;     // collective
@@ -33,6 +34,7 @@ mod handle;
 mod layout;
 mod low_latency;
 mod residency;
+mod topology;
 
 pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 pub use group::{EpGroup, GroupConfig, Mode};
@@ -43,3 +45,4 @@ pub use low_latency::{
     LlLayout, LlView,
 };
 pub use residency::{residency, Residency};
+pub use topology::Topology;
