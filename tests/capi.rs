@@ -16,19 +16,28 @@ use moe_ep::capi::*;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
-/// Where cargo put libmoe_ep.so and libmoe_ep.a for this test binary.
+/// Where cargo put libmoe_ep.so and libmoe_ep.a for this test binary: the
+/// profile directory (`cargo build`) or `deps/` (`cargo test`), whichever
+/// holds the newer pair, so that a library left by an earlier `cargo build`
+/// is not tested in place of the one built with this test.
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let deps = exe.parent().unwrap();
-    for dir in [deps.parent().unwrap(), deps] {
-        if dir.join("libmoe_ep.so").is_file() && dir.join("libmoe_ep.a").is_file() {
-            return dir.to_path_buf();
-        }
-    }
-    panic!(
-        "libmoe_ep.so / libmoe_ep.a not found next to {}",
-        deps.display()
-    );
+    let built = |dir: &Path| -> Option<std::time::SystemTime> {
+        let time = |f: &str| std::fs::metadata(dir.join(f)).and_then(|m| m.modified());
+        Some(time("libmoe_ep.so").ok()?.min(time("libmoe_ep.a").ok()?))
+    };
+    [deps.parent().unwrap(), deps]
+        .into_iter()
+        .filter_map(|dir| Some((built(dir)?, dir)))
+        .max_by_key(|&(t, _)| t)
+        .map(|(_, dir)| dir.to_path_buf())
+        .unwrap_or_else(|| {
+            panic!(
+                "libmoe_ep.so / libmoe_ep.a not found next to {}",
+                deps.display()
+            )
+        })
 }
 
 fn tool(var: &str, default: &str) -> String {
@@ -75,12 +84,20 @@ fn build_c_test(name: &str, link: &[&str]) -> PathBuf {
     out
 }
 
+/// The C test against libmoe_ep.so of `lib_dir()`, found there at run time
+/// through DT_RPATH, which (unlike RUNPATH) comes before the
+/// LD_LIBRARY_PATH that cargo gives tests (the profile directory first).
 fn shared_test() -> PathBuf {
     let dir = lib_dir();
     let d = dir.to_str().unwrap();
     build_c_test(
         "abi_test_shared",
-        &[&format!("-L{d}"), "-lmoe_ep", &format!("-Wl,-rpath,{d}")],
+        &[
+            &format!("-L{d}"),
+            "-lmoe_ep",
+            &format!("-Wl,-rpath,{d}"),
+            "-Wl,--disable-new-dtags",
+        ],
     )
 }
 
