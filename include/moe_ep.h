@@ -66,11 +66,12 @@ extern "C" {
  * caller built against ABI N runs against every library whose
  * moe_ep_abi_version() is at least N (check it once at start-up); a change
  * that broke this would come with a new library name. ABI 2 added the
- * low-latency mode (MOE_EP_MODE_LOW_LATENCY and the moe_ep_ll_* calls). */
+ * low-latency mode (MOE_EP_MODE_LOW_LATENCY and the moe_ep_ll_* calls), ABI 3
+ * moe_ep_group_config_t.ranks_per_node. */
 #define MOE_EP_VERSION_MAJOR 0
 #define MOE_EP_VERSION_MINOR 1
 #define MOE_EP_VERSION_PATCH 0
-#define MOE_EP_ABI_VERSION 2
+#define MOE_EP_ABI_VERSION 3
 
 /* ---- status codes ---------------------------------------------------- */
 
@@ -197,8 +198,12 @@ typedef struct moe_ep_group_config {
   uint32_t mode;                 /* moe_ep_mode_t; 0: high throughput (recv_capacity and
                                     combine_chunks are high throughput's only) */
   uint32_t timeout_ms;           /* bound on every wait for another GPU; 0: 10000 */
+  uint64_t ranks_per_node;       /* (ABI 3) ranks per node, rank r on node r / ranks_per_node: a
+                                    divisor of the world, at most 8; 0: the whole world on one
+                                    node. Only one node is built: a value that makes more than
+                                    one node is refused, naming `ranks_per_node` */
 } moe_ep_group_config_t;
-#define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0}
+#define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 typedef struct moe_ep_layout_args {
   uint32_t size;
@@ -350,7 +355,7 @@ typedef struct moe_ep_unique_id {
 
 uint32_t moe_ep_abi_version(void);
 moe_ep_status_t moe_ep_version(moe_ep_version_info_t *out);
-/* "0.1.0 (ABI 2, NCCL headers 2.28.9)"; static storage. */
+/* "0.1.0 (ABI 3, NCCL headers 2.28.9)"; static storage. */
 const char *moe_ep_version_string(void);
 /* The message of this thread's last failing call ("" if none). */
 const char *moe_ep_last_error(void);

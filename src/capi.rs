@@ -51,8 +51,8 @@ use crate::symm::SymmBuffer;
 
 /// The ABI version of this library (`MOE_EP_ABI_VERSION`): one more with
 /// every release that adds to the ABI (the header has the rule). 2: the
-/// low-latency mode.
-pub const ABI_VERSION: u32 = 2;
+/// low-latency mode; 3: `moe_ep_group_config_t.ranks_per_node`.
+pub const ABI_VERSION: u32 = 3;
 
 /// `moe_ep_status_t`.
 pub type Status = c_int;
@@ -368,6 +368,8 @@ pub struct CGroupConfig {
     pub combine_chunks: u32,
     pub mode: u32,
     pub timeout_ms: u32,
+    /// ABI 3; past the first version's 56 bytes.
+    pub ranks_per_node: u64,
 }
 
 /// `moe_ep_layout_args_t`.
@@ -619,9 +621,10 @@ versioned!(
 );
 
 // The first versions are the structs as they are now (ABI 1; the moe_ep_ll_*
-// structs ABI 2); the C test
-// asserts the same sizes with _Static_assert, and tests/capi.rs compares
-// every field offset with the C compiler's.
+// structs ABI 2), except moe_ep_group_config_t, which ABI 3 grew by
+// ranks_per_node (8 bytes); the C test asserts the same sizes with
+// _Static_assert, and tests/capi.rs compares every field offset with the C
+// compiler's.
 const _: () = {
     use std::mem::size_of;
     assert!(
@@ -630,7 +633,7 @@ const _: () = {
     );
     assert!(size_of::<CBuf>() == 16 && size_of::<CBufMut>() == 16);
     assert!(size_of::<CVersionInfo>() == CVersionInfo::MIN_SIZE);
-    assert!(size_of::<CGroupConfig>() == CGroupConfig::MIN_SIZE);
+    assert!(size_of::<CGroupConfig>() == CGroupConfig::MIN_SIZE + 8);
     assert!(size_of::<CLayoutArgs>() == CLayoutArgs::MIN_SIZE);
     assert!(size_of::<CDispatchArgs>() == CDispatchArgs::MIN_SIZE);
     assert!(size_of::<CCombineArgs>() == CCombineArgs::MIN_SIZE);
@@ -1134,6 +1137,8 @@ fn group_config(c: &CGroupConfig) -> Result<GroupConfig> {
     if c.timeout_ms != 0 {
         g.timeout = Duration::from_millis(c.timeout_ms as u64);
     }
+    // 0 (and a struct of ABI 1 or 2, which lacks the field) is one node.
+    g.ranks_per_node = to_usize("ranks_per_node", c.ranks_per_node)?;
     Ok(g)
 }
 

@@ -168,7 +168,8 @@ fn rust_layout() -> BTreeMap<String, usize> {
             num_sms,
             combine_chunks,
             mode,
-            timeout_ms
+            timeout_ms,
+            ranks_per_node
         ]
     );
     s!(

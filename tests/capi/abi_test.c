@@ -14,7 +14,7 @@ _Static_assert(sizeof(void *) == 8, "the ABI is laid out for 64-bit targets");
 _Static_assert(sizeof(moe_ep_buf_t) == 16, "moe_ep_buf_t");
 _Static_assert(sizeof(moe_ep_buf_mut_t) == 16, "moe_ep_buf_mut_t");
 _Static_assert(sizeof(moe_ep_version_info_t) == 32, "moe_ep_version_info_t");
-_Static_assert(sizeof(moe_ep_group_config_t) == 56, "moe_ep_group_config_t");
+_Static_assert(sizeof(moe_ep_group_config_t) == 64, "moe_ep_group_config_t");
 _Static_assert(sizeof(moe_ep_layout_args_t) == 40, "moe_ep_layout_args_t");
 _Static_assert(sizeof(moe_ep_dispatch_args_t) == 72, "moe_ep_dispatch_args_t");
 _Static_assert(sizeof(moe_ep_combine_args_t) == 56, "moe_ep_combine_args_t");
@@ -50,6 +50,7 @@ static void layout(void) {
   OFF(moe_ep_group_config_t, max_tokens_per_rank); OFF(moe_ep_group_config_t, recv_capacity);
   OFF(moe_ep_group_config_t, num_sms); OFF(moe_ep_group_config_t, combine_chunks);
   OFF(moe_ep_group_config_t, mode); OFF(moe_ep_group_config_t, timeout_ms);
+  OFF(moe_ep_group_config_t, ranks_per_node);
   SIZE(moe_ep_layout_args_t); INIT(moe_ep_layout_args_t, MOE_EP_LAYOUT_ARGS_INIT);
   OFF(moe_ep_layout_args_t, topk_idx); OFF(moe_ep_layout_args_t, topk_idx_dtype);
   OFF(moe_ep_layout_args_t, topk); OFF(moe_ep_layout_args_t, layout);
@@ -198,6 +199,34 @@ static void structs(void) {
   c = good_config();
   c.mode = 2;
   expect("mode 2", moe_ep_group_config_validate(&c, 2), BAD, "`mode`", NULL);
+  /* ranks_per_node (ABI 3): 0 and the world size are one node; a
+   * non-divisor, more than 8 per node and (not built yet) more than one node
+   * are refused by name, each with its own reason. An ABI 2 caller's struct
+   * lacks the field: one node. */
+  c = good_config();
+  c.ranks_per_node = 2;
+  expect("2 ranks per node at world 2", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL,
+         NULL);
+  c.ranks_per_node = 3;
+  expect("3 ranks per node at world 2", moe_ep_group_config_validate(&c, 2), BAD,
+         "`ranks_per_node`", "divisor");
+  c.num_experts = 256;
+  c.ranks_per_node = 16;
+  expect("16 ranks per node at world 32", moe_ep_group_config_validate(&c, 32), BAD,
+         "`ranks_per_node`", "at most 8");
+  c.ranks_per_node = 1;
+  expect("1 rank per node at world 2", moe_ep_group_config_validate(&c, 2), BAD,
+         "`ranks_per_node`", "not built yet");
+  c.ranks_per_node = 8;
+  expect("2 nodes of 8 ranks", moe_ep_group_config_validate(&c, 16), BAD, "`ranks_per_node`",
+         "not built yet");
+  c.ranks_per_node = 0;
+  expect("16 ranks on one node", moe_ep_group_config_validate(&c, 16), BAD, "`world`", NULL);
+  c = good_config();
+  c.ranks_per_node = 1; /* past an ABI 2 struct's end: not read */
+  c.size = 56;
+  expect("an ABI 2 config (56 bytes)", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL,
+         NULL);
 
   /* Every argument struct of an op is checked before anything else. */
   moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
