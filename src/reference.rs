@@ -76,6 +76,15 @@
 //! reproduces the GPU's f32/bf16 arithmetic bit for bit; [`check_close_bf16`]
 //! compares a bf16 result with an f64 one under a documented bound.
 //!
+//! # Two levels: nodes and the network
+//!
+//! [`two_level_routes`], [`two_level_traffic`] and
+//! [`combine_two_level_emulated`] define the inter-node path over a
+//! [`Topology`](crate::ops::Topology): what crosses the network once per
+//! (token, remote node) to the rail peer and is forwarded over NVLink there,
+//! the rows each rank sends and receives, and combine's fixed two-level
+//! order (`docs/rdma-model.md`).
+//!
 //! # Low-latency mode and fp8
 //!
 //! [`ll_dispatch`], [`ll_combine_f64`] and [`ll_combine_emulated`] define the
@@ -90,8 +99,10 @@ use half::bf16;
 
 mod fp8;
 mod low_latency;
+mod two_level;
 pub use fp8::*;
 pub use low_latency::*;
+pub use two_level::*;
 
 /// Largest top-k accepted (`Shape::topk` must be in `1..=MAX_TOPK`).
 pub const MAX_TOPK: usize = 16;
@@ -773,40 +784,63 @@ fn combine_emulated_impl(
     check_rank_major_unweighted(layout, weighted)?;
     let cp = combine_plan(shape, inputs, home, layout)?;
     check_per_rank(arg, expert_out, &cp.plans, shape.hidden, "hidden")?;
-    let (h, k) = (shape.hidden, shape.topk);
+    let h = shape.hidden;
     let mut out = Vec::with_capacity(cp.home_tokens * h);
     let mut home_acc = vec![0.0f32; h];
     let mut partial = vec![0.0f32; h];
     for t in 0..cp.home_tokens {
         home_acc.fill(0.0);
-        for (d, x_d) in expert_out.iter().enumerate() {
-            let rows = &cp.rows[d][t];
-            if rows.is_empty() {
-                continue; // t was not sent to d
-            }
-            // The destination's partial, accumulated in f32 from 0.0 ...
-            partial.fill(0.0);
-            for &row in rows {
-                let x = &x_d[row * h..(row + 1) * h];
-                if weighted {
-                    let w = row_weight(inputs, k, &cp.plans[d], row);
-                    for (a, x) in partial.iter_mut().zip(x) {
-                        *a = w.mul_add(x.to_f32(), *a);
-                    }
-                } else {
-                    for (a, x) in partial.iter_mut().zip(x) {
-                        *a += x.to_f32();
-                    }
-                }
-            }
-            // ... sent home as bf16, and summed there in f32.
-            for (acc, p) in home_acc.iter_mut().zip(&partial) {
-                *acc += bf16::from_f32(*p).to_f32();
+        for d in 0..shape.num_ranks {
+            // The destination's partial, sent home as bf16 and summed there
+            // in f32; nothing where t was not sent to d.
+            if rank_partial(shape, inputs, &cp, expert_out, d, t, weighted, &mut partial) {
+                add_bf16(&mut home_acc, &partial);
             }
         }
         out.extend(home_acc.iter().map(|&a| bf16::from_f32(a)));
     }
     Ok(out)
+}
+
+/// Destination `d`'s partial of home token `t` in f32, accumulated from
+/// `0.0` over `t`'s rows on `d` in ascending row order: `acc = w.mul_add(x,
+/// acc)` (weighted) or `acc = acc + x`, `x` the bf16 value as f32. Returns
+/// false (and leaves `partial` zero) where `t` was not sent to `d`.
+#[allow(clippy::too_many_arguments)]
+fn rank_partial(
+    shape: &Shape,
+    inputs: &[RankInput],
+    cp: &CombinePlan,
+    expert_out: &[Vec<bf16>],
+    d: usize,
+    t: usize,
+    weighted: bool,
+    partial: &mut [f32],
+) -> bool {
+    let (h, k) = (shape.hidden, shape.topk);
+    partial.fill(0.0);
+    let rows = &cp.rows[d][t];
+    for &row in rows {
+        let x = &expert_out[d][row * h..(row + 1) * h];
+        if weighted {
+            let w = row_weight(inputs, k, &cp.plans[d], row);
+            for (a, x) in partial.iter_mut().zip(x) {
+                *a = w.mul_add(x.to_f32(), *a);
+            }
+        } else {
+            for (a, x) in partial.iter_mut().zip(x) {
+                *a += x.to_f32();
+            }
+        }
+    }
+    !rows.is_empty()
+}
+
+/// `acc += f32(bf16(p))` elementwise: one bf16 partial summed in f32.
+fn add_bf16(acc: &mut [f32], p: &[f32]) {
+    for (a, p) in acc.iter_mut().zip(p) {
+        *a += bf16::from_f32(*p).to_f32();
+    }
 }
 
 /// The GPU's combine arithmetic on home rank `home`, bit for bit:

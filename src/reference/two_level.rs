@@ -1,0 +1,317 @@
+//! The two-level (inter-node) path: which rows cross the network and which
+//! NVLink, and combine's fixed order (`docs/rdma-model.md`).
+//!
+//! The model of [`crate::reference`] plus a [`Topology`]: `N` nodes of `G`
+//! ranks, rank `r` on node `r / G` with local index `r % G`, experts hosted
+//! as before (rank `r` holds `[r * E_local, (r + 1) * E_local)`, so node `m`
+//! holds `[m * G * E_local, (m + 1) * G * E_local)`).
+//!
+//! # Dispatch
+//!
+//! A token of home rank `h` (node `n`, local index `i`) *reaches* node `m`
+//! when `m` hosts at least one of its non-masked experts. For each node `m
+//! != n` it reaches, the token crosses the network once, from `h` to `h`'s
+//! rail peer on `m`, `p = m * G + i`, with its top-k masked to the experts
+//! of `m` (the others `-1` / `0.0`, the token's own slot order): a
+//! [`RemoteHop`]. `p` forwards it over NVLink to every other rank of `m`
+//! that hosts one of those experts; where `p` hosts one itself, the row
+//! stays on `p`. On its own node the token goes over NVLink to every rank
+//! other than `h` that hosts one of its experts, as on one node. Every rank
+//! ends up with the tokens, and the rows, of the flat
+//! [`dispatch`](super::dispatch): the two levels change the path, not the
+//! result.
+//!
+//! # Counts and bytes ([`two_level_traffic`])
+//!
+//! Per rank, the rows it sends to and receives from each rail peer (the
+//! sizes the host-issued send / receive pairs need), the NVLink rows it
+//! forwards as a rail peer and those of its own tokens inside its node,
+//! and the rows that stay on it. In bytes, with `H` bf16 values and `K` slots
+//! per token: a network row of dispatch is `2H + 8K` (the row, `K` i32
+//! expert ids and `K` f32 weights), an NVLink row `2H`; combine moves the
+//! same rows back, `2H` bytes each.
+//!
+//! # Combine ([`combine_two_level_emulated`])
+//!
+//! Partials are summed inside each remote node first, one bf16 row per
+//! (token, remote node) crosses the network, and the home rank sums over
+//! nodes in ascending order; the order is fixed, so the result has the same
+//! bits on every run, and with one node they are exactly
+//! [`combine_emulated`](super::combine_emulated)'s. The exact answer is
+//! [`combine_f64`](super::combine_f64), whatever the path.
+//!
+//! Tests: `tests/reference_two_level.rs`.
+
+use half::bf16;
+
+use super::{
+    add_bf16, check_rank, check_rank_inputs, check_rank_major_unweighted, combine_plan,
+    rank_partial, RankInput, Shape,
+};
+use crate::error::{Error, Result};
+use crate::ops::{RecvLayout, Topology};
+
+/// One token's crossing of the network to a remote node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RemoteHop {
+    /// The remote node.
+    pub node: usize,
+    /// The home rank's rail peer on `node` (`node * G + home % G`), which
+    /// receives the network row and forwards it.
+    pub rail_peer: usize,
+    /// `[K]` the token's expert ids hosted on `node`, in the token's slot
+    /// order; `-1` in the other slots (masked, or hosted elsewhere).
+    pub topk_idx: Vec<i64>,
+    /// `[K]` the weights of those slots; `0.0` in the others.
+    pub topk_weights: Vec<f32>,
+    /// The ranks of `node` hosting at least one of them, ascending (the rail
+    /// peer included where it hosts one): the forwarded row's destinations.
+    pub ranks: Vec<usize>,
+}
+
+/// The two-level route of one token of a home rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenRoute {
+    /// The nodes hosting at least one of the token's experts, ascending (its
+    /// own node included where it hosts one). Empty for a fully masked token.
+    pub nodes: Vec<usize>,
+    /// The ranks of the home node hosting at least one of its experts,
+    /// ascending (the home rank included where it hosts one).
+    pub home_ranks: Vec<usize>,
+    /// One hop per node of `nodes` other than the home node, ascending.
+    pub remote: Vec<RemoteHop>,
+}
+
+/// Rows one rank moves in one dispatch on the two-level path (combine moves
+/// the same rows the other way). Indexed by node: the peer on node `m` is
+/// the rank's rail peer there ([`Topology::rail_peer`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankTraffic {
+    /// `[N]` network rows this rank sends to its rail peer on node `m`: its
+    /// tokens that reach `m`; `0` for its own node.
+    pub net_sent: Vec<usize>,
+    /// `[N]` network rows it receives from its rail peer on node `m`: that
+    /// peer's tokens that reach this rank's node; `0` for its own node.
+    pub net_recv: Vec<usize>,
+    /// NVLink rows it forwards as a rail peer: for every network row it
+    /// receives, the ranks of its node other than itself that host one of
+    /// the row's experts.
+    pub nvlink_forward: usize,
+    /// NVLink rows of its own tokens: for each, the ranks of its node other
+    /// than itself that host one of the token's experts.
+    pub nvlink_home: usize,
+    /// Rows that stay on this rank: its own tokens with an expert here, and
+    /// received network rows with an expert here.
+    pub local: usize,
+}
+
+/// Checks that `topo` is a topology of `shape`'s ranks.
+fn check_topology(shape: &Shape, topo: &Topology) -> Result<()> {
+    if topo.world() != shape.num_ranks {
+        return Err(Error::arg(
+            "topology",
+            format!("a world of num_ranks = {} ranks", shape.num_ranks),
+            format!("{} ranks", topo.world()),
+        ));
+    }
+    Ok(())
+}
+
+/// The route of one token of `home` (`idx` and `w` its `[K]` slots).
+fn route(shape: &Shape, topo: &Topology, home: usize, idx: &[i64], w: &[f32]) -> TokenRoute {
+    let home_node = topo.node_of(home);
+    let mut ranks: Vec<usize> = idx.iter().filter_map(|&e| shape.rank_of_entry(e)).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut nodes: Vec<usize> = ranks.iter().map(|&r| topo.node_of(r)).collect();
+    nodes.dedup(); // ranks ascending: equal nodes are adjacent
+    let on = |m: usize| -> Vec<usize> {
+        ranks
+            .iter()
+            .copied()
+            .filter(|&r| topo.node_of(r) == m)
+            .collect()
+    };
+    let remote = nodes
+        .iter()
+        .filter(|&&m| m != home_node)
+        .map(|&m| {
+            let here = |e: i64| shape.rank_of_entry(e).map(|r| topo.node_of(r)) == Some(m);
+            RemoteHop {
+                node: m,
+                rail_peer: topo.rail_peer(home, m),
+                topk_idx: idx.iter().map(|&e| if here(e) { e } else { -1 }).collect(),
+                topk_weights: idx
+                    .iter()
+                    .zip(w)
+                    .map(|(&e, &w)| if here(e) { w } else { 0.0 })
+                    .collect(),
+                ranks: on(m),
+            }
+        })
+        .collect();
+    TokenRoute {
+        home_ranks: on(home_node),
+        nodes,
+        remote,
+    }
+}
+
+/// The two-level routes of rank `home`'s tokens, `[T_home]` in token order.
+/// `inputs` holds one [`RankInput`] per rank (their `tokens` are not read).
+///
+/// Errors name `topology` (not a topology of `shape.num_ranks` ranks), the
+/// shape's fields, `inputs`, `topk_idx`, `topk_weights` or `home`.
+pub fn two_level_routes(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+    home: usize,
+) -> Result<Vec<TokenRoute>> {
+    check_routing(shape, topo, inputs)?;
+    check_rank("home", home, shape)?;
+    Ok(routes_of(shape, topo, inputs, home))
+}
+
+/// The checks of [`two_level_routes`] but `home`.
+fn check_routing(shape: &Shape, topo: &Topology, inputs: &[RankInput]) -> Result<()> {
+    shape.validate()?;
+    check_topology(shape, topo)?;
+    check_rank_inputs(shape, inputs, false)
+}
+
+/// [`two_level_routes`] of checked inputs.
+fn routes_of(shape: &Shape, topo: &Topology, inputs: &[RankInput], home: usize) -> Vec<TokenRoute> {
+    let k = shape.topk;
+    let inp = &inputs[home];
+    inp.topk_idx
+        .chunks_exact(k)
+        .zip(inp.topk_weights.chunks_exact(k))
+        .map(|(idx, w)| route(shape, topo, home, idx, w))
+        .collect()
+}
+
+/// The rows every rank moves in one dispatch, `[R]` in rank order
+/// ([`RankTraffic`]); the same errors as [`two_level_routes`] (but `home`).
+///
+/// Over all ranks, rows sent equal rows received (rank `a` sends to `b`
+/// what `b` receives from `a`), their total is the number of (token,
+/// remote node) pairs, and `nvlink_forward + nvlink_home + local` summed is
+/// the flat dispatch's total of rank-major rows.
+pub fn two_level_traffic(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+) -> Result<Vec<RankTraffic>> {
+    check_routing(shape, topo, inputs)?;
+    let nodes = topo.nodes();
+    let mut out = vec![
+        RankTraffic {
+            net_sent: vec![0; nodes],
+            net_recv: vec![0; nodes],
+            nvlink_forward: 0,
+            nvlink_home: 0,
+            local: 0,
+        };
+        shape.num_ranks
+    ];
+    for home in 0..shape.num_ranks {
+        let home_node = topo.node_of(home);
+        for r in routes_of(shape, topo, inputs, home) {
+            for &d in &r.home_ranks {
+                if d == home {
+                    out[home].local += 1;
+                } else {
+                    out[home].nvlink_home += 1;
+                }
+            }
+            for hop in &r.remote {
+                let p = hop.rail_peer;
+                out[home].net_sent[hop.node] += 1;
+                out[p].net_recv[home_node] += 1;
+                for &d in &hop.ranks {
+                    if d == p {
+                        out[p].local += 1;
+                    } else {
+                        out[p].nvlink_forward += 1;
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The two-level combine on home rank `home`, bit for bit: `[T_home * H]`
+/// bf16. The arguments, layouts and per-rank partials are those of
+/// [`combine_emulated`](super::combine_emulated), plus the topology; for
+/// home token `t`, elementwise:
+///
+/// 1. On every rank `d` where `t` was sent, its partial `p_d` exactly as in
+///    [`combine_emulated`](super::combine_emulated): f32 from `0.0` over
+///    `t`'s rows on `d` in ascending row order (`RankMajor`: the one row;
+///    `ExpertMajor`: `acc = w.mul_add(x, acc)` weighted, `acc = acc + x`
+///    unweighted), then rounded to bf16 (round-to-nearest-even), the rail
+///    peer's own partial included.
+/// 2. On each remote node `m` that `t` reaches, the home rank's rail peer
+///    there: f32 `q = 0.0`, for the ranks `d` of `m` in ascending local
+///    index where `t` was sent, `q += f32(p_d)`; rounded once to bf16:
+///    `P_m`, one bf16 row per (token, remote node).
+/// 3. On the home rank (node `n`): f32 `acc = 0.0`, for the nodes `m`
+///    ascending: `m == n`: for the ranks `d` of `n` in ascending local index
+///    where `t` was sent, `acc += f32(p_d)` (one term per rank, as on one
+///    node); `m != n` and reached: `acc += f32(P_m)` (one term per node).
+///    Result `bf16::from_f32(acc)`.
+///
+/// With one node this is [`combine_emulated`](super::combine_emulated) bit
+/// for bit; with one rank per node too (each `P_m` is one bf16 `p_d`,
+/// rounded again unchanged). Against [`combine_f64`](super::combine_f64),
+/// each remote node adds one bf16 rounding to those of the partials.
+///
+/// Errors: those of [`combine_emulated`](super::combine_emulated), and
+/// `topology` when `topo` is not a topology of `shape.num_ranks` ranks.
+pub fn combine_two_level_emulated(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+    expert_out: &[Vec<bf16>],
+    home: usize,
+    layout: RecvLayout,
+    weighted: bool,
+) -> Result<Vec<bf16>> {
+    check_rank_major_unweighted(layout, weighted)?;
+    let cp = combine_plan(shape, inputs, home, layout)?;
+    check_topology(shape, topo)?;
+    super::check_per_rank("expert_out", expert_out, &cp.plans, shape.hidden, "hidden")?;
+    let h = shape.hidden;
+    let home_node = topo.node_of(home);
+    let mut out = Vec::with_capacity(cp.home_tokens * h);
+    let mut acc = vec![0.0f32; h];
+    let mut node_acc = vec![0.0f32; h];
+    let mut partial = vec![0.0f32; h];
+    for t in 0..cp.home_tokens {
+        acc.fill(0.0);
+        for m in 0..topo.nodes() {
+            // The home node's partials are terms of the home sum itself; a
+            // remote node's are summed on the rail peer first.
+            let sum = if m == home_node {
+                &mut acc
+            } else {
+                node_acc.fill(0.0);
+                &mut node_acc
+            };
+            let mut reached = false;
+            for d in topo.node_ranks(m) {
+                if rank_partial(shape, inputs, &cp, expert_out, d, t, weighted, &mut partial) {
+                    add_bf16(sum, &partial);
+                    reached = true;
+                }
+            }
+            if m != home_node && reached {
+                add_bf16(&mut acc, &node_acc);
+            }
+        }
+        out.extend(acc.iter().map(|&a| bf16::from_f32(a)));
+    }
+    Ok(out)
+}

@@ -1,0 +1,537 @@
+//! The two-level (inter-node) parts of the CPU reference
+//! (`moe_ep::reference`): routes, traffic counts and the two-level combine.
+//!
+//! * Routes and counts on a hand-made 2 x 2 routing: a token whose experts
+//!   all lie on another node, one with none there, a fully masked one, one
+//!   forwarded to a rank other than the rail peer, and a node that sends
+//!   nothing.
+//! * Properties over seeded random routings at 1 x 2 .. 1 x 8, 2 x 2, 2 x 4,
+//!   4 x 2 and 8 x 1 (nodes x ranks per node): every (token, remote node)
+//!   is one network row, rank `a` sends to its rail peer what the peer
+//!   receives from `a`, the hops' experts and ranks are the token's on that
+//!   node, and the rows landing on each rank are the flat dispatch's.
+//! * The combine: with one node (and with one rank per node) bit for bit
+//!   [`combine_emulated`]; on several nodes within bf16 rounding of
+//!   [`combine_f64`] with one more rounding per remote node; two hand cases
+//!   for the rounding of each remote node's partial and the ascending node
+//!   order.
+//! * `docs/rdma-model.md`: its formulas give its tables' numbers, and the
+//!   rows of a sampled uniform routing at EP16 / 32 / 64 match the formulas.
+
+use moe_ep::reference::*;
+use moe_ep::testkit::workload::{self, Rng, Routing};
+use moe_ep::{bf16, RecvLayout, Topology};
+
+/// A random case on `topo`: K in {1, 2, 8}, E >= K, T in {0, 1, 0..40}
+/// per rank, uniform, skewed or masked routing.
+fn gen_case(seed: u64, topo: &Topology) -> (Shape, Vec<RankInput>) {
+    let mut rng = Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x2_1E7E1);
+    let r = topo.world();
+    let k: usize = [1, 2, 8][rng.below(3)];
+    let el = k.div_ceil(r) + rng.below(3);
+    let shape = Shape {
+        num_ranks: r,
+        num_experts: r * el,
+        hidden: 8 * (1 + rng.below(3)),
+        topk: k,
+    };
+    shape.validate().unwrap();
+    let routing = match seed % 3 {
+        0 => Routing::Uniform,
+        1 => Routing::Skewed {
+            hot_share: rng.f64_unit(),
+        },
+        _ => Routing::Masked {
+            masked_share: rng.f64_unit(),
+        },
+    };
+    let tpr: Vec<usize> = (0..r)
+        .map(|_| match rng.below(4) {
+            0 => 0,
+            1 => 1,
+            _ => rng.below(40),
+        })
+        .collect();
+    let inputs = workload::rank_inputs(seed, &shape, &tpr, routing);
+    (shape, inputs)
+}
+
+fn layouts(shape: &Shape) -> [RecvLayout; 2] {
+    [
+        RecvLayout::RankMajor,
+        RecvLayout::ExpertMajor {
+            alignment: 1 + (shape.hidden / 8) % 3 * 3,
+        },
+    ]
+}
+
+/// Random expert outputs in `l` on every rank.
+fn expert_out(shape: &Shape, inputs: &[RankInput], l: RecvLayout, rng: &mut Rng) -> Vec<Vec<bf16>> {
+    (0..shape.num_ranks)
+        .map(|d| {
+            let rows = dispatch(shape, inputs, d, l).unwrap().num_rows;
+            workload::tokens(rng, rows, shape.hidden)
+        })
+        .collect()
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn topo(world: usize, ranks_per_node: usize) -> Topology {
+    Topology::new(world, ranks_per_node).unwrap()
+}
+
+// ------------------------------------------------------------ hand cases
+
+/// 2 nodes x 2 ranks, E = 8 (rank r hosts experts 2r, 2r + 1; node 0 holds
+/// experts 0..4, node 1 experts 4..8), K = 2.
+fn hand_case() -> (Shape, Topology, Vec<RankInput>) {
+    let shape = Shape {
+        num_ranks: 4,
+        num_experts: 8,
+        hidden: 8,
+        topk: 2,
+    };
+    let mk = |idx: Vec<i64>| {
+        let t = idx.len() / 2;
+        RankInput {
+            tokens: vec![bf16::ONE; t * 8],
+            topk_weights: (0..t * 2).map(|i| 0.125 * (i as f32 + 1.0)).collect(),
+            topk_idx: idx,
+        }
+    };
+    let inputs = vec![
+        // t0: all on node 1; t1: all on node 0; t2: masked; t3: both nodes.
+        mk(vec![5, 6, 0, 3, -1, -1, 1, 7]),
+        // t0: rank 2 (forwarded by rail peer 3) and rank 1 itself.
+        mk(vec![4, 2]),
+        // Node 1's tokens stay on node 1: it sends nothing.
+        mk(vec![4, 7]),
+        mk(vec![6, -1, 5, 4]),
+    ];
+    (shape, topo(4, 2), inputs)
+}
+
+#[test]
+fn routes_of_a_hand_made_routing() {
+    let (shape, t, inputs) = hand_case();
+    let r0 = two_level_routes(&shape, &t, &inputs, 0).unwrap();
+    assert_eq!(r0.len(), 4);
+    // Every expert on another node: one hop, nothing at home.
+    assert_eq!(r0[0].nodes, vec![1]);
+    assert!(r0[0].home_ranks.is_empty());
+    assert_eq!(
+        r0[0].remote,
+        vec![RemoteHop {
+            node: 1,
+            rail_peer: 2,
+            topk_idx: vec![5, 6],
+            topk_weights: vec![0.125, 0.25],
+            ranks: vec![2, 3],
+        }]
+    );
+    // None on another node: no hop.
+    assert_eq!(
+        (&r0[1].nodes, &r0[1].home_ranks, r0[1].remote.len()),
+        (&vec![0], &vec![0, 1], 0)
+    );
+    // Masked: nowhere.
+    assert!(r0[2].nodes.is_empty() && r0[2].home_ranks.is_empty() && r0[2].remote.is_empty());
+    // Both nodes: the hop carries only node 1's slot.
+    assert_eq!(r0[3].nodes, vec![0, 1]);
+    assert_eq!(r0[3].home_ranks, vec![0]);
+    assert_eq!(
+        r0[3].remote,
+        vec![RemoteHop {
+            node: 1,
+            rail_peer: 2,
+            topk_idx: vec![-1, 7],
+            topk_weights: vec![0.0, 1.0],
+            ranks: vec![3],
+        }]
+    );
+    // Rank 1's rail peer on node 1 is rank 3, which forwards to rank 2.
+    let r1 = two_level_routes(&shape, &t, &inputs, 1).unwrap();
+    assert_eq!(r1[0].home_ranks, vec![1]);
+    assert_eq!(
+        (r1[0].remote[0].rail_peer, &r1[0].remote[0].ranks),
+        (3, &vec![2])
+    );
+    assert_eq!(r1[0].remote[0].topk_idx, vec![4, -1]);
+}
+
+#[test]
+fn traffic_of_a_hand_made_routing() {
+    let (shape, t, inputs) = hand_case();
+    let tr = two_level_traffic(&shape, &t, &inputs).unwrap();
+    let want = |sent: [usize; 2], recv: [usize; 2], fwd, home, local| RankTraffic {
+        net_sent: sent.to_vec(),
+        net_recv: recv.to_vec(),
+        nvlink_forward: fwd,
+        nvlink_home: home,
+        local,
+    };
+    assert_eq!(tr[0], want([0, 2], [0, 0], 0, 1, 2));
+    assert_eq!(tr[1], want([0, 1], [0, 0], 0, 0, 1));
+    // Rank 2 receives rank 0's t0 (keeps one row, forwards one to rank 3)
+    // and t3 (forwards it to rank 3); its own t0 goes to itself and rank 3.
+    assert_eq!(tr[2], want([0, 0], [2, 0], 2, 1, 2));
+    assert_eq!(tr[3], want([0, 0], [1, 0], 1, 1, 1));
+    // Node 1 sends nothing over the network; node 0 receives nothing.
+    assert!(tr[2..].iter().all(|r| r.net_sent.iter().all(|&n| n == 0)));
+    assert!(tr[..2].iter().all(|r| r.net_recv.iter().all(|&n| n == 0)));
+}
+
+/// 2 x 2 ranks, E = 8: one token of `home` with experts `idx`, whose
+/// rank-major rows are `rows` ((rank, value) of every element). Returns the
+/// flat combine, the two-level one and the exact one.
+fn three_row_case(
+    home: usize,
+    idx: [i64; 3],
+    rows: [(usize, f32); 3],
+) -> (Vec<bf16>, Vec<bf16>, Vec<f64>) {
+    let shape = Shape {
+        num_ranks: 4,
+        num_experts: 8,
+        hidden: 8,
+        topk: 3,
+    };
+    let mut inputs = vec![
+        RankInput {
+            tokens: vec![],
+            topk_idx: vec![],
+            topk_weights: vec![],
+        };
+        4
+    ];
+    inputs[home] = RankInput {
+        tokens: vec![bf16::ONE; 8],
+        topk_idx: idx.to_vec(),
+        topk_weights: vec![1.0; 3],
+    };
+    let mut out = vec![vec![]; 4];
+    for (d, v) in rows {
+        out[d] = vec![bf16::from_f32(v); 8];
+    }
+    let l = RecvLayout::RankMajor;
+    let flat = combine_emulated(&shape, &inputs, &out, home, l, false).unwrap();
+    let two = combine_two_level_emulated(&shape, &topo(4, 2), &inputs, &out, home, l, false);
+    let exact = combine_f64(&shape, &inputs, &out, home, l, false).unwrap();
+    (flat, two.unwrap(), exact)
+}
+
+#[test]
+fn each_remote_node_partial_is_rounded_once() {
+    let tiny = 1.0 / 256.0;
+    // Home rank 0 (node 0): 2^-8 at home, 1.0 and 2^-8 on node 1.
+    let (flat, two, exact) = three_row_case(0, [0, 4, 6], [(0, tiny), (2, 1.0), (3, tiny)]);
+    // Flat: (2^-8 + 1) + 2^-8 = 1 + 2^-7, a bf16, and the exact sum.
+    assert!(exact.iter().all(|&x| x == 1.0 + 2.0 * tiny as f64));
+    assert!(
+        flat.iter().all(|&x| x.to_f32() == 1.0 + 2.0 * tiny),
+        "{flat:?}"
+    );
+    // Two levels: node 1's 1 + 2^-8 rounds (ties to even) to 1.0, and so
+    // does 2^-8 + 1.0 at home: within the bound of 4 partials and 1 node.
+    assert!(two.iter().all(|&x| x == bf16::ONE), "{two:?}");
+    check_close_bf16(&two, &exact, 4 + 1).unwrap();
+}
+
+#[test]
+fn nodes_are_summed_in_ascending_order() {
+    // (2^24 + 1) rounds to 2^24 in f32, (1 - 2^24) is exact: the order of
+    // the terms decides between 0 and 1.
+    let big = 16_777_216.0f32;
+    assert_eq!(((big + 1.0) - big, (1.0 - big) + big), (0.0, 1.0));
+    // Home rank 2 (node 1): node 0's partial 2^24 comes first, then the home
+    // node's rows 1 and -2^24 one by one: 0 (home rows first: 1).
+    let (flat, two, exact) = three_row_case(2, [0, 4, 6], [(0, big), (2, 1.0), (3, -big)]);
+    assert!(exact.iter().all(|&x| x == 1.0));
+    assert_eq!(bits(&two), bits(&flat));
+    assert!(two.iter().all(|&x| x.to_f32() == 0.0), "{two:?}");
+    // Home rank 0 (node 0): its rows 2^24 and 1 come first, then node 1's
+    // partial -2^24: 0 (node 1's partial first: 1).
+    let (flat, two, _) = three_row_case(0, [0, 2, 4], [(0, big), (1, 1.0), (2, -big)]);
+    assert_eq!(bits(&two), bits(&flat));
+    assert!(two.iter().all(|&x| x.to_f32() == 0.0), "{two:?}");
+}
+
+// ------------------------------------------------------------ properties
+
+const SEEDS: u64 = 40;
+
+/// Nodes x ranks per node of the property tests.
+const TOPOLOGIES: [(usize, usize); 7] = [(2, 2), (4, 4), (8, 8), (4, 2), (8, 4), (8, 2), (8, 1)];
+
+#[test]
+fn prop_routes_and_counts_agree_with_the_flat_layout() {
+    for (world, g) in TOPOLOGIES {
+        let t = topo(world, g);
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            let ctx = format!("{} x {g} seed {seed}", t.nodes());
+            let tr = two_level_traffic(&shape, &t, &inputs).unwrap();
+            let mut pairs = 0; // (token, remote node)
+            for home in 0..world {
+                let n = t.node_of(home);
+                let fl = layout(&shape, &inputs[home].topk_idx).unwrap();
+                let k = shape.topk;
+                for (tok, r) in two_level_routes(&shape, &t, &inputs, home)
+                    .unwrap()
+                    .iter()
+                    .enumerate()
+                {
+                    let flat_ranks: Vec<usize> = (0..world)
+                        .filter(|&d| fl.is_token_in_rank[tok * world + d])
+                        .collect();
+                    let mut flat_nodes: Vec<usize> =
+                        flat_ranks.iter().map(|&d| t.node_of(d)).collect();
+                    flat_nodes.dedup();
+                    assert_eq!(r.nodes, flat_nodes, "{ctx}");
+                    let mut all = r.home_ranks.clone();
+                    assert!(all.iter().all(|&d| t.node_of(d) == n), "{ctx}");
+                    let idx = &inputs[home].topk_idx[tok * k..(tok + 1) * k];
+                    let w = &inputs[home].topk_weights[tok * k..(tok + 1) * k];
+                    let remote: Vec<usize> = r.remote.iter().map(|h| h.node).collect();
+                    let want: Vec<usize> = flat_nodes.iter().copied().filter(|&m| m != n).collect();
+                    assert_eq!(remote, want, "{ctx}");
+                    for hop in &r.remote {
+                        assert_eq!(hop.rail_peer, t.rail_peer(home, hop.node), "{ctx}");
+                        for s in 0..k {
+                            let here = idx[s] >= 0
+                                && t.node_of(shape.rank_of_expert(idx[s] as usize)) == hop.node;
+                            let (e, wt) = if here { (idx[s], w[s]) } else { (-1, 0.0) };
+                            assert_eq!((hop.topk_idx[s], hop.topk_weights[s]), (e, wt), "{ctx}");
+                        }
+                        assert!(hop.ranks.iter().all(|&d| t.node_of(d) == hop.node));
+                        all.extend(&hop.ranks);
+                    }
+                    all.sort_unstable();
+                    assert_eq!(all, flat_ranks, "{ctx}: the flat dispatch's ranks");
+                    pairs += r.remote.len();
+                }
+            }
+            // Every (token, remote node) is one row sent and one received.
+            let sent: usize = tr.iter().flat_map(|r| &r.net_sent).sum();
+            let recv: usize = tr.iter().flat_map(|r| &r.net_recv).sum();
+            assert_eq!((sent, recv), (pairs, pairs), "{ctx}");
+            for a in 0..world {
+                let n = t.node_of(a);
+                assert_eq!((tr[a].net_sent[n], tr[a].net_recv[n]), (0, 0), "{ctx}");
+                for m in 0..t.nodes() {
+                    let b = t.rail_peer(a, m);
+                    assert_eq!(tr[a].net_sent[m], tr[b].net_recv[n], "{ctx}: {a} -> {b}");
+                }
+            }
+            // The rows landing on the ranks are the flat dispatch's.
+            let fls: Vec<Layout> = inputs
+                .iter()
+                .map(|i| layout(&shape, &i.topk_idx).unwrap())
+                .collect();
+            let counts = gather_counts(&shape, &fls);
+            let flat_rows: usize = (0..world).map(|d| counts.rank_major_rows(d)).sum();
+            let landed: usize = tr
+                .iter()
+                .map(|r| r.local + r.nvlink_home + r.nvlink_forward)
+                .sum();
+            assert_eq!(landed, flat_rows, "{ctx}");
+            if t.nodes() == 1 {
+                assert!(tr
+                    .iter()
+                    .all(|r| r.nvlink_forward == 0 && r.net_sent == [0]));
+            }
+        }
+    }
+}
+
+#[test]
+fn prop_one_node_or_one_rank_per_node_is_the_flat_combine_bit_for_bit() {
+    let mut compared = 0;
+    for world in [2, 4, 8] {
+        for g in [world, 1] {
+            let t = topo(world, g);
+            for seed in 0..SEEDS {
+                let (shape, inputs) = gen_case(seed, &t);
+                let mut rng = Rng::new(seed ^ 0x2_1E7E1);
+                for l in layouts(&shape) {
+                    let out = expert_out(&shape, &inputs, l, &mut rng);
+                    for home in 0..world {
+                        for weighted in [false, true] {
+                            if weighted && l == RecvLayout::RankMajor {
+                                continue;
+                            }
+                            let flat =
+                                combine_emulated(&shape, &inputs, &out, home, l, weighted).unwrap();
+                            let two = combine_two_level_emulated(
+                                &shape, &t, &inputs, &out, home, l, weighted,
+                            )
+                            .unwrap();
+                            assert_eq!(
+                                bits(&two),
+                                bits(&flat),
+                                "{world} ranks, {g} per node, seed {seed} {l:?} home {home}"
+                            );
+                            compared += flat.len();
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(compared > 100_000, "{compared} values compared");
+}
+
+#[test]
+fn prop_several_nodes_within_bf16_rounding_of_exact() {
+    let (mut differ, mut total) = (0usize, 0usize);
+    for (world, g) in [(4, 2), (8, 4), (8, 2)] {
+        let t = topo(world, g);
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            let mut rng = Rng::new(seed ^ 0xC0B1);
+            for l in layouts(&shape) {
+                let out = expert_out(&shape, &inputs, l, &mut rng);
+                for home in 0..world {
+                    for weighted in [false, true] {
+                        if weighted && l == RecvLayout::RankMajor {
+                            continue;
+                        }
+                        let exact = combine_f64(&shape, &inputs, &out, home, l, weighted).unwrap();
+                        let two = combine_two_level_emulated(
+                            &shape, &t, &inputs, &out, home, l, weighted,
+                        )
+                        .unwrap();
+                        // One rounding per rank's partial and one per remote
+                        // node's partial (check_close_bf16's terms).
+                        check_close_bf16(&two, &exact, world + t.nodes() - 1).unwrap_or_else(|e| {
+                            panic!("{} x {g} seed {seed} {l:?} home {home}: {e}", t.nodes())
+                        });
+                        let flat =
+                            combine_emulated(&shape, &inputs, &out, home, l, weighted).unwrap();
+                        differ += two.iter().zip(&flat).filter(|(a, b)| a != b).count();
+                        total += two.len();
+                    }
+                }
+            }
+        }
+    }
+    // The node partials' rounding is real: some values differ from the flat
+    // combine's, most do not.
+    assert!(
+        differ > 0 && differ < total / 4,
+        "{differ} of {total} differ"
+    );
+}
+
+#[test]
+fn bad_topology_is_refused_by_name() {
+    let (shape, _, inputs) = hand_case();
+    let wrong = topo(8, 4);
+    let err = |r: moe_ep::Result<()>| r.unwrap_err().to_string();
+    let e = err(two_level_routes(&shape, &wrong, &inputs, 0).map(|_| ()));
+    assert!(e.contains("`topology`") && e.contains("4 ranks"), "{e}");
+    assert!(err(two_level_traffic(&shape, &wrong, &inputs).map(|_| ())).contains("`topology`"));
+    let out = vec![vec![bf16::ONE; 8]; 4];
+    let l = RecvLayout::ExpertMajor { alignment: 1 };
+    let e = err(combine_two_level_emulated(&shape, &wrong, &inputs, &out, 0, l, false).map(|_| ()));
+    assert!(e.contains("`topology`"), "{e}");
+    let e = err(two_level_routes(&shape, &topo(4, 2), &inputs, 4).map(|_| ()));
+    assert!(e.contains("`home`"), "{e}");
+}
+
+// ------------------------------------------------------------ the model
+
+/// P(none of K distinct experts of E lies in a given set of `a`).
+fn none_in(e: usize, a: usize, k: usize) -> f64 {
+    (0..k)
+        .map(|j| (e - a - j) as f64 / (e - j) as f64)
+        .product()
+}
+
+/// `docs/rdma-model.md`: T = 4096, H = 7168, K = 8 of E = 256, G = 8. The
+/// formulas give the tables' numbers, and a sampled uniform routing (1024
+/// tokens per rank) the formulas' rows per token within 2 %.
+#[test]
+fn the_model_formulas_give_the_doc_tables_and_the_sampled_rows() {
+    let (tokens, hidden, k, e, g) = (4096.0, 7168usize, 8usize, 256usize, 8usize);
+    let row = 2.0 * hidden as f64;
+    let net_row = row + 8.0 * k as f64; // the 8 ids (i32) and 8 weights (f32)
+                                        // N, p0, q0, r, network rows, network MB dispatch / combine, NVLink MB
+                                        // forwarding / home: the doc's rounded values.
+    let doc = [
+        (
+            2, 0.00349, 0.59230, 0.9965, 4082.0, 58.78, 58.52, 167.58, 167.58,
+        ),
+        (
+            4, 0.09645, 0.77291, 2.7107, 11103.0, 159.88, 159.17, 280.03, 93.34,
+        ),
+        (
+            8, 0.33817, 0.88007, 4.6328, 18976.0, 273.25, 272.04, 345.08, 49.30,
+        ),
+    ];
+    let close = |got: f64, want: f64, decimals: i32| {
+        (got - want).abs() <= 0.5 * 10f64.powi(-decimals) * (1.0 + 1e-9)
+    };
+    for (n, p0_doc, q0_doc, r_doc, rows_doc, mb_d, mb_c, fwd_doc, home_doc) in doc {
+        let p0 = none_in(e, e / n, k);
+        let q0 = none_in(e, e / (n * g), k);
+        let r = (n - 1) as f64 * (1.0 - p0);
+        let net = tokens * r;
+        let fwd = tokens * ((n - 1) * (g - 1)) as f64 * (1.0 - q0);
+        let home = tokens * (g - 1) as f64 * (1.0 - q0);
+        let ctx = format!("N = {n}");
+        assert!(
+            close(p0, p0_doc, 5) && close(q0, q0_doc, 5),
+            "{ctx}: {p0} {q0}"
+        );
+        assert!(
+            close(r, r_doc, 4) && close(net, rows_doc, 0),
+            "{ctx}: {r} {net}"
+        );
+        assert!(close(net * net_row / 1e6, mb_d, 2), "{ctx}");
+        assert!(close(net * row / 1e6, mb_c, 2), "{ctx}");
+        assert!(close(fwd * row / 1e6, fwd_doc, 2), "{ctx}");
+        assert!(close(home * row / 1e6, home_doc, 2), "{ctx}");
+
+        // A sampled uniform routing of 1024 tokens per rank.
+        let per_rank = 1024;
+        let world = n * g;
+        let shape = Shape {
+            num_ranks: world,
+            num_experts: e,
+            hidden: 8,
+            topk: k,
+        };
+        let inputs: Vec<RankInput> = (0..world)
+            .map(|rank| {
+                let mut rng = Rng::new(workload::rank_seed(n as u64, rank));
+                RankInput {
+                    tokens: vec![],
+                    topk_idx: workload::topk_idx(&mut rng, per_rank, &shape, Routing::Uniform),
+                    topk_weights: vec![0.0; per_rank * k],
+                }
+            })
+            .collect();
+        let tr = two_level_traffic(&shape, &topo(world, g), &inputs).unwrap();
+        let per_token = |f: &dyn Fn(&RankTraffic) -> usize| {
+            tr.iter().map(f).sum::<usize>() as f64 / (world * per_rank) as f64
+        };
+        let sent = per_token(&|r| r.net_sent.iter().sum());
+        let recv = per_token(&|r| r.net_recv.iter().sum());
+        let fwd_s = per_token(&|r| r.nvlink_forward);
+        let home_s = per_token(&|r| r.nvlink_home);
+        for (what, got, want) in [
+            ("network rows sent", sent, net / tokens),
+            ("network rows received", recv, net / tokens),
+            ("NVLink rows forwarded", fwd_s, fwd / tokens),
+            ("NVLink rows of the home node", home_s, home / tokens),
+        ] {
+            assert!(
+                (got - want).abs() <= 0.02 * want,
+                "{ctx}: {what} per token {got}, the model {want}"
+            );
+        }
+    }
+}
