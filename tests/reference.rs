@@ -66,22 +66,8 @@ fn gen_case(seed: u64) -> Case {
     let el = k.div_ceil(r) + rng.below(4);
     let hidden = 8 * (1 + rng.below(3));
     let alignment = [1, 4, 16, 128][rng.below(4)];
-    let routing = match seed % 3 {
-        0 => Routing::Uniform,
-        1 => Routing::Skewed {
-            hot_share: rng.f64_unit(),
-        },
-        _ => Routing::Masked {
-            masked_share: rng.f64_unit(),
-        },
-    };
-    let tpr: Vec<usize> = (0..r)
-        .map(|_| match rng.below(4) {
-            0 => 0,
-            1 => 1,
-            _ => rng.below(40),
-        })
-        .collect();
+    let routing = Routing::for_case(seed, &mut rng);
+    let tpr = workload::case_tokens_per_rank(&mut rng, r);
     let shape = Shape {
         num_ranks: r,
         num_experts: r * el,

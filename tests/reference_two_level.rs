@@ -36,22 +36,8 @@ fn gen_case(seed: u64, topo: &Topology) -> (Shape, Vec<RankInput>) {
         topk: k,
     };
     shape.validate().unwrap();
-    let routing = match seed % 3 {
-        0 => Routing::Uniform,
-        1 => Routing::Skewed {
-            hot_share: rng.f64_unit(),
-        },
-        _ => Routing::Masked {
-            masked_share: rng.f64_unit(),
-        },
-    };
-    let tpr: Vec<usize> = (0..r)
-        .map(|_| match rng.below(4) {
-            0 => 0,
-            1 => 1,
-            _ => rng.below(40),
-        })
-        .collect();
+    let routing = Routing::for_case(seed, &mut rng);
+    let tpr = workload::case_tokens_per_rank(&mut rng, r);
     let inputs = workload::rank_inputs(seed, &shape, &tpr, routing);
     (shape, inputs)
 }

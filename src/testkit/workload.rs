@@ -125,6 +125,34 @@ pub enum Routing {
     },
 }
 
+impl Routing {
+    /// The routing of a random test case: uniform, skewed or masked by
+    /// `seed % 3`, the share drawn from `rng`.
+    pub fn for_case(seed: u64, rng: &mut Rng) -> Routing {
+        match seed % 3 {
+            0 => Routing::Uniform,
+            1 => Routing::Skewed {
+                hot_share: rng.f64_unit(),
+            },
+            _ => Routing::Masked {
+                masked_share: rng.f64_unit(),
+            },
+        }
+    }
+}
+
+/// Tokens per rank of a random test case: each rank 0 (one in four), 1 (one
+/// in four) or below 40.
+pub fn case_tokens_per_rank(rng: &mut Rng, ranks: usize) -> Vec<usize> {
+    (0..ranks)
+        .map(|_| match rng.below(4) {
+            0 => 0,
+            1 => 1,
+            _ => rng.below(40),
+        })
+        .collect()
+}
+
 /// `[num_tokens * K]` top-k expert ids: distinct experts per token, `-1` for
 /// masked slots (only with [`Routing::Masked`]). Expert order inside a token's
 /// row is random.
