@@ -332,77 +332,100 @@ fn prop_routes_and_counts_agree_with_the_flat_layout() {
     }
 }
 
-#[test]
-fn prop_one_node_or_one_rank_per_node_is_the_flat_combine_bit_for_bit() {
-    let mut compared = 0;
-    for world in [2, 4, 8] {
-        for g in [world, 1] {
-            let t = topo(world, g);
-            for seed in 0..SEEDS {
-                let (shape, inputs) = gen_case(seed, &t);
-                let mut rng = Rng::new(seed ^ 0x2_1E7E1);
-                for l in layouts(&shape) {
-                    let out = expert_out(&shape, &inputs, l, &mut rng);
-                    for home in 0..world {
-                        for weighted in [false, true] {
-                            if weighted && l == RecvLayout::RankMajor {
-                                continue;
-                            }
-                            let flat =
-                                combine_emulated(&shape, &inputs, &out, home, l, weighted).unwrap();
-                            let two = combine_two_level_emulated(
-                                &shape, &t, &inputs, &out, home, l, weighted,
-                            )
-                            .unwrap();
-                            assert_eq!(
-                                bits(&two),
-                                bits(&flat),
-                                "{world} ranks, {g} per node, seed {seed} {l:?} home {home}"
-                            );
-                            compared += flat.len();
+/// One combine case of the property tests below.
+struct CombineCase<'a> {
+    t: &'a Topology,
+    shape: &'a Shape,
+    inputs: &'a [RankInput],
+    out: &'a [Vec<bf16>],
+    seed: u64,
+    home: usize,
+    layout: RecvLayout,
+    weighted: bool,
+}
+
+/// Calls `f` for every seed, layout, home rank and weighting (weighted only
+/// expert-major) of random cases at each `(world, ranks per node)`; `salt`
+/// seeds the expert outputs.
+fn for_each_combine(topologies: &[(usize, usize)], salt: u64, mut f: impl FnMut(&CombineCase)) {
+    for &(world, g) in topologies {
+        let t = topo(world, g);
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            let mut rng = Rng::new(seed ^ salt);
+            for layout in layouts(&shape) {
+                let out = expert_out(&shape, &inputs, layout, &mut rng);
+                for home in 0..world {
+                    for weighted in [false, true] {
+                        if weighted && layout == RecvLayout::RankMajor {
+                            continue;
                         }
+                        let (t, shape, inputs, out) = (&t, &shape, &inputs[..], &out[..]);
+                        f(&CombineCase {
+                            t,
+                            shape,
+                            inputs,
+                            out,
+                            seed,
+                            home,
+                            layout,
+                            weighted,
+                        });
                     }
                 }
             }
         }
     }
+}
+
+#[test]
+fn prop_one_node_or_one_rank_per_node_is_the_flat_combine_bit_for_bit() {
+    let mut compared = 0;
+    let cases = [(2, 2), (2, 1), (4, 4), (4, 1), (8, 8), (8, 1)];
+    for_each_combine(&cases, 0x2_1E7E1, |c| {
+        let (shape, inputs, out) = (c.shape, c.inputs, c.out);
+        let flat = combine_emulated(shape, inputs, out, c.home, c.layout, c.weighted).unwrap();
+        let two = combine_two_level_emulated(shape, c.t, inputs, out, c.home, c.layout, c.weighted)
+            .unwrap();
+        assert_eq!(
+            bits(&two),
+            bits(&flat),
+            "{} ranks, {} per node, seed {} {:?} home {}",
+            c.t.world(),
+            c.t.ranks_per_node(),
+            c.seed,
+            c.layout,
+            c.home
+        );
+        compared += flat.len();
+    });
     assert!(compared > 100_000, "{compared} values compared");
 }
 
 #[test]
 fn prop_several_nodes_within_bf16_rounding_of_exact() {
     let (mut differ, mut total) = (0usize, 0usize);
-    for (world, g) in [(4, 2), (8, 4), (8, 2)] {
-        let t = topo(world, g);
-        for seed in 0..SEEDS {
-            let (shape, inputs) = gen_case(seed, &t);
-            let mut rng = Rng::new(seed ^ 0xC0B1);
-            for l in layouts(&shape) {
-                let out = expert_out(&shape, &inputs, l, &mut rng);
-                for home in 0..world {
-                    for weighted in [false, true] {
-                        if weighted && l == RecvLayout::RankMajor {
-                            continue;
-                        }
-                        let exact = combine_f64(&shape, &inputs, &out, home, l, weighted).unwrap();
-                        let two = combine_two_level_emulated(
-                            &shape, &t, &inputs, &out, home, l, weighted,
-                        )
-                        .unwrap();
-                        // One rounding per rank's partial and one per remote
-                        // node's partial (check_close_bf16's terms).
-                        check_close_bf16(&two, &exact, world + t.nodes() - 1).unwrap_or_else(|e| {
-                            panic!("{} x {g} seed {seed} {l:?} home {home}: {e}", t.nodes())
-                        });
-                        let flat =
-                            combine_emulated(&shape, &inputs, &out, home, l, weighted).unwrap();
-                        differ += two.iter().zip(&flat).filter(|(a, b)| a != b).count();
-                        total += two.len();
-                    }
-                }
-            }
-        }
-    }
+    for_each_combine(&[(4, 2), (8, 4), (8, 2)], 0xC0B1, |c| {
+        let (shape, inputs, out) = (c.shape, c.inputs, c.out);
+        let exact = combine_f64(shape, inputs, out, c.home, c.layout, c.weighted).unwrap();
+        let two = combine_two_level_emulated(shape, c.t, inputs, out, c.home, c.layout, c.weighted)
+            .unwrap();
+        // One rounding per rank's partial and one per remote node's partial
+        // (check_close_bf16's terms).
+        check_close_bf16(&two, &exact, c.t.world() + c.t.nodes() - 1).unwrap_or_else(|e| {
+            panic!(
+                "{} x {} seed {} {:?} home {}: {e}",
+                c.t.nodes(),
+                c.t.ranks_per_node(),
+                c.seed,
+                c.layout,
+                c.home
+            )
+        });
+        let flat = combine_emulated(shape, inputs, out, c.home, c.layout, c.weighted).unwrap();
+        differ += two.iter().zip(&flat).filter(|(a, b)| a != b).count();
+        total += two.len();
+    });
     // The node partials' rounding is real: some values differ from the flat
     // combine's, most do not.
     assert!(
