@@ -16,8 +16,9 @@
 //! Cargo features: `testkit` (seeded workloads and baseline copy kernels for
 //! the tests and ep-bench), `raw` (the raw layers for tools that measure
 //! beside the library: `sys`, `runtime::nccl_call`, `runtime::MappedHost`,
-//! `runtime::Module` / `Function` with their launches, and `UniqueId`'s
-//! inner `ncclUniqueId`), `multi-gpu` (the GPU tests).
+//! `runtime::Module` / `Function` with their launches, `UniqueId`'s
+//! inner `ncclUniqueId`, and the inter-node path's network hop
+//! `ops::rail_hop`), `multi-gpu` (the GPU tests).
 
 pub mod capi;
 pub mod error;

@@ -9,7 +9,8 @@
 //! buffer types in `buffers.rs`, the parameter structs the kernels see in
 //! [`abi`] (mirrors of `kernels-cuda/abi.cuh`), the residency check in
 //! `residency.rs`, the nodes of a world and their rail peers ([`Topology`])
-//! in `topology.rs`.
+//! in `topology.rs`, the network hop between rail peers (`RailHop`, public
+//! with the feature `raw`) in `rail_hop.rs`.
 //!
 //! ```ignore
 //! let group = EpGroup::new(&comm, GroupConfig::new(256, 7168, 4096))?;     // collective
@@ -33,6 +34,12 @@ mod group;
 mod handle;
 mod layout;
 mod low_latency;
+#[cfg(feature = "raw")]
+pub mod rail_hop;
+#[cfg(not(feature = "raw"))]
+#[cfg_attr(not(feature = "raw"), allow(dead_code))]
+// the inter-node path's hop: the raw API and its tests use it so far
+pub(crate) mod rail_hop;
 mod residency;
 mod topology;
 
@@ -44,5 +51,7 @@ pub use low_latency::{
     ll_buffer_bytes, Fp8Scaling, LlBufferBytes, LlCombineSent, LlDispatchSent, LlHandle, LlInput,
     LlLayout, LlView,
 };
+#[cfg(feature = "raw")]
+pub use rail_hop::{HopRecv, HopSend, RailHop};
 pub use residency::{residency, Residency};
 pub use topology::Topology;
