@@ -45,10 +45,11 @@ pub enum Error {
         seen: u64,
     },
 
-    /// A host-side collective (barrier, all-gather, a collective allocation)
-    /// of a virtual world did not complete: `missing` names the ranks that
-    /// did not arrive within the timeout, left the world (dropped their
-    /// communicator, or panicked) or called another collective.
+    /// A host-side collective (barrier, all-gather, a collective allocation,
+    /// a rail hop) of a virtual world did not complete: `missing` names the
+    /// ranks that did not arrive within the timeout, left the world (dropped
+    /// their communicator, or panicked), called another collective, or
+    /// refused their part of it (their own error says why).
     #[error("rank {rank}: host collective `{collective}` failed: {reason}")]
     CollectiveFailed {
         rank: usize,
