@@ -603,6 +603,62 @@ const fn small(
 /// Caller-supplied receive buffers are written in place (zero copy); the
 /// pool supplies them when none are given; a plain allocation is refused
 /// with NotSymmetric; over-capacity is reported and writes nothing.
+/// A world split into nodes (`Communicator::split`, color rank / G): every
+/// node runs its own group of G ranks, side by side with the other nodes'
+/// on the same GPU(s), and each gets, bit for bit, what a world of G ranks
+/// gets (the table case's every check). The inter-node path forwards inside
+/// a node over such a group.
+#[test]
+fn split_world_runs_one_group_per_node() {
+    let test = "split_world_runs_one_group_per_node";
+    let c = case(127, 2048, 8, 64, Routing::Uniform);
+    for world in worlds(test, 4) {
+        let mut per_node: Vec<usize> = vec![2, world.size / 2];
+        per_node.dedup();
+        for g in per_node {
+            if g < 2 || !world.size.is_multiple_of(g) || g == world.size {
+                continue;
+            }
+            for layout in [
+                RecvLayout::RankMajor,
+                RecvLayout::ExpertMajor { alignment: 16 },
+            ] {
+                let f = build_fixture(&c, g, layout, 77).expect("the reference");
+                run_ranks(world, |r| {
+                    let node = r.comm.split(&r.stream, r.rank / g)?;
+                    ensure(node.world() == g && node.rank() == r.rank % g, || {
+                        format!(
+                            "rank {} of {}: node communicator {} of {}, want {} of {g}",
+                            r.rank,
+                            r.world,
+                            node.rank(),
+                            node.world(),
+                            r.rank % g
+                        )
+                    })?;
+                    let sub = Rank {
+                        rank: node.rank(),
+                        world: g,
+                        ranks: r.ranks,
+                        ctx: r.ctx.clone(),
+                        stream: r.stream.clone(),
+                        stream2: r.stream2.clone(),
+                        comm: node,
+                    };
+                    run_case(&sub, &c, &f, layout).map_err(|e| {
+                        Error::InvalidState(format!(
+                            "{test}: {} nodes x {g}, node {}, {layout:?}: {e}",
+                            world.size / g,
+                            r.rank / g
+                        ))
+                    })
+                });
+                eprintln!("    {} nodes x {g} ranks, {layout:?}: ok", world.size / g);
+            }
+        }
+    }
+}
+
 #[test]
 fn caller_buffers_zero_copy_and_rejections() {
     let c = small(256, 2048, 8, 64, Routing::Uniform);

@@ -43,6 +43,9 @@ pub struct Communicator {
     /// Symmetric windows registered on this communicator so far (the next
     /// one's id, less one): every rank registers them in the same order.
     windows: std::sync::atomic::AtomicU64,
+    /// Ranks of this process whose kernels share this rank's GPU: the whole
+    /// virtual world (also of a communicator split from it), else 1.
+    gpu_ranks: usize,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time:
@@ -95,6 +98,7 @@ impl Communicator {
             calls: std::sync::Mutex::new(()),
             aborted: std::sync::atomic::AtomicBool::new(false),
             windows: std::sync::atomic::AtomicU64::new(0),
+            gpu_ranks: 1,
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -169,6 +173,7 @@ impl Communicator {
                     calls: std::sync::Mutex::new(()),
                     aborted: std::sync::atomic::AtomicBool::new(false),
                     windows: std::sync::atomic::AtomicU64::new(0),
+                    gpu_ranks: world,
                 })
             })
             .collect())
@@ -182,10 +187,68 @@ impl Communicator {
     /// Ranks that share this rank's GPU (and so its SMs): the world of a
     /// virtual world, else 1.
     pub fn ranks_per_gpu(&self) -> usize {
-        match self.backend {
-            Backend::Virtual(_) => self.world,
-            Backend::Nccl { .. } => 1,
-        }
+        self.gpu_ranks
+    }
+
+    /// The ranks that give the same `color` as a communicator of their own,
+    /// in this one's rank order (collective: every rank calls it, after the
+    /// work enqueued on `stream` so far). The inter-node path splits a world
+    /// into its nodes and its rails. NCCL: `ncclCommSplit` (the parent's
+    /// configuration inherited). Virtual: a new in-process group on the same
+    /// GPU, with the parent's timeout; its ranks still share the GPU with
+    /// the whole parent world ([`Communicator::ranks_per_gpu`]), so a group
+    /// made on it fits its blocks beside every sibling's.
+    pub fn split(&self, stream: &Arc<CudaStream>, color: usize) -> Result<Arc<Communicator>> {
+        self.live()?;
+        let colors = self.all_gather_host(stream, &[color as u64])?;
+        let members: Vec<usize> = (0..self.world)
+            .filter(|&r| colors[r] == color as u64)
+            .collect();
+        let rank = members
+            .iter()
+            .position(|&r| r == self.rank)
+            .ok_or_else(|| {
+                Error::InvalidState(format!("split: rank {} lost its color", self.rank))
+            })?;
+        let mut seen: Vec<usize> = Vec::new();
+        let node_of = members
+            .iter()
+            .map(|&r| {
+                let n = self.node_of[r];
+                seen.iter().position(|&s| s == n).unwrap_or_else(|| {
+                    seen.push(n);
+                    seen.len() - 1
+                })
+            })
+            .collect();
+        let backend = match &self.backend {
+            Backend::Virtual(g) => Backend::Virtual(g.split(color)?),
+            Backend::Nccl { raw, .. } => {
+                let _one_call = self.nccl_calls();
+                self.live()?;
+                self.ctx
+                    .bind_to_thread()
+                    .map_err(Error::cuda("cuCtxSetCurrent"))?;
+                // SAFETY: raw is live (not aborted), its device's context is
+                // current, and the lock keeps other calls on it out.
+                let new = unsafe { nc::comm_split(*raw, color, self.rank)? };
+                Backend::Nccl {
+                    raw: new,
+                    owned: true,
+                }
+            }
+        };
+        Ok(Arc::new(Communicator {
+            backend,
+            rank,
+            world: members.len(),
+            ctx: self.ctx.clone(),
+            node_of,
+            calls: std::sync::Mutex::new(()),
+            aborted: std::sync::atomic::AtomicBool::new(false),
+            windows: std::sync::atomic::AtomicU64::new(0),
+            gpu_ranks: self.gpu_ranks,
+        }))
     }
 
     /// This process's rank.

@@ -124,6 +124,34 @@ impl HostGroup {
         Ok(all.into_iter().flatten().collect())
     }
 
+    /// The ranks that give the same `color` as a group of their own, in rank
+    /// order, with this group's timeout (collective: every rank calls it).
+    /// The lowest rank of each color makes its group's handles; the others
+    /// take theirs from it through one exchange.
+    pub fn split(&self, color: usize) -> Result<HostGroup> {
+        type Handles = Arc<Mutex<Vec<Option<HostGroup>>>>;
+        let colors = self.all_gather("split (colors)", &[color])?;
+        let members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == color).collect();
+        let made: Option<Handles> = (members[0] == self.rank).then(|| {
+            let handles = HostGroup::new(members.len(), self.timeout());
+            Arc::new(Mutex::new(handles.into_iter().map(Some).collect()))
+        });
+        let all = self.exchange("split (groups)", made)?;
+        let me = members.iter().position(|&r| r == self.rank);
+        let handles = all[members[0]].as_ref();
+        match (handles, me) {
+            (Some(h), Some(me)) => h.lock().unwrap_or_else(|p| p.into_inner())[me]
+                .take()
+                .ok_or_else(|| {
+                    Error::InvalidState(format!("split: rank {} joined twice", self.rank))
+                }),
+            _ => Err(Error::InvalidState(format!(
+                "split: no group for color {color} on rank {}",
+                self.rank
+            ))),
+        }
+    }
+
     /// Waits until every rank has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
         self.exchange("barrier", ()).map(drop)
@@ -302,6 +330,45 @@ mod tests {
             Ok(())
         });
         assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
+    }
+
+    #[test]
+    fn split_groups_run_their_own_rounds_in_rank_order() {
+        // 8 ranks into nodes of 4 (color rank / 4) and into rails (rank % 4).
+        let res = run(8, 5000, |g| {
+            let node = g.split(g.rank() / 4)?;
+            let rail = g.split(g.rank() % 4)?;
+            assert_eq!((node.world(), node.rank()), (4, g.rank() % 4));
+            assert_eq!((rail.world(), rail.rank()), (2, g.rank() / 4));
+            for round in 0..20u64 {
+                let n = node.all_gather("node ids", &[g.rank() as u64, round])?;
+                let first = (g.rank() / 4 * 4) as u64;
+                let want: Vec<u64> = (first..first + 4).flat_map(|r| [r, round]).collect();
+                assert_eq!(n, want);
+                let r = rail.all_gather("rail ids", &[g.rank() as u64])?;
+                assert_eq!(r, vec![(g.rank() % 4) as u64, (g.rank() % 4 + 4) as u64]);
+            }
+            // The parent still works after its splits.
+            g.barrier()
+        });
+        assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
+    }
+
+    #[test]
+    fn a_split_member_that_leaves_is_named_in_its_group_only() {
+        let res = run(4, 300, |g| {
+            let node = g.split(g.rank() / 2)?;
+            if g.rank() == 3 {
+                return Ok(()); // leaves without a collective on its group
+            }
+            node.barrier()
+        });
+        assert!(
+            res[0].is_ok() && res[1].is_ok() && res[3].is_ok(),
+            "{res:?}"
+        );
+        let e = res[2].as_ref().unwrap_err().to_string();
+        assert!(e.contains("rank 1"), "{e}");
     }
 
     #[test]

@@ -130,6 +130,22 @@ pub unsafe fn comm_init_rank_config(
     Ok(comm)
 }
 
+/// The ranks of `comm` that give the same `color` as a new communicator,
+/// ranked by `key` (`ncclCommSplit`, the parent's configuration inherited).
+/// Collective over `comm`.
+///
+/// # Safety
+/// `comm` must be a live communicator, used by no other thread meanwhile,
+/// with the context of its device current.
+pub unsafe fn comm_split(comm: ncclComm_t, color: usize, key: usize) -> Result<ncclComm_t> {
+    let lib = nccl()?;
+    let (color, key) = (int_arg("color", color)?, int_arg("key", key)?);
+    let mut new: ncclComm_t = ptr::null_mut();
+    let rc = (lib.comm_split)(comm, color, key, &mut new, ptr::null_mut());
+    check("ncclCommSplit", rc, Some(comm))?;
+    Ok(new)
+}
+
 /// Flushes the communicator's outstanding work (`ncclCommFinalize`); follow
 /// with [`comm_destroy`].
 ///
