@@ -10,6 +10,12 @@
 //!   is one network row, rank `a` sends to its rail peer what the peer
 //!   receives from `a`, the hops' experts and ranks are the token's on that
 //!   node, and the rows landing on each rank are the flat dispatch's.
+//! * The forwarding stage: each rail peer's batch is its node's rows of the
+//!   tokens of its rail, nodes ascending, top-k masked to the node as the
+//!   network hops carry it; the receive buffer made from the batches holds
+//!   the flat dispatch's rows (bits, weights, local ids, counts, padded
+//!   blocks), grouped by forwarding rank, home node and token, and with one
+//!   node is the flat buffer.
 //! * The combine: with one node (and with one rank per node) bit for bit
 //!   [`combine_emulated`]; on several nodes within bf16 rounding of
 //!   [`combine_f64`] with one more rounding per remote node; two hand cases
@@ -21,6 +27,7 @@
 use moe_ep::reference::*;
 use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{bf16, RecvLayout, Topology};
+use std::collections::BTreeMap;
 
 /// A random case on `topo`: K in {1, 2, 8}, E >= K, T in {0, 1, 0..40}
 /// per rank, uniform, skewed or masked routing.
@@ -432,6 +439,162 @@ fn prop_several_nodes_within_bf16_rounding_of_exact() {
         differ > 0 && differ < total / 4,
         "{differ} of {total} differ"
     );
+}
+
+/// Every row of a dispatch output keyed by where it came from (home rank,
+/// token, and the local expert for an expert-major row): its bits, weights
+/// and local ids. Padding rows are counted apart.
+#[allow(clippy::type_complexity)]
+fn rows_by_origin(
+    o: &DispatchOutput,
+    shape: &Shape,
+    layout: RecvLayout,
+) -> (
+    BTreeMap<(i32, i32, i32), (Vec<u16>, Vec<u32>, Vec<i32>)>,
+    usize,
+) {
+    let (h, k) = (shape.hidden, shape.topk);
+    let per = match layout {
+        RecvLayout::RankMajor => k,
+        RecvLayout::ExpertMajor { .. } => 1,
+    };
+    let (mut rows, mut padding) = (BTreeMap::new(), 0);
+    for (row, &(rank, token)) in o.src.iter().enumerate() {
+        if rank < 0 {
+            padding += 1;
+            continue;
+        }
+        let ids = o.topk_local_idx[row * per..(row + 1) * per].to_vec();
+        let key = (rank, token, if per == 1 { ids[0] } else { -1 });
+        let w = o.topk_weights[row * per..(row + 1) * per]
+            .iter()
+            .map(|w| w.to_bits())
+            .collect();
+        let old = rows.insert(key, (bits(&o.tokens[row * h..(row + 1) * h]), w, ids));
+        assert!(old.is_none(), "row {row}: origin {key:?} twice");
+    }
+    (rows, padding)
+}
+
+#[test]
+fn prop_two_level_dispatch_holds_the_flat_rows() {
+    let mut compared = 0;
+    for (world, g) in TOPOLOGIES {
+        let t = topo(world, g);
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            for l in layouts(&shape) {
+                for dst in 0..world {
+                    let ctx = format!("{} x {g} seed {seed} {l:?} dst {dst}", t.nodes());
+                    let flat = dispatch(&shape, &inputs, dst, l).unwrap();
+                    let two = two_level_dispatch(&shape, &t, &inputs, dst, l).unwrap();
+                    if g == world || (g == 1 && l != RecvLayout::RankMajor) {
+                        // One node, or one rank per node in expert-major:
+                        // the same buffer.
+                        assert_eq!(two, flat, "{ctx}");
+                    }
+                    assert_eq!(two.num_rows, flat.num_rows, "{ctx}");
+                    assert_eq!(
+                        two.tokens_per_local_expert, flat.tokens_per_local_expert,
+                        "{ctx}"
+                    );
+                    if l == RecvLayout::RankMajor {
+                        // First row per forwarding rank: only dst's node's.
+                        let (node, o) = (t.node_of(dst), &two.offsets);
+                        assert_eq!(o.len(), world + 1, "{ctx}");
+                        let quiet = |r: usize| t.node_of(r) == node || o[r] == o[r + 1];
+                        assert!((0..world).all(quiet), "{ctx}: offsets {o:?}");
+                    } else {
+                        assert_eq!(two.offsets, flat.offsets, "{ctx}");
+                    }
+                    let (a, pa) = rows_by_origin(&two, &shape, l);
+                    let (b, pb) = rows_by_origin(&flat, &shape, l);
+                    assert_eq!(pa, pb, "{ctx}: padding rows");
+                    assert!(a == b, "{ctx}: the rows differ from the flat dispatch's");
+                    // Forwarded rows are grouped by forwarding local index,
+                    // then home node, then token.
+                    if l == RecvLayout::RankMajor {
+                        let order: Vec<(usize, usize, i32)> = two
+                            .src
+                            .iter()
+                            .map(|&(r, tok)| (r as usize % g, r as usize / g, tok))
+                            .collect();
+                        assert!(order.windows(2).all(|w| w[0] < w[1]), "{ctx}: row order");
+                    }
+                    compared += a.len();
+                }
+            }
+        }
+    }
+    assert!(compared > 10_000, "{compared} rows compared");
+}
+
+#[test]
+fn prop_forward_batches_are_the_rows_that_reach_each_node() {
+    for (world, g) in TOPOLOGIES {
+        let t = topo(world, g);
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            let el = shape.experts_per_rank();
+            let mut seen = 0;
+            for m in 0..t.nodes() {
+                let batches = forward_batches(&shape, &t, &inputs, m).unwrap();
+                assert_eq!(batches.len(), g);
+                for (i, b) in batches.iter().enumerate() {
+                    let ctx = format!("{} x {g} seed {seed} node {m} forwarder {i}", t.nodes());
+                    // Home nodes ascending, tokens ascending, local index i.
+                    let keys: Vec<(usize, usize)> =
+                        b.origin.iter().map(|&(r, tok)| (r / g, tok)).collect();
+                    assert!(keys.windows(2).all(|w| w[0] < w[1]), "{ctx}: order");
+                    assert!(b.origin.iter().all(|&(r, _)| r % g == i), "{ctx}: rail");
+                    for (row, &(home, tok)) in b.origin.iter().enumerate() {
+                        let k = shape.topk;
+                        let masked = &b.input.topk_idx[row * k..(row + 1) * k];
+                        let want: Vec<i64> = if t.node_of(home) == m {
+                            inputs[home].topk_idx[tok * k..(tok + 1) * k]
+                                .iter()
+                                .map(|&e| {
+                                    if e >= 0 && e as usize / (g * el) == m {
+                                        e
+                                    } else {
+                                        -1
+                                    }
+                                })
+                                .collect()
+                        } else {
+                            let routes = two_level_routes(&shape, &t, &inputs, home).unwrap();
+                            let hop = routes[tok].remote.iter().find(|h| h.node == m);
+                            hop.expect("a remote row has its hop").topk_idx.clone()
+                        };
+                        assert_eq!(masked, &want[..], "{ctx} row {row}");
+                        assert!(
+                            masked.iter().any(|&e| e >= 0),
+                            "{ctx} row {row}: no expert here"
+                        );
+                        assert_eq!(
+                            bits(&b.input.tokens[row * shape.hidden..(row + 1) * shape.hidden]),
+                            bits(
+                                &inputs[home].tokens[tok * shape.hidden..(tok + 1) * shape.hidden]
+                            ),
+                            "{ctx} row {row}"
+                        );
+                    }
+                    seen += b.origin.len();
+                }
+            }
+            // Every (token, node it reaches) is one batch row.
+            let reached: usize = (0..world)
+                .map(|home| {
+                    two_level_routes(&shape, &t, &inputs, home)
+                        .unwrap()
+                        .iter()
+                        .map(|r| r.nodes.len())
+                        .sum::<usize>()
+                })
+                .sum();
+            assert_eq!(seen, reached, "{} x {g} seed {seed}", t.nodes());
+        }
+    }
 }
 
 #[test]

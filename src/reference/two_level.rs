@@ -18,8 +18,11 @@
 //! stays on `p`. On its own node the token goes over NVLink to every rank
 //! other than `h` that hosts one of its experts, as on one node. Every rank
 //! ends up with the tokens, and the rows, of the flat
-//! [`dispatch`](super::dispatch): the two levels change the path, not the
-//! result.
+//! [`dispatch`](super::dispatch): the two levels change the path and the
+//! order of the rows, not the rows. [`forward_batches`] are what each rail
+//! peer forwards (its node's rows of the tokens of its rail, nodes
+//! ascending); [`two_level_dispatch`] is the receive buffer they make,
+//! grouped by forwarding rank, then home node, then token.
 //!
 //! # Counts and bytes ([`two_level_traffic`])
 //!
@@ -45,8 +48,8 @@
 use half::bf16;
 
 use super::{
-    add_bf16, check_rank, check_rank_inputs, check_rank_major_unweighted, combine_plan,
-    rank_partial, RankInput, Shape,
+    add_bf16, check_inputs, check_rank, check_rank_inputs, check_rank_major_unweighted,
+    combine_plan, dispatch, rank_partial, DispatchOutput, RankInput, Shape,
 };
 use crate::error::{Error, Result};
 use crate::ops::{RecvLayout, Topology};
@@ -189,6 +192,128 @@ fn routes_of(shape: &Shape, topo: &Topology, inputs: &[RankInput], home: usize) 
         .zip(inp.topk_weights.chunks_exact(k))
         .map(|(idx, w)| route(shape, topo, home, idx, w))
         .collect()
+}
+
+/// One forwarding rank's batch: what rail peer `(m, i)` dispatches inside
+/// node `m` over NVLink.
+#[derive(Clone, Debug)]
+pub struct ForwardBatch {
+    /// The forwarding dispatch's input: the rows, each with its top-k masked
+    /// to node `m`'s experts (global ids; `-1` elsewhere) and their weights
+    /// (`0.0` elsewhere).
+    pub input: RankInput,
+    /// `[rows]` where each row came from: (home rank, home token).
+    pub origin: Vec<(usize, usize)>,
+}
+
+/// The forward batches of node `node`, `[G]` by local index `i`: batch `i`
+/// holds the tokens of the ranks `(n, i)` that reach `node`, nodes `n`
+/// ascending (the node's own rank `(node, i)` at its place), each rank's in
+/// token order. For `n != node` these are the rows that crossed the network
+/// to `(node, i)` ([`RemoteHop`]); for `n == node`, its own tokens.
+///
+/// Errors name `topology`, the shape's fields, `inputs`, `topk_idx`,
+/// `topk_weights`, `tokens` or `node`.
+pub fn forward_batches(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+    node: usize,
+) -> Result<Vec<ForwardBatch>> {
+    check_inputs(shape, inputs, RecvLayout::RankMajor)?;
+    check_topology(shape, topo)?;
+    if node >= topo.nodes() {
+        return Err(Error::arg(
+            "node",
+            format!("a node in 0..{}", topo.nodes()),
+            node,
+        ));
+    }
+    let (h, k, g) = (shape.hidden, shape.topk, topo.ranks_per_node());
+    let on_node = |e: i64| shape.rank_of_entry(e).map(|r| topo.node_of(r)) == Some(node);
+    Ok((0..g)
+        .map(|i| {
+            let mut b = ForwardBatch {
+                input: RankInput {
+                    tokens: Vec::new(),
+                    topk_idx: Vec::new(),
+                    topk_weights: Vec::new(),
+                },
+                origin: Vec::new(),
+            };
+            for n in 0..topo.nodes() {
+                let home = n * g + i;
+                let inp = &inputs[home];
+                for t in 0..inp.num_tokens(shape) {
+                    let idx = &inp.topk_idx[t * k..(t + 1) * k];
+                    if !idx.iter().any(|&e| on_node(e)) {
+                        continue;
+                    }
+                    let w = &inp.topk_weights[t * k..(t + 1) * k];
+                    b.input
+                        .tokens
+                        .extend_from_slice(&inp.tokens[t * h..(t + 1) * h]);
+                    for (&e, &w) in idx.iter().zip(w) {
+                        let here = on_node(e);
+                        b.input.topk_idx.push(if here { e } else { -1 });
+                        b.input.topk_weights.push(if here { w } else { 0.0 });
+                    }
+                    b.origin.push((home, t));
+                }
+            }
+            b
+        })
+        .collect())
+}
+
+/// The rows rank `dst` receives on the two-level path, in `layout`: the
+/// [`dispatch`](super::dispatch) inside `dst`'s node of the node's
+/// [`forward_batches`] (batch `i` the input of the node's rank with local
+/// index `i`, nothing from other nodes), with `src` given as the rows'
+/// (home rank, home token).
+///
+/// The rows, their weights, local expert ids, per-expert counts and (in
+/// the expert-major layout) the padded blocks are the flat dispatch's; the
+/// order of the rows is not. Rows are grouped by forwarding rank, then by
+/// home node, then by token, where the flat layout groups them by home
+/// rank, then by token. Rank-major `offsets` (`[R + 1]`) are therefore the
+/// first row per forwarding rank (ranks of other nodes forward nothing
+/// here). Expert-major blocks hold the same rows as the flat ones, in that
+/// order. With one node every field is the flat dispatch's.
+///
+/// Errors: those of [`forward_batches`], `dst` and `alignment`.
+pub fn two_level_dispatch(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+    dst: usize,
+    layout: RecvLayout,
+) -> Result<DispatchOutput> {
+    check_inputs(shape, inputs, layout)?;
+    check_topology(shape, topo)?;
+    check_rank("dst", dst, shape)?;
+    let node = topo.node_of(dst);
+    let batches = forward_batches(shape, topo, inputs, node)?;
+    let empty = RankInput {
+        tokens: Vec::new(),
+        topk_idx: Vec::new(),
+        topk_weights: Vec::new(),
+    };
+    let forwarders: Vec<RankInput> = (0..shape.num_ranks)
+        .map(|r| match topo.node_of(r) == node {
+            true => batches[topo.local_index(r)].input.clone(),
+            false => empty.clone(),
+        })
+        .collect();
+    let mut out = dispatch(shape, &forwarders, dst, layout)?;
+    for s in out.src.iter_mut() {
+        if s.0 >= 0 {
+            let i = topo.local_index(s.0 as usize);
+            let (home, t) = batches[i].origin[s.1 as usize];
+            *s = (home as i32, t as i32);
+        }
+    }
+    Ok(out)
 }
 
 /// The rows every rank moves in one dispatch, `[R]` in rank order
