@@ -598,6 +598,55 @@ fn prop_forward_batches_are_the_rows_that_reach_each_node() {
 }
 
 #[test]
+fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
+    use moe_ep::ops::hop_plan::hop_rounds;
+    let mut moved = 0;
+    for (world, g) in TOPOLOGIES.into_iter().filter(|&(w, g)| w != g) {
+        let t = topo(world, g);
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            let traffic = two_level_traffic(&shape, &t, &inputs).unwrap();
+            let row = 2 * shape.hidden + 8 * shape.topk;
+            for chunks in [1, 8] {
+                let plans: Vec<_> = traffic
+                    .iter()
+                    .enumerate()
+                    .map(|(a, tr)| {
+                        hop_rounds(
+                            &t,
+                            a,
+                            &tr.net_sent,
+                            &tr.net_recv,
+                            row,
+                            chunks,
+                            1 << 20,
+                            1 << 40,
+                        )
+                        .unwrap()
+                    })
+                    .collect();
+                for (a, plan) in plans.iter().enumerate() {
+                    for (c, round) in plan.iter().enumerate() {
+                        for s in &round.sends {
+                            let r = plans[s.peer][c].recvs.iter().find(|r| r.peer == a);
+                            assert_eq!(
+                                r.map(|r| r.bytes),
+                                Some(s.bytes),
+                                "{world}/{g} seed {seed}"
+                            );
+                            moved += s.bytes;
+                        }
+                    }
+                    let sent: usize = plan.iter().flat_map(|r| &r.sends).map(|s| s.bytes).sum();
+                    assert_eq!(sent, traffic[a].net_sent.iter().sum::<usize>() * row);
+                }
+            }
+        }
+    }
+    assert!(moved > 0, "no bytes moved");
+}
+
+#[test]
 fn bad_topology_is_refused_by_name() {
     let (shape, _, inputs) = hand_case();
     let wrong = topo(8, 4);

@@ -10,7 +10,8 @@
 //! [`abi`] (mirrors of `kernels-cuda/abi.cuh`), the residency check in
 //! `residency.rs`, the nodes of a world and their rail peers ([`Topology`])
 //! in `topology.rs`, the network hop between rail peers (`RailHop`, public
-//! with the feature `raw`) in `rail_hop.rs`.
+//! with the feature `raw`) in `rail_hop.rs`, its chunk rounds for one
+//! dispatch (`hop_rounds`) in `hop_plan.rs`.
 //!
 //! ```ignore
 //! let group = EpGroup::new(&comm, GroupConfig::new(256, 7168, 4096))?;     // collective
@@ -32,6 +33,12 @@ mod combine;
 mod dispatch;
 mod group;
 mod handle;
+#[cfg(feature = "raw")]
+pub mod hop_plan;
+#[cfg(not(feature = "raw"))]
+#[cfg_attr(not(feature = "raw"), allow(dead_code))]
+// the inter-node path's chunk rounds: the raw API and its tests use them so far
+pub(crate) mod hop_plan;
 mod layout;
 mod low_latency;
 #[cfg(feature = "raw")]

@@ -1,0 +1,228 @@
+//! The two-level dispatch's network hop cut into chunk rounds: which bytes
+//! each [`RailHop::exchange`](super::rail_hop::RailHop::exchange) of one
+//! dispatch sends and receives (`docs/rdma-model.md`, "Pipelining").
+//!
+//! A rank's streams to its rail peers lie back to back in its send range,
+//! nodes ascending (its own node's stream empty); the streams from them
+//! land the same way in its landing range. Every stream is cut into the
+//! same number of chunks, `chunks`, by rows: chunk `c` of a stream of `n`
+//! rows is rows `[c * n / chunks, (c + 1) * n / chunks)`. Round `c` sends
+//! and receives chunk `c` of every stream, so the two sides of a pair cut
+//! the same rows (the receiver knows `n` from the count matrix), every rank
+//! makes `chunks` rounds (the exchange is collective over the world) and a
+//! chunk can be forwarded over NVLink while the next one is on the wire.
+//!
+//! Tests: the unit tests below (against `reference::two_level_traffic` in
+//! `tests/reference_two_level.rs` too).
+
+use crate::error::{Error, Result};
+use crate::ops::Topology;
+
+use super::rail_hop::{HopRecv, HopSend};
+
+/// The sends and receives of one round (one exchange) of a dispatch's hop.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HopRound {
+    /// One entry per rail peer with rows in this chunk, nodes ascending.
+    pub sends: Vec<HopSend>,
+    /// One entry per rail peer with rows in this chunk, nodes ascending.
+    pub recvs: Vec<HopRecv>,
+}
+
+/// This rank's hop, `chunks` rounds: `send_rows[m]` rows to its rail peer on
+/// node `m`, `recv_rows[m]` from it (both `[N]`, `0` at its own node), rows
+/// of `row_bytes`, streams back to back by node from `send_base` and
+/// `recv_base`.
+///
+/// Errors, each naming the argument: `rank` outside the world, `send_rows`
+/// or `recv_rows` not one count per node or not 0 at the rank's own node,
+/// `chunks` 0, `row_bytes` 0, a range past the end of the address space.
+#[allow(clippy::too_many_arguments)]
+pub fn hop_rounds(
+    topology: &Topology,
+    rank: usize,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+    row_bytes: usize,
+    chunks: usize,
+    send_base: u64,
+    recv_base: u64,
+) -> Result<Vec<HopRound>> {
+    let (world, nodes) = (topology.world(), topology.nodes());
+    if rank >= world {
+        return Err(Error::arg("rank", format!("a rank in 0..{world}"), rank));
+    }
+    let me = topology.node_of(rank);
+    for (arg, rows) in [("send_rows", send_rows), ("recv_rows", recv_rows)] {
+        if rows.len() != nodes || rows[me] != 0 {
+            return Err(Error::arg(
+                arg,
+                format!("{nodes} row counts, one per node, 0 at this rank's node {me}"),
+                format!("{rows:?}"),
+            ));
+        }
+    }
+    if chunks == 0 {
+        return Err(Error::arg("chunks", "at least 1", chunks));
+    }
+    if row_bytes == 0 {
+        return Err(Error::arg("row_bytes", "at least 1", row_bytes));
+    }
+    let span = |arg: &'static str, base: u64, rows: &[usize]| -> Result<()> {
+        let bytes = rows
+            .iter()
+            .try_fold(0usize, |a, &r| a.checked_add(r.checked_mul(row_bytes)?));
+        match bytes.and_then(|b| base.checked_add(b as u64)) {
+            Some(_) => Ok(()),
+            None => Err(Error::arg(
+                arg,
+                "a range within the address space",
+                format!("{base:#x} + {rows:?} rows of {row_bytes} bytes"),
+            )),
+        }
+    };
+    span("send_base", send_base, send_rows)?;
+    span("recv_base", recv_base, recv_rows)?;
+    // Row `[c * n / chunks]` of a stream of n rows: chunk c's first.
+    let cut = |n: usize, c: usize| (n as u128 * c as u128 / chunks as u128) as usize;
+    let starts = |rows: &[usize]| -> Vec<usize> {
+        rows.iter()
+            .scan(0, |at, &n| {
+                let s = *at;
+                *at += n;
+                Some(s)
+            })
+            .collect()
+    };
+    let (send_at, recv_at) = (starts(send_rows), starts(recv_rows));
+    let addr = |base: u64, first: usize| base + (first * row_bytes) as u64;
+    Ok((0..chunks)
+        .map(|c| {
+            let mut round = HopRound::default();
+            for m in 0..nodes {
+                let peer = topology.rail_peer(rank, m);
+                let (lo, hi) = (cut(send_rows[m], c), cut(send_rows[m], c + 1));
+                if hi > lo {
+                    round.sends.push(HopSend {
+                        peer,
+                        src: addr(send_base, send_at[m] + lo),
+                        bytes: (hi - lo) * row_bytes,
+                    });
+                }
+                let (lo, hi) = (cut(recv_rows[m], c), cut(recv_rows[m], c + 1));
+                if hi > lo {
+                    round.recvs.push(HopRecv {
+                        peer,
+                        dst: addr(recv_base, recv_at[m] + lo),
+                        bytes: (hi - lo) * row_bytes,
+                    });
+                }
+            }
+            round
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::rail_hop::validate_plan;
+
+    fn topo(world: usize, g: usize) -> Topology {
+        Topology::new(world, g).unwrap()
+    }
+
+    #[test]
+    fn rounds_cover_every_row_once_and_pairs_agree() {
+        const ROW: usize = 48;
+        for (world, g) in [(2, 1), (4, 2), (8, 4), (8, 2), (8, 1)] {
+            let t = topo(world, g);
+            let n = t.nodes();
+            // rows[a][m]: rank a's rows to its rail peer on node m.
+            let rows: Vec<Vec<usize>> = (0..world)
+                .map(|a| {
+                    (0..n)
+                        .map(|m| match m == t.node_of(a) {
+                            true => 0,
+                            false => (a * 7 + m * 13) % 11 + (a + m) % 3 * 100,
+                        })
+                        .collect()
+                })
+                .collect();
+            for chunks in [1, 3, 8, 16] {
+                let plans: Vec<Vec<HopRound>> = (0..world)
+                    .map(|a| {
+                        // From its rail peer on m: what that peer sends to a's node.
+                        let recv: Vec<usize> = (0..n)
+                            .map(|m| rows[t.rail_peer(a, m)][t.node_of(a)])
+                            .collect();
+                        hop_rounds(&t, a, &rows[a], &recv, ROW, chunks, 0x1000, 0x10_0000).unwrap()
+                    })
+                    .collect();
+                for a in 0..world {
+                    assert_eq!(plans[a].len(), chunks);
+                    // Each stream's chunks are contiguous, in order, whole.
+                    let mut next: Vec<u64> = {
+                        let mut at = 0x1000u64;
+                        (0..n)
+                            .map(|m| {
+                                let s = at;
+                                at += (rows[a][m] * ROW) as u64;
+                                s
+                            })
+                            .collect()
+                    };
+                    for (c, round) in plans[a].iter().enumerate() {
+                        validate_plan(&t, a, &round.sends, &round.recvs).unwrap();
+                        for s in &round.sends {
+                            let m = t.node_of(s.peer);
+                            assert_eq!(s.src, next[m], "{world}/{g} rank {a} chunk {c}");
+                            next[m] += s.bytes as u64;
+                            // The receiver's chunk c from a has the same bytes.
+                            let back = plans[s.peer][c].recvs.iter().find(|r| r.peer == a);
+                            assert_eq!(back.map(|r| r.bytes), Some(s.bytes));
+                        }
+                        for r in &round.recvs {
+                            let sent = plans[r.peer][c].sends.iter().find(|s| s.peer == a);
+                            assert_eq!(sent.map(|s| s.bytes), Some(r.bytes));
+                        }
+                    }
+                    let mut at = 0x1000u64;
+                    for m in 0..n {
+                        at += (rows[a][m] * ROW) as u64;
+                        assert_eq!(next[m], at, "{world}/{g} rank {a}: stream {m} whole");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_plans_are_refused_by_name() {
+        let t = topo(4, 2);
+        let arg = |r: Result<Vec<HopRound>>| match r.unwrap_err() {
+            Error::InvalidArgument { arg, .. } => arg,
+            e => panic!("{e}"),
+        };
+        let ok = [0, 5];
+        assert_eq!(arg(hop_rounds(&t, 4, &ok, &ok, 16, 2, 0, 0)), "rank");
+        assert_eq!(arg(hop_rounds(&t, 0, &[0], &ok, 16, 2, 0, 0)), "send_rows");
+        assert_eq!(
+            arg(hop_rounds(&t, 0, &ok, &[3, 5], 16, 2, 0, 0)),
+            "recv_rows"
+        );
+        assert_eq!(arg(hop_rounds(&t, 0, &ok, &ok, 16, 0, 0, 0)), "chunks");
+        assert_eq!(arg(hop_rounds(&t, 0, &ok, &ok, 0, 2, 0, 0)), "row_bytes");
+        assert_eq!(
+            arg(hop_rounds(&t, 0, &ok, &ok, 16, 2, u64::MAX - 8, 0)),
+            "send_base"
+        );
+        assert_eq!(
+            arg(hop_rounds(&t, 0, &ok, &ok, 16, 2, 0, u64::MAX - 8)),
+            "recv_base"
+        );
+        // Nothing to move: every round empty, still `chunks` of them.
+        let none = hop_rounds(&t, 0, &[0, 0], &[0, 0], 16, 3, 0, 0).unwrap();
+        assert_eq!(none, vec![HopRound::default(); 3]);
+    }
+}
