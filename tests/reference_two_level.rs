@@ -15,7 +15,9 @@
 //!   network hops carry it; the receive buffer made from the batches holds
 //!   the flat dispatch's rows (bits, weights, local ids, counts, padded
 //!   blocks), grouped by forwarding rank, home node and token, and with one
-//!   node is the flat buffer.
+//!   node is the flat buffer. The hop on the host: rows packed per node,
+//!   moved by `ops::hop_plan::hop_rounds`' chunk rounds into the landing
+//!   ranges, give each rail peer exactly its forward batch.
 //! * The combine: with one node (and with one rank per node) bit for bit
 //!   [`combine_emulated`]; on several nodes within bf16 rounding of
 //!   [`combine_f64`] with one more rounding per remote node; two hand cases
@@ -644,6 +646,111 @@ fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
         }
     }
     assert!(moved > 0, "no bytes moved");
+}
+
+/// The whole dispatch hop on the host: each rank packs its rows for every
+/// other node (node order, token order), the chunk rounds of `hop_rounds`
+/// move them (addresses as offsets into host buffers) into the rail peers'
+/// landing ranges, and each rail peer's forward input (landed rows of the
+/// nodes before its own, its own tokens, the landed rows after) is the
+/// reference's forward batch, row for row and slot for slot.
+#[test]
+fn prop_pack_hop_and_land_make_the_forward_batches() {
+    use moe_ep::ops::hop_plan::hop_rounds;
+    for (world, g) in TOPOLOGIES.into_iter().filter(|&(w, g)| w != g) {
+        let t = topo(world, g);
+        for seed in 0..SEEDS / 4 {
+            let (shape, inputs) = gen_case(seed, &t);
+            let (h, k) = (shape.hidden, shape.topk);
+            let n = t.nodes();
+            // A network row: the bf16 row's bits, then the K ids and K weights.
+            let row_bytes = 2 * h + 8 * k;
+            let batches: Vec<Vec<ForwardBatch>> = (0..n)
+                .map(|m| forward_batches(&shape, &t, &inputs, m).unwrap())
+                .collect();
+            let encode = |b: &ForwardBatch, row: usize| -> Vec<u8> {
+                let mut v: Vec<u8> = bits(&b.input.tokens[row * h..(row + 1) * h])
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect();
+                for &e in &b.input.topk_idx[row * k..(row + 1) * k] {
+                    v.extend((e as i32).to_le_bytes());
+                }
+                for &w in &b.input.topk_weights[row * k..(row + 1) * k] {
+                    v.extend(w.to_bits().to_le_bytes());
+                }
+                v
+            };
+            // Rank a's rows for node m: its rows in node m's batch of its rail.
+            let rows_for = |a: usize, m: usize| -> Vec<usize> {
+                let b = &batches[m][t.local_index(a)];
+                (0..b.origin.len())
+                    .filter(|&r| b.origin[r].0 == a)
+                    .collect()
+            };
+            let mut send = Vec::new();
+            let mut counts = vec![vec![0usize; n]; world];
+            for a in 0..world {
+                let mut buf = Vec::new();
+                for m in (0..n).filter(|&m| m != t.node_of(a)) {
+                    let rows = rows_for(a, m);
+                    counts[a][m] = rows.len();
+                    for r in rows {
+                        buf.extend(encode(&batches[m][t.local_index(a)], r));
+                    }
+                }
+                send.push(buf);
+            }
+            let recv_counts = |a: usize| -> Vec<usize> {
+                (0..n)
+                    .map(|m| counts[t.rail_peer(a, m)][t.node_of(a)])
+                    .collect()
+            };
+            let mut land: Vec<Vec<u8>> = (0..world)
+                .map(|a| vec![0u8; recv_counts(a).iter().sum::<usize>() * row_bytes])
+                .collect();
+            let plans: Vec<_> = (0..world)
+                .map(|a| {
+                    hop_rounds(&t, a, &counts[a], &recv_counts(a), row_bytes, 8, 0, 0).unwrap()
+                })
+                .collect();
+            for c in 0..8 {
+                for a in 0..world {
+                    for s in &plans[a][c].sends {
+                        let d = plans[s.peer][c].recvs.iter().find(|r| r.peer == a).unwrap();
+                        let (src, dst) = (s.src as usize, d.dst as usize);
+                        land[s.peer][dst..dst + s.bytes]
+                            .copy_from_slice(&send[a][src..src + s.bytes]);
+                    }
+                }
+            }
+            for m in 0..n {
+                for i in 0..g {
+                    let a = m * g + i;
+                    let b = &batches[m][i];
+                    // The forward input, node by node.
+                    let mut rebuilt: Vec<u8> = Vec::new();
+                    let mut landed_at = 0;
+                    for node in 0..n {
+                        if node == m {
+                            for r in rows_for(a, m) {
+                                rebuilt.extend(encode(b, r));
+                            }
+                        } else {
+                            let bytes = recv_counts(a)[node] * row_bytes;
+                            rebuilt.extend(&land[a][landed_at..landed_at + bytes]);
+                            landed_at += bytes;
+                        }
+                    }
+                    let want: Vec<u8> = (0..b.origin.len()).flat_map(|r| encode(b, r)).collect();
+                    assert!(
+                        rebuilt == want,
+                        "{n} x {g} seed {seed}: rank {a}'s forward input"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
