@@ -655,6 +655,7 @@ fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
 /// nodes before its own, its own tokens, the landed rows after) is the
 /// reference's forward batch, row for row and slot for slot.
 #[test]
+#[allow(clippy::needless_range_loop)] // ranks, nodes and rounds index several tables each
 fn prop_pack_hop_and_land_make_the_forward_batches() {
     use moe_ep::ops::hop_plan::hop_rounds;
     for (world, g) in TOPOLOGIES.into_iter().filter(|&(w, g)| w != g) {
