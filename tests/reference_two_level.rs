@@ -18,11 +18,14 @@
 //!   node is the flat buffer. The hop on the host: rows packed per node,
 //!   moved by `ops::hop_plan::hop_rounds`' chunk rounds into the landing
 //!   ranges, give each rail peer exactly its forward batch.
+//! * The combine is each node's intra-node combine over its forward batches,
+//!   then one f32 sum of the nodes' bf16 partials per token, nodes
+//!   ascending (bit for bit).
 //! * The combine: with one node (and with one rank per node) bit for bit
 //!   [`combine_emulated`]; on several nodes within bf16 rounding of
-//!   [`combine_f64`] with one more rounding per remote node; two hand cases
-//!   for the rounding of each remote node's partial and the ascending node
-//!   order.
+//!   [`combine_f64`] with one more rounding per node; hand cases for the
+//!   rounding of each node's partial (the home node's too) and the
+//!   ascending node order.
 //! * `docs/rdma-model.md`: its formulas give its tables' numbers, and the
 //!   rows of a sampled uniform routing at EP16 / 32 / 64 match the formulas.
 
@@ -187,6 +190,16 @@ fn three_row_case(
     idx: [i64; 3],
     rows: [(usize, f32); 3],
 ) -> (Vec<bf16>, Vec<bf16>, Vec<f64>) {
+    three_row_case_on(&topo(4, 2), home, idx, rows)
+}
+
+/// [`three_row_case`] on any topology of 4 ranks.
+fn three_row_case_on(
+    t: &Topology,
+    home: usize,
+    idx: [i64; 3],
+    rows: [(usize, f32); 3],
+) -> (Vec<bf16>, Vec<bf16>, Vec<f64>) {
     let shape = Shape {
         num_ranks: 4,
         num_experts: 8,
@@ -212,7 +225,7 @@ fn three_row_case(
     }
     let l = RecvLayout::RankMajor;
     let flat = combine_emulated(&shape, &inputs, &out, home, l, false).unwrap();
-    let two = combine_two_level_emulated(&shape, &topo(4, 2), &inputs, &out, home, l, false);
+    let two = combine_two_level_emulated(&shape, t, &inputs, &out, home, l, false);
     let exact = combine_f64(&shape, &inputs, &out, home, l, false).unwrap();
     (flat, two.unwrap(), exact)
 }
@@ -229,28 +242,45 @@ fn each_remote_node_partial_is_rounded_once() {
         "{flat:?}"
     );
     // Two levels: node 1's 1 + 2^-8 rounds (ties to even) to 1.0, and so
-    // does 2^-8 + 1.0 at home: within the bound of 4 partials and 1 node.
+    // does 2^-8 + 1.0 at home: within the bound of 4 partials and 2 nodes.
     assert!(two.iter().all(|&x| x == bf16::ONE), "{two:?}");
-    check_close_bf16(&two, &exact, 4 + 1).unwrap();
+    check_close_bf16(&two, &exact, 4 + 2).unwrap();
+}
+
+#[test]
+fn the_home_node_partial_is_rounded_once_too() {
+    let tiny = 1.0 / 256.0;
+    // Home rank 0 (node 0): 1.0 on itself and 2^-8 on rank 1 (its node),
+    // 2^-8 on rank 2 (node 1).
+    let (flat, two, exact) = three_row_case(0, [0, 2, 4], [(0, 1.0), (1, tiny), (2, tiny)]);
+    assert!(exact.iter().all(|&x| x == 1.0 + 2.0 * tiny as f64));
+    // Flat: (1 + 2^-8) + 2^-8 = 1 + 2^-7 in f32, a bf16.
+    assert!(
+        flat.iter().all(|&x| x.to_f32() == 1.0 + 2.0 * tiny),
+        "{flat:?}"
+    );
+    // Two levels: the home node's 1 + 2^-8 rounds to 1.0 first (ties to
+    // even), then 1.0 + 2^-8 rounds to 1.0 again.
+    assert!(two.iter().all(|&x| x == bf16::ONE), "{two:?}");
+    check_close_bf16(&two, &exact, 4 + 2).unwrap();
 }
 
 #[test]
 fn nodes_are_summed_in_ascending_order() {
     // (2^24 + 1) rounds to 2^24 in f32, (1 - 2^24) is exact: the order of
-    // the terms decides between 0 and 1.
+    // the terms decides between 0 and 1. Two terms commute, so 4 nodes of
+    // one rank: home rank 0, the rows on nodes 1, 2, 3.
     let big = 16_777_216.0f32;
     assert_eq!(((big + 1.0) - big, (1.0 - big) + big), (0.0, 1.0));
-    // Home rank 2 (node 1): node 0's partial 2^24 comes first, then the home
-    // node's rows 1 and -2^24 one by one: 0 (home rows first: 1).
-    let (flat, two, exact) = three_row_case(2, [0, 4, 6], [(0, big), (2, 1.0), (3, -big)]);
+    let t = topo(4, 1);
+    // Ascending: 2^24, then 1, then -2^24: 0 (descending: 1).
+    let (flat, two, exact) = three_row_case_on(&t, 0, [2, 4, 6], [(1, big), (2, 1.0), (3, -big)]);
     assert!(exact.iter().all(|&x| x == 1.0));
     assert_eq!(bits(&two), bits(&flat));
     assert!(two.iter().all(|&x| x.to_f32() == 0.0), "{two:?}");
-    // Home rank 0 (node 0): its rows 2^24 and 1 come first, then node 1's
-    // partial -2^24: 0 (node 1's partial first: 1).
-    let (flat, two, _) = three_row_case(0, [0, 2, 4], [(0, big), (1, 1.0), (2, -big)]);
-    assert_eq!(bits(&two), bits(&flat));
-    assert!(two.iter().all(|&x| x.to_f32() == 0.0), "{two:?}");
+    // The same rows the other way round: -2^24, 1, 2^24 gives 1.
+    let (_, two, _) = three_row_case_on(&t, 0, [2, 4, 6], [(1, -big), (2, 1.0), (3, big)]);
+    assert!(two.iter().all(|&x| x.to_f32() == 1.0), "{two:?}");
 }
 
 // ------------------------------------------------------------ properties
@@ -419,9 +449,9 @@ fn prop_several_nodes_within_bf16_rounding_of_exact() {
         let exact = combine_f64(shape, inputs, out, c.home, c.layout, c.weighted).unwrap();
         let two = combine_two_level_emulated(shape, c.t, inputs, out, c.home, c.layout, c.weighted)
             .unwrap();
-        // One rounding per rank's partial and one per remote node's partial
+        // One rounding per rank's partial and one per node's partial
         // (check_close_bf16's terms).
-        check_close_bf16(&two, &exact, c.t.world() + c.t.nodes() - 1).unwrap_or_else(|e| {
+        check_close_bf16(&two, &exact, c.t.world() + c.t.nodes()).unwrap_or_else(|e| {
             panic!(
                 "{} x {} seed {} {:?} home {}: {e}",
                 c.t.nodes(),
@@ -752,6 +782,93 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
             }
         }
     }
+}
+
+/// The two-level combine is the intra-node combine of each node's group
+/// over its forward batches (expert outputs in the two-level receive
+/// layout), then one f32 sum per home token of the nodes' bf16 partials,
+/// nodes ascending: bit for bit `combine_two_level_emulated`.
+#[test]
+fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
+    let mut compared = 0;
+    for_each_combine(&[(4, 2), (8, 4), (8, 2), (8, 1)], 0x5EA1, |c| {
+        let (shape, t, h) = (c.shape, c.t, c.shape.hidden);
+        let g = t.ranks_per_node();
+        let empty = RankInput {
+            tokens: vec![],
+            topk_idx: vec![],
+            topk_weights: vec![],
+        };
+        // Per node: the forwarders' inputs, and each rank's expert outputs
+        // moved from the flat layout's rows to the two-level layout's.
+        let mut node_sums: Vec<Vec<bf16>> = Vec::new(); // [node]: the home's rail peer's P rows
+        let mut batches_of = Vec::new();
+        for m in 0..t.nodes() {
+            let batches = forward_batches(shape, t, c.inputs, m).unwrap();
+            let fwd: Vec<RankInput> = (0..t.world())
+                .map(|r| match t.node_of(r) == m {
+                    true => batches[t.local_index(r)].input.clone(),
+                    false => empty.clone(),
+                })
+                .collect();
+            let out2: Vec<Vec<bf16>> = (0..t.world())
+                .map(|d| {
+                    if t.node_of(d) != m {
+                        return vec![];
+                    }
+                    let two = two_level_dispatch(shape, t, c.inputs, d, c.layout).unwrap();
+                    let flat = dispatch(shape, c.inputs, d, c.layout).unwrap();
+                    let per = two.topk_local_idx.len() / two.num_rows.max(1);
+                    let key = |o: &DispatchOutput, r: usize| {
+                        let e = if per == 1 { o.topk_local_idx[r] } else { -1 };
+                        (o.src[r], e)
+                    };
+                    let at: BTreeMap<_, usize> =
+                        (0..flat.num_rows).map(|r| (key(&flat, r), r)).collect();
+                    (0..two.num_rows)
+                        .flat_map(|r| match two.src[r].0 >= 0 {
+                            true => {
+                                let f = at[&key(&two, r)];
+                                c.out[d][f * h..(f + 1) * h].to_vec()
+                            }
+                            false => vec![bf16::ZERO; h],
+                        })
+                        .collect()
+                })
+                .collect();
+            let peer = t.rail_peer(c.home, m);
+            node_sums
+                .push(combine_emulated(shape, &fwd, &out2, peer, c.layout, c.weighted).unwrap());
+            batches_of.push(batches);
+        }
+        let want =
+            combine_two_level_emulated(shape, t, c.inputs, c.out, c.home, c.layout, c.weighted)
+                .unwrap();
+        let i = t.local_index(c.home);
+        for tok in 0..c.inputs[c.home].num_tokens(shape) {
+            let mut acc = vec![0.0f32; h];
+            for m in 0..t.nodes() {
+                let origin = &batches_of[m][i].origin;
+                if let Some(row) = origin.iter().position(|&o| o == (c.home, tok)) {
+                    for (a, p) in acc.iter_mut().zip(&node_sums[m][row * h..(row + 1) * h]) {
+                        *a += p.to_f32();
+                    }
+                }
+            }
+            let got: Vec<bf16> = acc.iter().map(|&a| bf16::from_f32(a)).collect();
+            assert_eq!(
+                bits(&got),
+                bits(&want[tok * h..(tok + 1) * h]),
+                "{} x {g} seed {} {:?} home {} token {tok}",
+                t.nodes(),
+                c.seed,
+                c.layout,
+                c.home
+            );
+            compared += h;
+        }
+    });
+    assert!(compared > 10_000, "{compared} values compared");
 }
 
 #[test]

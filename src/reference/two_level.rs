@@ -378,20 +378,23 @@ pub fn two_level_traffic(
 ///    `ExpertMajor`: `acc = w.mul_add(x, acc)` weighted, `acc = acc + x`
 ///    unweighted), then rounded to bf16 (round-to-nearest-even), the rail
 ///    peer's own partial included.
-/// 2. On each remote node `m` that `t` reaches, the home rank's rail peer
-///    there: f32 `q = 0.0`, for the ranks `d` of `m` in ascending local
-///    index where `t` was sent, `q += f32(p_d)`; rounded once to bf16:
-///    `P_m`, one bf16 row per (token, remote node).
-/// 3. On the home rank (node `n`): f32 `acc = 0.0`, for the nodes `m`
-///    ascending: `m == n`: for the ranks `d` of `n` in ascending local index
-///    where `t` was sent, `acc += f32(p_d)` (one term per rank, as on one
-///    node); `m != n` and reached: `acc += f32(P_m)` (one term per node).
-///    Result `bf16::from_f32(acc)`.
+/// 2. On each node `m` that `t` reaches, the home rank's rail peer there
+///    (on the home node: the home rank itself): f32 `q = 0.0`, for the
+///    ranks `d` of `m` in ascending local index where `t` was sent,
+///    `q += f32(p_d)`; rounded once to bf16: `P_m`, one bf16 row per
+///    (token, node). This is the one-node combine of the node's own group
+///    (the home sum of [`combine_emulated`](super::combine_emulated) over
+///    the node's ranks), run on the [`forward_batches`].
+/// 3. On the home rank: f32 `acc = 0.0`, for the nodes `m` ascending that
+///    `t` reaches: `acc += f32(P_m)`. Result `bf16::from_f32(acc)`.
 ///
-/// With one node this is [`combine_emulated`](super::combine_emulated) bit
-/// for bit; with one rank per node too (each `P_m` is one bf16 `p_d`,
-/// rounded again unchanged). Against [`combine_f64`](super::combine_f64),
-/// each remote node adds one bf16 rounding to those of the partials.
+/// So the path needs the intra-node combine unchanged on every node, the
+/// hop back, and one sum of bf16 rows per token in node order. With one
+/// node this is [`combine_emulated`](super::combine_emulated) bit for bit
+/// (the one `P_m` rounded again unchanged); with one rank per node too
+/// (each `P_m` is one bf16 `p_d`). Against
+/// [`combine_f64`](super::combine_f64), each node adds one bf16 rounding to
+/// those of the partials.
 ///
 /// Errors: those of [`combine_emulated`](super::combine_emulated), and
 /// `topology` when `topo` is not a topology of `shape.num_ranks` ranks.
@@ -409,7 +412,6 @@ pub fn combine_two_level_emulated(
     check_topology(shape, topo)?;
     super::check_per_rank("expert_out", expert_out, &cp.plans, shape.hidden, "hidden")?;
     let h = shape.hidden;
-    let home_node = topo.node_of(home);
     let mut out = Vec::with_capacity(cp.home_tokens * h);
     let mut acc = vec![0.0f32; h];
     let mut node_acc = vec![0.0f32; h];
@@ -417,22 +419,17 @@ pub fn combine_two_level_emulated(
     for t in 0..cp.home_tokens {
         acc.fill(0.0);
         for m in 0..topo.nodes() {
-            // The home node's partials are terms of the home sum itself; a
-            // remote node's are summed on the rail peer first.
-            let sum = if m == home_node {
-                &mut acc
-            } else {
-                node_acc.fill(0.0);
-                &mut node_acc
-            };
+            // Every node's partial is summed on its rail peer (the home node's
+            // on the home rank) and rounded once; the home sums them.
+            node_acc.fill(0.0);
             let mut reached = false;
             for d in topo.node_ranks(m) {
                 if rank_partial(shape, inputs, &cp, expert_out, d, t, weighted, &mut partial) {
-                    add_bf16(sum, &partial);
+                    add_bf16(&mut node_acc, &partial);
                     reached = true;
                 }
             }
-            if m != home_node && reached {
+            if reached {
                 add_bf16(&mut acc, &node_acc);
             }
         }
