@@ -230,39 +230,34 @@ fn three_row_case_on(
     (flat, two.unwrap(), exact)
 }
 
-#[test]
-fn each_remote_node_partial_is_rounded_once() {
+/// A token whose rows are 1.0 and 2^-8 twice (`idx`, `rows` as in
+/// [`three_row_case`], home rank 0): the flat combine keeps the exact
+/// 1 + 2^-7, the two-level one gives 1.0 (a node's partial 1 + 2^-8 rounds,
+/// ties to even, to 1.0, and so does 1.0 + 2^-8 at home), within the bound
+/// of 4 partials and 2 nodes.
+fn rounds_to_one(idx: [i64; 3], rows: [(usize, f32); 3]) {
     let tiny = 1.0 / 256.0;
-    // Home rank 0 (node 0): 2^-8 at home, 1.0 and 2^-8 on node 1.
-    let (flat, two, exact) = three_row_case(0, [0, 4, 6], [(0, tiny), (2, 1.0), (3, tiny)]);
-    // Flat: (2^-8 + 1) + 2^-8 = 1 + 2^-7, a bf16, and the exact sum.
+    let (flat, two, exact) = three_row_case(0, idx, rows);
     assert!(exact.iter().all(|&x| x == 1.0 + 2.0 * tiny as f64));
     assert!(
         flat.iter().all(|&x| x.to_f32() == 1.0 + 2.0 * tiny),
         "{flat:?}"
     );
-    // Two levels: node 1's 1 + 2^-8 rounds (ties to even) to 1.0, and so
-    // does 2^-8 + 1.0 at home: within the bound of 4 partials and 2 nodes.
     assert!(two.iter().all(|&x| x == bf16::ONE), "{two:?}");
     check_close_bf16(&two, &exact, 4 + 2).unwrap();
 }
 
 #[test]
+fn each_remote_node_partial_is_rounded_once() {
+    // Home rank 0 (node 0): 2^-8 at home, 1.0 and 2^-8 on node 1.
+    rounds_to_one([0, 4, 6], [(0, 1.0 / 256.0), (2, 1.0), (3, 1.0 / 256.0)]);
+}
+
+#[test]
 fn the_home_node_partial_is_rounded_once_too() {
-    let tiny = 1.0 / 256.0;
     // Home rank 0 (node 0): 1.0 on itself and 2^-8 on rank 1 (its node),
     // 2^-8 on rank 2 (node 1).
-    let (flat, two, exact) = three_row_case(0, [0, 2, 4], [(0, 1.0), (1, tiny), (2, tiny)]);
-    assert!(exact.iter().all(|&x| x == 1.0 + 2.0 * tiny as f64));
-    // Flat: (1 + 2^-8) + 2^-8 = 1 + 2^-7 in f32, a bf16.
-    assert!(
-        flat.iter().all(|&x| x.to_f32() == 1.0 + 2.0 * tiny),
-        "{flat:?}"
-    );
-    // Two levels: the home node's 1 + 2^-8 rounds to 1.0 first (ties to
-    // even), then 1.0 + 2^-8 rounds to 1.0 again.
-    assert!(two.iter().all(|&x| x == bf16::ONE), "{two:?}");
-    check_close_bf16(&two, &exact, 4 + 2).unwrap();
+    rounds_to_one([0, 2, 4], [(0, 1.0), (1, 1.0 / 256.0), (2, 1.0 / 256.0)]);
 }
 
 #[test]

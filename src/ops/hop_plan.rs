@@ -95,27 +95,22 @@ pub fn hop_rounds(
             .collect()
     };
     let (send_at, recv_at) = (starts(send_rows), starts(recv_rows));
-    let addr = |base: u64, first: usize| base + (first * row_bytes) as u64;
+    // Chunk c of the stream of `rows` rows at row `at` of the range at
+    // `base`: its address and bytes, None when empty.
+    let chunk = |base: u64, at: usize, rows: usize, c: usize| {
+        let (lo, hi) = (cut(rows, c), cut(rows, c + 1));
+        (hi > lo).then(|| (base + ((at + lo) * row_bytes) as u64, (hi - lo) * row_bytes))
+    };
     Ok((0..chunks)
         .map(|c| {
             let mut round = HopRound::default();
             for m in 0..nodes {
                 let peer = topology.rail_peer(rank, m);
-                let (lo, hi) = (cut(send_rows[m], c), cut(send_rows[m], c + 1));
-                if hi > lo {
-                    round.sends.push(HopSend {
-                        peer,
-                        src: addr(send_base, send_at[m] + lo),
-                        bytes: (hi - lo) * row_bytes,
-                    });
+                if let Some((src, bytes)) = chunk(send_base, send_at[m], send_rows[m], c) {
+                    round.sends.push(HopSend { peer, src, bytes });
                 }
-                let (lo, hi) = (cut(recv_rows[m], c), cut(recv_rows[m], c + 1));
-                if hi > lo {
-                    round.recvs.push(HopRecv {
-                        peer,
-                        dst: addr(recv_base, recv_at[m] + lo),
-                        bytes: (hi - lo) * row_bytes,
-                    });
+                if let Some((dst, bytes)) = chunk(recv_base, recv_at[m], recv_rows[m], c) {
+                    round.recvs.push(HopRecv { peer, dst, bytes });
                 }
             }
             round
