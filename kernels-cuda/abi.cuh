@@ -24,6 +24,9 @@
 // routing per group of experts): its grid has ceil(E / SCAN_EXPERTS) such
 // blocks, then one per rank, then the check blocks.
 #define MOE_EP_SCAN_EXPERTS 4
+// Threads per block of the layout scan (every block: expert groups, ranks,
+// checks); each thread takes 4096 / MOE_EP_SCAN_THREADS tokens per pass.
+#define MOE_EP_SCAN_THREADS 512
 // Rank-major pushed combine: one warp per block pushes partials with bulk
 // copies through a ring of shared buffers (MOE_EP_COMBINE_SMEM bytes of
 // dynamic shared memory, given by the launcher), one row piece of up to
@@ -149,7 +152,9 @@ __host__ __device__ inline unsigned long long bad_entry_word(int t, int k, int c
 //   expert_start  [El + 1]     on me: padded block start of local expert j; [El] = total rows
 //   expert_count  [El]         on me: unpadded rows of local expert j
 //   rows_needed   [R]          rows each rank must hold (capacity check, in the call's layout)
-//   bad           [2]          this rank's first bad topk_idx entry (bad_entry_word), 8-byte aligned
+//   bad           [2 * layout_check_blocks(T)]  per check block of the scan, its first bad
+//                              topk_idx entry (bad_entry_word, 0: none), 8-byte aligned; total
+//                              counts one of them (the arena holds them all)
 struct InfoOffsets {
   int32_t counts, dst_u_off, erow_base, src_u_off, my_slot_on, home_slot, expert_start,
       expert_count, rows_needed, bad, total;
@@ -168,6 +173,10 @@ __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
   o.bad = (o.rows_needed + R + 1) / 2 * 2;
   o.total = o.bad + 2;
   return o;
+}
+// Check blocks of the layout scan (one token per thread; 1 when T = 0).
+__host__ __device__ inline int layout_check_blocks(int T) {
+  return T > 0 ? (T + MOE_EP_SCAN_THREADS - 1) / MOE_EP_SCAN_THREADS : 1;
 }
 
 // The group's symmetric workspace, the same offsets on every rank (bytes from

@@ -30,7 +30,8 @@ __device__ __forceinline__ int expert_groups(int E) {
 // A warp takes kRounds rounds of 32 consecutive tokens (lane = token), so a
 // load instruction reads 32 neighbouring tokens' ids; one block-wide scan
 // per blockDim.x * kRounds tokens.
-constexpr int kRounds = 8;
+constexpr int kRounds = 4096 / MOE_EP_SCAN_THREADS;
+static_assert(kRounds >= 1 && kRounds * MOE_EP_SCAN_THREADS == 4096, "scan threads");
 
 // Positions in token order of the tokens that hit each of kBins bins: bin g
 // holds the values [lo + g * width, lo + (g + 1) * width), g < nbins; a
@@ -146,8 +147,20 @@ __device__ void layout_scan_body(const LayoutParams& p) {
 
   // Check blocks (the rest of the grid): normalise to int32, mask what the
   // scans did not count. One token per thread, its K ids in registers.
-  const int nchk = gridDim.x - (nG + R);
-  for (int t = (b - (nG + R)) * blockDim.x + threadIdx.x; t < T; t += nchk * blockDim.x) {
+  // The arena is not zeroed: these blocks also zero the info words the
+  // exchange writes (all but this rank's count row, which the scan blocks
+  // write), so a handle whose exchange stopped early reads zeros, and each
+  // writes its own bad-entry word.
+  const int nchk = gridDim.x - (nG + R), cb = b - (nG + R);
+  const InfoOffsets o = info_offsets(R, E, El);
+  const int n = count_row(R, E), me = p.op.rank;
+  for (int i = cb * blockDim.x + threadIdx.x; i < o.bad; i += nchk * blockDim.x) {
+    if (i < me * n || i >= (me + 1) * n) p.op.bufs.info[i] = 0;
+  }
+  __shared__ unsigned long long s_bad;
+  if (threadIdx.x == 0) s_bad = 0ull;
+  __syncthreads();
+  for (int t = cb * blockDim.x + threadIdx.x; t < T; t += nchk * blockDim.x) {
     long v[MOE_EP_MAX_TOPK];
 #pragma unroll
     for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) v[k] = k < K ? (long)idx[(size_t)t * K + k] : -1;
@@ -182,15 +195,24 @@ __device__ void layout_scan_body(const LayoutParams& p) {
       }
       // Not reported here: the exchange sends it to every rank, and every
       // rank reports it (the lowest bad token of the lowest such rank).
-      atomicMax(reinterpret_cast<unsigned long long*>(p.op.bufs.info + info_offsets(R, E, El).bad),
-                bad_entry_word(t, bad_k, bad_code, bad_v));
+      atomicMax(&s_bad, bad_entry_word(t, bad_k, bad_code, bad_v));
     }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    reinterpret_cast<unsigned long long*>(p.op.bufs.info + o.bad)[cb] = s_bad;
   }
 }
 
 // One entry point per index type of topk_idx.
-MOE_EP_ENTRY(moe_ep_layout_scan_i32, LayoutParams, layout_scan_body<int>)
-MOE_EP_ENTRY(moe_ep_layout_scan_i64, LayoutParams, layout_scan_body<long long>)
+extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
+    moe_ep_layout_scan_i32(const __grid_constant__ LayoutParams p) {
+  layout_scan_body<int>(p);
+}
+extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
+    moe_ep_layout_scan_i64(const __grid_constant__ LayoutParams p) {
+  layout_scan_body<long long>(p);
+}
 
 // ============================================================================
 // Layout, kernel 2: exchange (one block). Sends this rank's count row to every
@@ -210,10 +232,19 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   const ErrSink err = ws.err(p.op.error, me);
 
   // Phase 1: my row (its tail: what the receivers check) to every rank,
-  // then one release flag each.
+  // then one release flag each. The tail's bad entry: the highest word of
+  // the scan's check blocks (bad_entry_word: the lowest bad token).
   int32_t* row = info + o.counts + me * n;
+  __shared__ unsigned long long s_bad;
+  if (threadIdx.x == 0) s_bad = 0ull;
+  __syncthreads();
+  const int nchk = layout_check_blocks(p.op.num_tokens);
+  for (int i = threadIdx.x; i < nchk; i += blockDim.x) {
+    atomicMax(&s_bad, reinterpret_cast<const unsigned long long*>(info + o.bad)[i]);
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned long long bad = *reinterpret_cast<const unsigned long long*>(info + o.bad);
+    const unsigned long long bad = s_bad;
     int32_t* tail = row + row_tail(R, E);
     tail[0] = (int32_t)(uint32_t)(bad >> 32);
     tail[1] = (int32_t)(uint32_t)bad;

@@ -21,6 +21,8 @@ pub const EM_COMBINE_SMEM: u32 = 200 * 1024;
 pub const SUBCHUNKS: usize = 16;
 /// Experts per block of the layout scan (`MOE_EP_SCAN_EXPERTS`).
 pub const SCAN_EXPERTS: usize = 4;
+/// Threads per block of the layout scan (`MOE_EP_SCAN_THREADS`).
+pub const SCAN_THREADS: u32 = 512;
 
 /// Words of a count row's tail (`MOE_EP_ROW_TAIL`): the sender's first bad
 /// routing entry, topk, layout kind and alignment, checked by every receiver.
@@ -392,6 +394,19 @@ pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
     }
 }
 
+/// Check blocks of the layout scan, one token per thread, 1 when `t = 0`
+/// (`layout_check_blocks` in abi.cuh). Each writes its own bad-entry word
+/// at `InfoOffsets::bad`.
+pub fn layout_check_blocks(t: usize) -> usize {
+    t.div_ceil(SCAN_THREADS as usize).max(1)
+}
+
+/// Words of a handle's info array at `t` tokens: the fixed words, then one
+/// more bad-entry word (two i32) per check block after the first.
+pub fn layout_info_len(r: usize, e: usize, el: usize, t: usize) -> usize {
+    info_offsets(r, e, el).total + 2 * (layout_check_blocks(t) - 1)
+}
+
 // The same numbers abi.cuh static_asserts.
 const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
@@ -467,6 +482,7 @@ mod tests {
         assert_eq!(define("MOE_EP_THREADS"), THREADS.to_string());
         assert_eq!(define("MOE_EP_SUBCHUNKS"), SUBCHUNKS.to_string());
         assert_eq!(define("MOE_EP_SCAN_EXPERTS"), SCAN_EXPERTS.to_string());
+        assert_eq!(define("MOE_EP_SCAN_THREADS"), SCAN_THREADS.to_string());
         assert_eq!(define("MOE_EP_LL_SETS"), LL_SETS.to_string());
         assert_eq!(define("MOE_EP_LL_MAX_TOKENS"), LL_MAX_TOKENS.to_string());
         assert_eq!(define("MOE_EP_FP8_BLOCK"), FP8_BLOCK.to_string());
@@ -494,6 +510,18 @@ mod tests {
         assert!(text.contains(kinds), "abi.cuh: {kinds}");
         assert_eq!(LayoutKind::RankMajor as i32, 0);
         assert_eq!(LayoutKind::ExpertMajor as i32, 1);
+    }
+
+    #[test]
+    fn layout_check_blocks_take_one_token_per_thread() {
+        let n = SCAN_THREADS as usize;
+        assert_eq!(layout_check_blocks(0), 1);
+        assert_eq!(layout_check_blocks(1), 1);
+        assert_eq!(layout_check_blocks(n), 1);
+        assert_eq!(layout_check_blocks(n + 1), 2);
+        let fixed = info_offsets(2, 256, 128).total;
+        assert_eq!(layout_info_len(2, 256, 128, n), fixed);
+        assert_eq!(layout_info_len(2, 256, 128, 4 * n), fixed + 6);
     }
 
     #[test]

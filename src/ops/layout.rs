@@ -13,7 +13,10 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::abi::{info_offsets, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS, THREADS};
+use super::abi::{
+    layout_check_blocks, layout_info_len, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS,
+    SCAN_THREADS, THREADS,
+};
 use super::buffers::TopkIdx;
 use super::group::{EpGroup, MAX_EXPERTS};
 use super::handle::{ArenaOffsets, Handle};
@@ -139,10 +142,15 @@ impl EpGroup {
         layout.check_for_kernels()?;
         let (r, e) = (self.comm.world(), self.cfg.num_experts);
         let el = e / r;
-        let arena_at = ArenaOffsets::new(t, topk, r, info_offsets(r, e, el).total);
-        let arena = stream
-            .alloc_zeros::<i32>(arena_at.total)
-            .map_err(Error::cuda("cuMemAlloc"))?;
+        let arena_at = ArenaOffsets::new(t, topk, r, layout_info_len(r, e, el, t));
+        // SAFETY: not zeroed (a memset node would cost more than the scan of
+        // a small batch): the scan writes every word the kernels or
+        // `Handle::host_counts` read before any reads it (every token's
+        // normalised ids and positions, this rank's count row, zeros in the
+        // other info words, each check block's bad-entry word); only the
+        // padding between the arrays stays unwritten, and nothing reads it.
+        let arena =
+            unsafe { stream.alloc::<i32>(arena_at.total) }.map_err(Error::cuda("cuMemAlloc"))?;
         // Expert-major receivers need, per received token, its rows here:
         // written by the senders, so symmetric. Collective allocation, made
         // for every layout and sized for the largest topk: a rank whose
@@ -181,9 +189,15 @@ impl EpGroup {
         unsafe {
             // Expert-group blocks, R rank blocks, then one token per thread
             // of the check blocks.
-            let check_blocks = t.div_ceil(THREADS as usize).max(1);
+            let check_blocks = layout_check_blocks(t);
             let groups = e.div_ceil(SCAN_EXPERTS);
-            scan.launch(stream, (groups + r + check_blocks) as u32, THREADS, 0, &p)?;
+            scan.launch(
+                stream,
+                (groups + r + check_blocks) as u32,
+                SCAN_THREADS,
+                0,
+                &p,
+            )?;
             self.k
                 .layout_exchange
                 .launch(stream, 1, THREADS, exchange_smem(e), &p)?;
