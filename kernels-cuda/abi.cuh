@@ -188,7 +188,7 @@ struct Workspace {
   uint64_t combine_done_off;  // uint64 [R src][MAX_BLOCKS]    written by peers
   uint64_t stage_off;      // bf16 [2 parity][stage_rows][H]   combine partials, by peers
   uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
-  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status
+  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status, [3][10] layout arrivals
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
   uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
   uint64_t desc_off;       // uint64 [2 family][2 parity][MAX_RANKS src][8] op call descriptors, by peers

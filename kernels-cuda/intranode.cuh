@@ -84,7 +84,8 @@ struct Ws {
   }
   // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per
   // block. [3][0] is the error claim word (see ErrSink), [3][1..6] the
-  // item counters (claims), [3][8] the status word (status()).
+  // item counters (claims), [3][8] the status word (status()), [3][10] the
+  // layout scan's arrivals (layout_arrivals()).
   __device__ uint64_t* seq(int which, int me) const {
     return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
   }
@@ -99,6 +100,11 @@ struct Ws {
   // (EpGroup::check).
   __device__ unsigned long long* status(int me) const {
     return reinterpret_cast<unsigned long long*>(seq(3, me)) + 8;
+  }
+  // Blocks of the current layout scan that have finished their part ([3][10]):
+  // the last one resets it to 0 and runs the exchange.
+  __device__ unsigned long long* layout_arrivals(int me) const {
+    return reinterpret_cast<unsigned long long*>(seq(3, me)) + 10;
   }
   __device__ bool stopped(int me) const {
     return *reinterpret_cast<volatile unsigned long long*>(status(me)) != 0ull;
@@ -181,16 +187,21 @@ struct ItemClaims {
 // for the next call (ItemClaims).
 // NOTE: every rank launches the same number of blocks per op, so all the
 // counters of all ranks move in lockstep and one block's value is everyone's.
-__device__ uint64_t next_seq(const Ws& ws, int which, int me) {
+// (slot: the block's counter; the layout's exchange, run by whichever block
+// of the scan finishes last, always takes slot 0.)
+__device__ uint64_t next_seq(const Ws& ws, int which, int me, int slot) {
   __shared__ uint64_t s_seq;
   if (threadIdx.x == 0) {
     uint64_t* seq_local = ws.seq(which, me);
-    s_seq = seq_local[blockIdx.x] + 1;
-    seq_local[blockIdx.x] = s_seq;
-    if (which > 0 && blockIdx.x == 0) *ws.claims(which, me, s_seq + 1) = 0ull;
+    s_seq = seq_local[slot] + 1;
+    seq_local[slot] = s_seq;
+    if (which > 0 && slot == 0) *ws.claims(which, me, s_seq + 1) = 0ull;
   }
   __syncthreads();
   return s_seq;
+}
+__device__ uint64_t next_seq(const Ws& ws, int which, int me) {
+  return next_seq(ws, which, me, blockIdx.x);
 }
 
 // ---- bf16 <-> f32 on 16-byte vectors of 8 values ----

@@ -1,10 +1,12 @@
-// Layout of the NVLink (intra-node) path: where every token goes.
-//
-//   moe_ep_layout_scan_i32 / _i64  this rank's positions of every (token,
-//       expert) and (token, rank) in its outgoing streams, and its row of the
-//       count matrix (topk_idx as int32 / int64)
-//   moe_ep_layout_exchange  the count matrix through symmetric memory (one
-//       block), every offset the data kernels need, the capacity check
+// Layout of the NVLink (intra-node) path: where every token goes. One kernel
+// per index type of topk_idx (int32 / int64), moe_ep_layout_scan_i32 / _i64:
+//   the scan  this rank's positions of every (token, expert) and (token,
+//       rank) in its outgoing streams, and its row of the count matrix
+//   the exchange, by the scan's last block to finish  the count matrix
+//       through symmetric memory, every offset the data kernels need, the
+//       capacity check
+// (One kernel, not two: the launch between them cost more than the last
+// block's arrival, 2026-12-01, BENCHMARKS.md.)
 //
 // (Expert-major receivers also learn, per token they get, the rows of the
 // token's experts there: the dispatch writes that beside the rows.)
@@ -18,7 +20,7 @@
 #include "intranode.cuh"
 
 // ============================================================================
-// Layout, kernel 1: local scan. Grid: ceil(E / kExpertsPerBlock) expert-group
+// Layout, part 1: local scan. Grid: ceil(E / kExpertsPerBlock) expert-group
 // blocks, R rank blocks, then check blocks (one token per thread). Positions
 // of every (token, expert) and (token, rank) in this rank's outgoing streams,
 // and this rank's row of the count matrix.
@@ -204,30 +206,50 @@ __device__ void layout_scan_body(const LayoutParams& p) {
   }
 }
 
-// One entry point per index type of topk_idx.
+__device__ void layout_exchange_body(const LayoutParams& p);
+// The scan's part of block blockIdx.x, then the exchange by the last block
+// to finish: each block's thread 0 counts it in (Ws::layout_arrivals) after
+// the block's writes; the one that counts gridDim.x resets the counter for
+// the next layout and runs the exchange. One entry point per index type of
+// topk_idx.
+template <typename Idx>
+__device__ void layout_scan_then_exchange(const LayoutParams& p) {
+  layout_scan_body<Idx>(p);
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long* arrived = ws_of(p.op).layout_arrivals(p.op.rank);
+    __threadfence();  // this block's writes (ordered by the barrier) before its arrival
+    const bool last = atomicAdd(arrived, 1ull) == (unsigned long long)gridDim.x - 1ull;
+    if (last) *arrived = 0ull;  // every block has arrived: ready for the next layout
+    __threadfence();
+    s_last = last;
+  }
+  __syncthreads();
+  if (s_last) layout_exchange_body(p);
+}
 extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
     moe_ep_layout_scan_i32(const __grid_constant__ LayoutParams p) {
-  layout_scan_body<int>(p);
+  layout_scan_then_exchange<int>(p);
 }
 extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
     moe_ep_layout_scan_i64(const __grid_constant__ LayoutParams p) {
-  layout_scan_body<long long>(p);
+  layout_scan_then_exchange<long long>(p);
 }
 
 // ============================================================================
-// Layout, kernel 2: exchange (one block). Sends this rank's count row to every
-// rank, waits for all rows, derives every offset the data kernels need, and
+// Layout, part 2: exchange (one block: the scan's last to finish). Sends
+// this rank's count row to every rank, waits for all rows, derives every offset the data kernels need, and
 // checks every rank's receive capacity (all ranks see the same matrix, so all
 // skip the data movement together when one would overflow).
 // ============================================================================
-extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
-    moe_ep_layout_exchange(const __grid_constant__ LayoutParams p) {
+__device__ void layout_exchange_body(const LayoutParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, n = count_row(R, E), me = p.op.rank;
   const Ws ws = ws_of(p.op);
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.op.bufs.info;
   if (ws.stopped(me)) return;  // an earlier exchange found an error: nothing runs until cleared
-  const uint64_t seq = next_seq(ws, 0, me);
+  const uint64_t seq = next_seq(ws, 0, me, 0);
   const int parity = (int)(seq & 1);
   const ErrSink err = ws.err(p.op.error, me);
 
@@ -240,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   __syncthreads();
   const int nchk = layout_check_blocks(p.op.num_tokens);
   for (int i = threadIdx.x; i < nchk; i += blockDim.x) {
-    atomicMax(&s_bad, reinterpret_cast<const unsigned long long*>(info + o.bad)[i]);
+    atomicMax(&s_bad, __ldcg(reinterpret_cast<const unsigned long long*>(info + o.bad) + i));
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -256,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_THREADS)
   __syncthreads();
   for (int d = 0; d < R; ++d) {
     int32_t* dst = ws.counts(d, parity) + me * n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, row[i]);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, __ldcg(row + i));
   }
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -241,7 +241,6 @@ macro_rules! by_world {
 // The entry points a group loads: [rank-major, expert-major] where there is
 // one per receive layout, [r2, r4, r8] where there is one per world bound.
 const LAYOUT_SCAN: [&str; 2] = ["moe_ep_layout_scan_i32", "moe_ep_layout_scan_i64"];
-const LAYOUT_EXCHANGE: &str = "moe_ep_layout_exchange";
 const DISPATCH: [&str; 2] = ["moe_ep_dispatch_rank_major", "moe_ep_dispatch_expert_major"];
 const COMBINE_BWD: [&str; 2] = [
     "moe_ep_combine_bwd_rank_major",
@@ -289,7 +288,6 @@ pub(crate) struct Kernels {
     // layout.cu
     pub(crate) layout_scan_i32: Function,
     pub(crate) layout_scan_i64: Function,
-    pub(crate) layout_exchange: Function,
     // dispatch.cu
     pub(crate) dispatch: ByLayout,
     pub(crate) combine_bwd: ByLayout,
@@ -336,11 +334,16 @@ impl Kernels {
             combine_with(&push, f, smem)
         };
         Ok(Kernels {
-            layout_scan_i32: layout.function(LAYOUT_SCAN[0])?,
-            layout_scan_i64: layout.function(LAYOUT_SCAN[1])?,
-            layout_exchange: {
-                // Up to 2 x MAX_EXPERTS int32 (128 KiB): above the default 48 KiB.
-                let f = layout.function(LAYOUT_EXCHANGE)?;
+            // The scan's last block runs the exchange, whose per-expert
+            // arrays take up to 2 x MAX_EXPERTS int32 (128 KiB): above the
+            // default 48 KiB.
+            layout_scan_i32: {
+                let f = layout.function(LAYOUT_SCAN[0])?;
+                f.allow_dynamic_smem(exchange_smem_limit())?;
+                f
+            },
+            layout_scan_i64: {
+                let f = layout.function(LAYOUT_SCAN[1])?;
                 f.allow_dynamic_smem(exchange_smem_limit())?;
                 f
             },
@@ -361,9 +364,8 @@ impl Kernels {
     pub(crate) fn with_smem(&self, num_experts: usize) -> Vec<(&Function, u32)> {
         let smem = abi::COMBINE_SMEM;
         let mut all = vec![
-            (&self.layout_scan_i32, 0),
-            (&self.layout_scan_i64, 0),
-            (&self.layout_exchange, exchange_smem(num_experts)),
+            (&self.layout_scan_i32, exchange_smem(num_experts)),
+            (&self.layout_scan_i64, exchange_smem(num_experts)),
             (&self.dispatch.rank_major, 0),
             (&self.dispatch.expert_major, 0),
             (&self.combine_bwd.rank_major, 0),
@@ -421,7 +423,9 @@ impl EpGroup {
         //   desc           u64   [2][2][MAX_RANKS][8]   op call descriptors (family,
         //                                               parity, source)
         //   seq            u64   [4][MAX_BLOCKS]        local counters ([3][0] error
-        //                                               claim, [3][1..4] item counters)
+        //                                               claim, [3][1..6] item counters,
+        //                                               [3][8] status, [3][10] layout
+        //                                               arrivals)
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
         //   stage          bf16  [2][R * max_tokens][H]
         let (r, h) = (world as u64, cfg.hidden as u64);
@@ -793,7 +797,7 @@ mod tests {
     fn every_entry_point_is_in_its_module() {
         let per_world = |n: [[&'static str; 3]; 2]| n.concat();
         let modules: [(&str, Vec<&str>); 5] = [
-            ("layout", [&LAYOUT_SCAN[..], &[LAYOUT_EXCHANGE]].concat()),
+            ("layout", LAYOUT_SCAN.to_vec()),
             ("dispatch", [DISPATCH, COMBINE_BWD].concat()),
             ("combine_pull", [COMBINE_PULL, DISPATCH_BWD_PULL].concat()),
             (

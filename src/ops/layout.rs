@@ -3,8 +3,8 @@
 //! a [`Handle`]. Also [`RecvLayout`], the receive layouts every op and the
 //! CPU reference share.
 //!
-//! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`,
-//! `moe_ep_layout_exchange`). Tests:
+//! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`: the
+//! scan, then the exchange in the scan's last block). Tests:
 //! `tests/gpu_intranode.rs` (every case runs the layout and checks
 //! `Handle::host_counts` against the reference; bad and duplicate expert
 //! ids; capacity exceeded; 1024 experts).
@@ -15,7 +15,7 @@ use cudarc::driver::CudaStream;
 
 use super::abi::{
     layout_check_blocks, layout_info_len, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS,
-    SCAN_THREADS, THREADS,
+    SCAN_THREADS,
 };
 use super::buffers::TopkIdx;
 use super::group::{EpGroup, MAX_EXPERTS};
@@ -86,7 +86,8 @@ impl RecvLayout {
     }
 }
 
-/// Dynamic shared memory of the layout exchange: two int32 per expert.
+/// Dynamic shared memory of the layout exchange (every scan block asks for
+/// it; the last one runs the exchange): two int32 per expert.
 pub(crate) fn exchange_smem(num_experts: usize) -> u32 {
     (2 * num_experts * 4) as u32
 }
@@ -195,12 +196,9 @@ impl EpGroup {
                 stream,
                 (groups + r + check_blocks) as u32,
                 SCAN_THREADS,
-                0,
+                exchange_smem(e),
                 &p,
             )?;
-            self.k
-                .layout_exchange
-                .launch(stream, 1, THREADS, exchange_smem(e), &p)?;
         }
         Ok(handle)
     }
