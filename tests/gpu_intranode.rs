@@ -659,10 +659,10 @@ fn split_world_runs_one_group_per_node() {
                     };
                     // Every node's group is dropped only when all nodes are
                     // done: the last drop of a virtual segment frees it with
-                    // cuMemFree, which waits for the whole GPU, and a node
-                    // still at work then waited for its peer's next launch
-                    // until its timeout (2 of 3 runs at 4 x 2 and 2 x 2 on
-                    // one H200, 2026-12-01).
+                    // cuMemFree, which waits for the whole GPU. Without the
+                    // barrier, a node still at work timed out waiting for a
+                    // peer's next launch in 6 of 10 runs (2 x 2, 4 x 2,
+                    // 2 x 4; one H200, 2026-12-01); with it, 3 of 3 passed.
                     let parent = r.comm.clone();
                     let all_done = || parent.barrier(&r.stream);
                     run_case_then(&sub, &c, &f, layout, all_done).map_err(|e| {
