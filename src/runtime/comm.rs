@@ -55,6 +55,21 @@ pub struct Communicator {
 unsafe impl Send for Communicator {}
 unsafe impl Sync for Communicator {}
 
+/// For each key, the index of its first appearance among the distinct keys
+/// in order: `[7, 3, 7, 5]` -> `[0, 1, 0, 2]` (ranks' host keys -> node
+/// indices).
+fn first_appearance<K: PartialEq + Copy>(keys: &[K]) -> Vec<usize> {
+    let mut seen: Vec<K> = Vec::new();
+    keys.iter()
+        .map(|k| {
+            seen.iter().position(|s| s == k).unwrap_or_else(|| {
+                seen.push(*k);
+                seen.len() - 1
+            })
+        })
+        .collect()
+}
+
 impl Communicator {
     /// Creates this rank's communicator (collective: every rank calls it with
     /// the same `id` and `world`; one thread or one process per GPU).
@@ -102,13 +117,7 @@ impl Communicator {
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
-        let mut seen: Vec<u64> = Vec::new();
-        for (r, k) in keys.iter().enumerate() {
-            c.node_of[r] = seen.iter().position(|s| s == k).unwrap_or_else(|| {
-                seen.push(*k);
-                seen.len() - 1
-            });
-        }
+        c.node_of = first_appearance(&keys);
         Ok(Arc::new(c))
     }
 
@@ -210,17 +219,8 @@ impl Communicator {
             .ok_or_else(|| {
                 Error::InvalidState(format!("split: rank {} lost its color", self.rank))
             })?;
-        let mut seen: Vec<usize> = Vec::new();
-        let node_of = members
-            .iter()
-            .map(|&r| {
-                let n = self.node_of[r];
-                seen.iter().position(|&s| s == n).unwrap_or_else(|| {
-                    seen.push(n);
-                    seen.len() - 1
-                })
-            })
-            .collect();
+        let node_of =
+            first_appearance(&members.iter().map(|&r| self.node_of[r]).collect::<Vec<_>>());
         let backend = match &self.backend {
             Backend::Virtual(g) => Backend::Virtual(g.split(color)?),
             Backend::Nccl { raw, .. } => {
@@ -503,4 +503,21 @@ fn host_key() -> u64 {
         h = (h ^ b as u64).wrapping_mul(0x100000001b3);
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_appearance;
+
+    #[test]
+    fn first_appearance_numbers_keys_in_order() {
+        assert_eq!(first_appearance(&[7u64, 3, 7, 5]), vec![0, 1, 0, 2]);
+        assert_eq!(first_appearance(&[4usize, 4, 4]), vec![0, 0, 0]);
+        assert_eq!(first_appearance::<u64>(&[]), Vec::<usize>::new());
+        // A split's members keep their parent's nodes, renumbered from 0.
+        let parent_nodes = [0usize, 0, 1, 1, 2, 2];
+        let members = [2usize, 3, 4];
+        let sub: Vec<usize> = members.iter().map(|&r| parent_nodes[r]).collect();
+        assert_eq!(first_appearance(&sub), vec![0, 0, 1]);
+    }
 }
