@@ -15,9 +15,12 @@
 //!   network hops carry it; the receive buffer made from the batches holds
 //!   the flat dispatch's rows (bits, weights, local ids, counts, padded
 //!   blocks), grouped by forwarding rank, home node and token, and with one
-//!   node is the flat buffer. The hop on the host: rows packed per node,
-//!   moved by `ops::hop_plan::hop_rounds`' chunk rounds into the landing
-//!   ranges, give each rail peer exactly its forward batch.
+//!   node is the flat buffer. Each rank's send streams (`node_streams`):
+//!   their lengths are the traffic's network rows, paired between rail
+//!   peers by `ops::hop_plan::hop_rows`, and a token's place in a stream is
+//!   its row in the forward batch. The hop on the host: rows packed per
+//!   node, moved by `ops::hop_plan::hop_rounds`' chunk rounds into the
+//!   landing ranges, give each rail peer exactly its forward batch.
 //! * The combine is each node's intra-node combine over its forward batches,
 //!   then one f32 sum of the nodes' bf16 partials per token, nodes
 //!   ascending (bit for bit).
@@ -673,6 +676,62 @@ fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
     assert!(moved > 0, "no bytes moved");
 }
 
+/// Each rank's send streams: their lengths are the traffic's network rows
+/// (sent, and through `hop_rows` received), and a token's place in the
+/// stream to node `m` is its row among the home's rows in node `m`'s
+/// forward batch of its rail.
+#[test]
+#[allow(clippy::needless_range_loop)] // nodes index the batches and the positions
+fn prop_node_streams_are_the_traffic_in_the_forward_batches_order() {
+    use moe_ep::ops::hop_plan::hop_rows;
+    let mut placed = 0;
+    for (world, g) in TOPOLOGIES {
+        let t = topo(world, g);
+        let n = t.nodes();
+        for seed in 0..SEEDS {
+            let (shape, inputs) = gen_case(seed, &t);
+            let traffic = two_level_traffic(&shape, &t, &inputs).unwrap();
+            let streams: Vec<NodeStreams> = (0..world)
+                .map(|a| node_streams(&shape, &t, &inputs, a).unwrap())
+                .collect();
+            let lens: Vec<usize> = streams.iter().flat_map(|s| s.len.clone()).collect();
+            let batches: Vec<Vec<ForwardBatch>> = (0..n)
+                .map(|m| forward_batches(&shape, &t, &inputs, m).unwrap())
+                .collect();
+            for (a, st) in streams.iter().enumerate() {
+                let what = format!("{n} x {g} seed {seed} rank {a}");
+                assert_eq!(st.len, traffic[a].net_sent, "{what}: lengths");
+                let (send, recv) = hop_rows(&t, a, &lens).unwrap();
+                assert_eq!(
+                    (send, recv),
+                    (traffic[a].net_sent.clone(), traffic[a].net_recv.clone()),
+                    "{what}: hop rows"
+                );
+                let tokens = inputs[a].num_tokens(&shape);
+                assert_eq!(st.pos.len(), tokens * n, "{what}");
+                for m in 0..n {
+                    // The tokens of a in node m's batch of a's rail, in batch order.
+                    let b = &batches[m][t.local_index(a)];
+                    let mine: Vec<usize> =
+                        b.origin.iter().filter(|o| o.0 == a).map(|o| o.1).collect();
+                    let want: Vec<i32> = (0..tokens)
+                        .map(
+                            |tok| match (m != t.node_of(a), mine.iter().position(|&x| x == tok)) {
+                                (true, Some(p)) => p as i32,
+                                _ => -1,
+                            },
+                        )
+                        .collect();
+                    let got: Vec<i32> = (0..tokens).map(|tok| st.pos[tok * n + m]).collect();
+                    assert_eq!(got, want, "{what}: positions to node {m}");
+                    placed += got.iter().filter(|&&p| p >= 0).count();
+                }
+            }
+        }
+    }
+    assert!(placed > 0, "no token crossed the network");
+}
+
 /// The whole dispatch hop on the host: each rank packs its rows for every
 /// other node (node order, token order), the chunk rounds of `hop_rounds`
 /// move them (addresses as offsets into host buffers) into the rail peers'
@@ -682,7 +741,7 @@ fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
 #[test]
 #[allow(clippy::needless_range_loop)] // ranks, nodes and rounds index several tables each
 fn prop_pack_hop_and_land_make_the_forward_batches() {
-    use moe_ep::ops::hop_plan::hop_rounds;
+    use moe_ep::ops::hop_plan::{hop_rounds, hop_rows};
     for (world, g) in TOPOLOGIES.into_iter().filter(|&(w, g)| w != g) {
         let t = topo(world, g);
         for seed in 0..SEEDS / 4 {
@@ -715,29 +774,28 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
                     .collect()
             };
             let mut send = Vec::new();
-            let mut counts = vec![vec![0usize; n]; world];
             for a in 0..world {
                 let mut buf = Vec::new();
                 for m in (0..n).filter(|&m| m != t.node_of(a)) {
-                    let rows = rows_for(a, m);
-                    counts[a][m] = rows.len();
-                    for r in rows {
+                    for r in rows_for(a, m) {
                         buf.extend(encode(&batches[m][t.local_index(a)], r));
                     }
                 }
                 send.push(buf);
             }
-            let recv_counts = |a: usize| -> Vec<usize> {
-                (0..n)
-                    .map(|m| counts[t.rail_peer(a, m)][t.node_of(a)])
-                    .collect()
-            };
+            // The streams' lengths as the layouts give them, paired by hop_rows.
+            let lens: Vec<usize> = (0..world)
+                .flat_map(|a| node_streams(&shape, &t, &inputs, a).unwrap().len)
+                .collect();
+            let rows_of = |a: usize| hop_rows(&t, a, &lens).unwrap();
+            let recv_counts = |a: usize| rows_of(a).1;
             let mut land: Vec<Vec<u8>> = (0..world)
                 .map(|a| vec![0u8; recv_counts(a).iter().sum::<usize>() * row_bytes])
                 .collect();
             let plans: Vec<_> = (0..world)
                 .map(|a| {
-                    hop_rounds(&t, a, &counts[a], &recv_counts(a), row_bytes, 8, 0, 0).unwrap()
+                    let (sends, recvs) = rows_of(a);
+                    hop_rounds(&t, a, &sends, &recvs, row_bytes, 8, 0, 0).unwrap()
                 })
                 .collect();
             for c in 0..8 {

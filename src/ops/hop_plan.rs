@@ -118,6 +118,49 @@ pub fn hop_rounds(
         .collect())
 }
 
+/// This rank's `send_rows` and `recv_rows` for [`hop_rounds`], from every
+/// rank's stream lengths: `lens[r * N + m]` is rank `r`'s stream to its rail
+/// peer on node `m` (`0` at `r`'s own node), as the layouts of all ranks
+/// give them. `send_rows[m]` is this rank's row of `lens`; `recv_rows[m]`
+/// is what its rail peer on node `m` sends to this rank's node.
+///
+/// Errors, each naming the argument: `rank` outside the world, `lens` not
+/// `R * N` counts or not 0 at a rank's own node.
+pub fn hop_rows(
+    topology: &Topology,
+    rank: usize,
+    lens: &[usize],
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let (world, nodes) = (topology.world(), topology.nodes());
+    if rank >= world {
+        return Err(Error::arg("rank", format!("a rank in 0..{world}"), rank));
+    }
+    if lens.len() != world * nodes {
+        return Err(Error::arg(
+            "lens",
+            format!("{world} x {nodes} stream lengths (ranks x nodes)"),
+            format!("{} values", lens.len()),
+        ));
+    }
+    if let Some(r) = (0..world).find(|&r| lens[r * nodes + topology.node_of(r)] != 0) {
+        return Err(Error::arg(
+            "lens",
+            "0 rows from each rank to its own node",
+            format!(
+                "{} rows from rank {r} to its node {}",
+                lens[r * nodes + topology.node_of(r)],
+                topology.node_of(r)
+            ),
+        ));
+    }
+    let me = topology.node_of(rank);
+    let send = lens[rank * nodes..(rank + 1) * nodes].to_vec();
+    let recv = (0..nodes)
+        .map(|m| lens[topology.rail_peer(rank, m) * nodes + me])
+        .collect();
+    Ok((send, recv))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +168,40 @@ mod tests {
 
     fn topo(world: usize, g: usize) -> Topology {
         Topology::new(world, g).unwrap()
+    }
+
+    #[test]
+    fn hop_rows_pair_each_rank_with_its_rail_peers() {
+        // 3 nodes of 2: rank r sends 10 * r + m rows to node m (0 at its own).
+        let t = topo(6, 2);
+        let lens: Vec<usize> = (0..6)
+            .flat_map(|r| (0..3).map(move |m| if m == r / 2 { 0 } else { 10 * r + m }))
+            .collect();
+        let (send, recv) = hop_rows(&t, 3, &lens).unwrap();
+        assert_eq!(send, vec![30, 0, 32]);
+        // From rank 1 (node 0) and rank 5 (node 2), to node 1.
+        assert_eq!(recv, vec![11, 0, 51]);
+        // Every pair agrees: what a sends to node m is what its rail peer there receives.
+        for a in 0..6 {
+            let (send, _) = hop_rows(&t, a, &lens).unwrap();
+            for (m, &rows) in send.iter().enumerate() {
+                let (_, recv) = hop_rows(&t, t.rail_peer(a, m), &lens).unwrap();
+                assert_eq!(recv[t.node_of(a)], rows, "rank {a}, node {m}");
+            }
+        }
+    }
+
+    #[test]
+    fn hop_rows_refuse_bad_arguments_by_name() {
+        let t = topo(4, 2);
+        let ok = vec![0, 1, 0, 2, 3, 0, 4, 0];
+        let err = |rank: usize, lens: &[usize]| hop_rows(&t, rank, lens).unwrap_err().to_string();
+        assert!(err(4, &ok).contains("rank"), "{}", err(4, &ok));
+        assert!(err(0, &ok[..6]).contains("lens"), "{}", err(0, &ok[..6]));
+        let mut own = ok.clone();
+        own[2 * 2 + 1] = 7; // rank 2 to its own node 1
+        let e = err(0, &own);
+        assert!(e.contains("lens") && e.contains("rank 2"), "{e}");
     }
 
     #[test]

@@ -316,6 +316,47 @@ pub fn two_level_dispatch(
     Ok(out)
 }
 
+/// One home rank's send streams on the two-level path: the place of each
+/// of its tokens in its stream to each remote node's rail peer (what the
+/// layout's node bins are to compute on the GPU).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeStreams {
+    /// `[T][N]`: token `t`'s row in the stream to node `m` (to the home's
+    /// rail peer there), tokens in order; `-1` where the token does not
+    /// reach `m`, and in the home node's column.
+    pub pos: Vec<i32>,
+    /// `[N]`: the rows of each stream, `0` for the home node (the
+    /// `send_rows` of `ops::hop_plan::hop_rounds`).
+    pub len: Vec<usize>,
+}
+
+/// The send streams of rank `home` ([`NodeStreams`]). A stream holds, in
+/// token order, the home's tokens that reach its node: the rows of
+/// [`forward_batches`] that come from `home`, in their order. The same
+/// errors as [`two_level_routes`].
+pub fn node_streams(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+    home: usize,
+) -> Result<NodeStreams> {
+    check_routing(shape, topo, inputs)?;
+    check_rank("home", home, shape)?;
+    let n = topo.nodes();
+    let routes = routes_of(shape, topo, inputs, home);
+    let mut s = NodeStreams {
+        pos: vec![-1; routes.len() * n],
+        len: vec![0; n],
+    };
+    for (t, route) in routes.iter().enumerate() {
+        for hop in &route.remote {
+            s.pos[t * n + hop.node] = s.len[hop.node] as i32;
+            s.len[hop.node] += 1;
+        }
+    }
+    Ok(s)
+}
+
 /// The rows every rank moves in one dispatch, `[R]` in rank order
 /// ([`RankTraffic`]); the same errors as [`two_level_routes`] (but `home`).
 ///
