@@ -81,6 +81,9 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
         )
         .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
         .max(0) as usize;
+    // Every kernel is sized at THREADS per block, the layout scan's blocks
+    // too (SCAN_THREADS: the same number, held here).
+    const _: () = assert!(super::abi::SCAN_THREADS == THREADS);
     let mut least: Option<(usize, &'static str)> = None;
     for (f, smem) in kernels {
         let n = f.max_blocks_per_sm(THREADS, *smem)?;
