@@ -23,7 +23,8 @@
 //!   landing ranges, give each rail peer exactly its forward batch.
 //! * The combine is each node's intra-node combine over its forward batches,
 //!   then one f32 sum of the nodes' bf16 partials per token, nodes
-//!   ascending (bit for bit).
+//!   ascending (bit for bit): `node_sum`, reading each node's partial where
+//!   the streams put it (a hand case for its order and its own row).
 //! * The combine: with one node (and with one rank per node) bit for bit
 //!   [`combine_emulated`]; on several nodes within bf16 rounding of
 //!   [`combine_f64`] with one more rounding per node; hand cases for the
@@ -279,6 +280,61 @@ fn nodes_are_summed_in_ascending_order() {
     // The same rows the other way round: -2^24, 1, 2^24 gives 1.
     let (_, two, _) = three_row_case_on(&t, 0, [2, 4, 6], [(1, -big), (2, 1.0), (3, big)]);
     assert!(two.iter().all(|&x| x.to_f32() == 1.0), "{two:?}");
+}
+
+/// `node_sum` adds the nodes in ascending order (the values of
+/// [`nodes_are_summed_in_ascending_order`]), reads the home's own row past
+/// the rows landed from lower nodes, and leaves a token that reaches no
+/// node zero.
+#[test]
+fn node_sum_adds_the_nodes_ascending_and_finds_the_own_row() {
+    let big = 16_777_216.0f32;
+    let shape = Shape {
+        num_ranks: 4,
+        num_experts: 8,
+        hidden: 8,
+        topk: 3,
+    };
+    let t = topo(4, 1);
+    let row = |v: f32| vec![bf16::from_f32(v); 8];
+    // Home rank 2 (node 2): token 0 reaches nodes 0, 1, 2 and 3, token 1 none.
+    let streams = NodeStreams {
+        pos: vec![0, 0, 0, 0, -1, -1, -1, -1],
+        len: vec![1, 1, 1, 1],
+    };
+    // Its own row lies after 2 rows landed at node 2 from nodes 0 and 1.
+    let own: Vec<bf16> = [row(7.0), row(7.0), row(1.0)].concat();
+    let sum = |landed: &[Vec<bf16>]| {
+        node_sum(&shape, &t, 2, &streams, &[1, 1, 0, 1], &own, landed).unwrap()
+    };
+    // Ascending: 2^24 (node 0), +0 (node 1), +1 (own), -2^24 (node 3): 0.
+    let got = sum(&[row(big), row(0.0), vec![], row(-big)]);
+    assert!(got[..8].iter().all(|&x| x.to_f32() == 0.0), "{got:?}");
+    assert!(got[8..].iter().all(|&x| x == bf16::ZERO), "{got:?}");
+    // The other way round: -2^24, 0, 1, 2^24: 1.
+    let got = sum(&[row(-big), row(0.0), vec![], row(big)]);
+    assert!(got[..8].iter().all(|&x| x.to_f32() == 1.0), "{got:?}");
+    // Too few rows are refused by name.
+    let e = node_sum(
+        &shape,
+        &t,
+        2,
+        &streams,
+        &[1, 1, 0, 1],
+        &own[..16],
+        &[row(1.0), row(1.0), vec![], row(1.0)],
+    );
+    assert!(e.unwrap_err().to_string().contains("own"));
+    let e = node_sum(
+        &shape,
+        &t,
+        2,
+        &streams,
+        &[1, 1, 0, 1],
+        &own,
+        &[row(1.0), vec![], vec![], row(1.0)],
+    );
+    assert!(e.unwrap_err().to_string().contains("landed"));
 }
 
 // ------------------------------------------------------------ properties
@@ -676,10 +732,10 @@ fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
     assert!(moved > 0, "no bytes moved");
 }
 
-/// Each rank's send streams: their lengths are the traffic's network rows
-/// (sent, and through `hop_rows` received), and a token's place in the
-/// stream to node `m` is its row among the home's rows in node `m`'s
-/// forward batch of its rail.
+/// Each rank's streams: their lengths to the other nodes are the traffic's
+/// network rows (sent, and through `hop_rows` received), and a token's
+/// place in the stream to node `m` (its own node too) is its row among the
+/// home's rows in node `m`'s forward batch of its rail.
 #[test]
 #[allow(clippy::needless_range_loop)] // nodes index the batches and the positions
 fn prop_node_streams_are_the_traffic_in_the_forward_batches_order() {
@@ -700,7 +756,11 @@ fn prop_node_streams_are_the_traffic_in_the_forward_batches_order() {
                 .collect();
             for (a, st) in streams.iter().enumerate() {
                 let what = format!("{n} x {g} seed {seed} rank {a}");
-                assert_eq!(st.len, traffic[a].net_sent, "{what}: lengths");
+                let own = t.node_of(a);
+                let net: Vec<usize> = (0..n)
+                    .map(|m| if m == own { 0 } else { st.len[m] })
+                    .collect();
+                assert_eq!(net, traffic[a].net_sent, "{what}: lengths");
                 let (send, recv) = hop_rows(&t, a, &lens).unwrap();
                 assert_eq!(
                     (send, recv),
@@ -714,14 +774,11 @@ fn prop_node_streams_are_the_traffic_in_the_forward_batches_order() {
                     let b = &batches[m][t.local_index(a)];
                     let mine: Vec<usize> =
                         b.origin.iter().filter(|o| o.0 == a).map(|o| o.1).collect();
+                    // (At its own node: its own segment of its own batch.)
                     let want: Vec<i32> = (0..tokens)
-                        .map(
-                            |tok| match (m != t.node_of(a), mine.iter().position(|&x| x == tok)) {
-                                (true, Some(p)) => p as i32,
-                                _ => -1,
-                            },
-                        )
+                        .map(|tok| mine.iter().position(|&x| x == tok).map_or(-1, |p| p as i32))
                         .collect();
+                    assert_eq!(st.len[m], mine.len(), "{what}: length to node {m}");
                     let got: Vec<i32> = (0..tokens).map(|tok| st.pos[tok * n + m]).collect();
                     assert_eq!(got, want, "{what}: positions to node {m}");
                     placed += got.iter().filter(|&&p| p >= 0).count();
@@ -843,6 +900,7 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
 /// nodes ascending: bit for bit `combine_two_level_emulated`.
 #[test]
 fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
+    use moe_ep::ops::hop_plan::hop_rows;
     let mut compared = 0;
     for_each_combine(&[(4, 2), (8, 4), (8, 2), (8, 1)], 0x5EA1, |c| {
         let (shape, t, h) = (c.shape, c.t, c.shape.hidden);
@@ -897,29 +955,49 @@ fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
         let want =
             combine_two_level_emulated(shape, t, c.inputs, c.out, c.home, c.layout, c.weighted)
                 .unwrap();
-        let i = t.local_index(c.home);
-        for tok in 0..c.inputs[c.home].num_tokens(shape) {
-            let mut acc = vec![0.0f32; h];
-            for m in 0..t.nodes() {
-                let origin = &batches_of[m][i].origin;
-                if let Some(row) = origin.iter().position(|&o| o == (c.home, tok)) {
-                    for (a, p) in acc.iter_mut().zip(&node_sums[m][row * h..(row + 1) * h]) {
-                        *a += p.to_f32();
-                    }
-                }
+        // What comes home: from each remote node, the home's segment of its
+        // rail peer's partials (the rows of the home's stream, after those
+        // of the ranks of lower nodes on that rail); from its own node, its
+        // own combine, which node_sum reads past the rows landed from lower
+        // nodes.
+        let (n, i, me) = (t.nodes(), t.local_index(c.home), t.node_of(c.home));
+        let streams: Vec<NodeStreams> = (0..t.world())
+            .map(|a| node_streams(shape, t, c.inputs, a).unwrap())
+            .collect();
+        let mine = &streams[c.home];
+        let landed: Vec<Vec<bf16>> = (0..n)
+            .map(|m| {
+                let seg: usize = (0..me).map(|nd| streams[nd * g + i].len[m]).sum();
+                node_sums[m][seg * h..(seg + mine.len[m]) * h].to_vec()
+            })
+            .collect();
+        let lens: Vec<usize> = streams.iter().flat_map(|s| s.len.clone()).collect();
+        let (_, recv_rows) = hop_rows(t, c.home, &lens).unwrap();
+        let got = node_sum(shape, t, c.home, mine, &recv_rows, &node_sums[me], &landed).unwrap();
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "{} x {g} seed {} {:?} home {}",
+            t.nodes(),
+            c.seed,
+            c.layout,
+            c.home
+        );
+        // The batches' origins are where node_streams says the rows lie.
+        for (m, batches) in batches_of.iter().enumerate() {
+            let origin = &batches[i].origin;
+            let seg: usize = (0..me).map(|nd| streams[nd * g + i].len[m]).sum();
+            for tok in 0..c.inputs[c.home].num_tokens(shape) {
+                let p = mine.pos[tok * n + m];
+                let row = origin.iter().position(|&o| o == (c.home, tok));
+                assert_eq!(
+                    row,
+                    (p >= 0).then(|| seg + p as usize),
+                    "node {m} token {tok}"
+                );
             }
-            let got: Vec<bf16> = acc.iter().map(|&a| bf16::from_f32(a)).collect();
-            assert_eq!(
-                bits(&got),
-                bits(&want[tok * h..(tok + 1) * h]),
-                "{} x {g} seed {} {:?} home {} token {tok}",
-                t.nodes(),
-                c.seed,
-                c.layout,
-                c.home
-            );
-            compared += h;
         }
+        compared += got.len();
     });
     assert!(compared > 10_000, "{compared} values compared");
 }

@@ -119,13 +119,15 @@ pub fn hop_rounds(
 }
 
 /// This rank's `send_rows` and `recv_rows` for [`hop_rounds`], from every
-/// rank's stream lengths: `lens[r * N + m]` is rank `r`'s stream to its rail
-/// peer on node `m` (`0` at `r`'s own node), as the layouts of all ranks
-/// give them. `send_rows[m]` is this rank's row of `lens`; `recv_rows[m]`
-/// is what its rail peer on node `m` sends to this rank's node.
+/// rank's stream lengths: `lens[r * N + m]` is rank `r`'s stream to node `m`
+/// (its rail peer there), as the layouts of all ranks give them; the entry
+/// of a rank's own node (its own rows, no network) is not read, and both
+/// results hold 0 there. `send_rows[m]` is this rank's stream to node `m`;
+/// `recv_rows[m]` is what its rail peer on node `m` sends to this rank's
+/// node.
 ///
 /// Errors, each naming the argument: `rank` outside the world, `lens` not
-/// `R * N` counts or not 0 at a rank's own node.
+/// `R * N` counts.
 pub fn hop_rows(
     topology: &Topology,
     rank: usize,
@@ -142,21 +144,11 @@ pub fn hop_rows(
             format!("{} values", lens.len()),
         ));
     }
-    if let Some(r) = (0..world).find(|&r| lens[r * nodes + topology.node_of(r)] != 0) {
-        return Err(Error::arg(
-            "lens",
-            "0 rows from each rank to its own node",
-            format!(
-                "{} rows from rank {r} to its node {}",
-                lens[r * nodes + topology.node_of(r)],
-                topology.node_of(r)
-            ),
-        ));
-    }
     let me = topology.node_of(rank);
-    let send = lens[rank * nodes..(rank + 1) * nodes].to_vec();
+    let net = |m: usize, rows: usize| if m == me { 0 } else { rows };
+    let send = (0..nodes).map(|m| net(m, lens[rank * nodes + m])).collect();
     let recv = (0..nodes)
-        .map(|m| lens[topology.rail_peer(rank, m) * nodes + me])
+        .map(|m| net(m, lens[topology.rail_peer(rank, m) * nodes + me]))
         .collect();
     Ok((send, recv))
 }
@@ -192,16 +184,19 @@ mod tests {
     }
 
     #[test]
-    fn hop_rows_refuse_bad_arguments_by_name() {
+    fn hop_rows_leave_out_the_own_node_and_refuse_bad_arguments_by_name() {
         let t = topo(4, 2);
-        let ok = vec![0, 1, 0, 2, 3, 0, 4, 0];
+        // Rank r's own rows (its own node's entry) are not network rows.
+        let lens = vec![9, 1, 9, 2, 3, 9, 4, 9];
+        assert_eq!(hop_rows(&t, 2, &lens).unwrap(), (vec![3, 0], vec![1, 0]));
+        assert_eq!(hop_rows(&t, 1, &lens).unwrap(), (vec![0, 2], vec![0, 4]));
         let err = |rank: usize, lens: &[usize]| hop_rows(&t, rank, lens).unwrap_err().to_string();
-        assert!(err(4, &ok).contains("rank"), "{}", err(4, &ok));
-        assert!(err(0, &ok[..6]).contains("lens"), "{}", err(0, &ok[..6]));
-        let mut own = ok.clone();
-        own[2 * 2 + 1] = 7; // rank 2 to its own node 1
-        let e = err(0, &own);
-        assert!(e.contains("lens") && e.contains("rank 2"), "{e}");
+        assert!(err(4, &lens).contains("rank"), "{}", err(4, &lens));
+        assert!(
+            err(0, &lens[..6]).contains("lens"),
+            "{}",
+            err(0, &lens[..6])
+        );
     }
 
     #[test]

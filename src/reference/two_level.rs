@@ -316,24 +316,26 @@ pub fn two_level_dispatch(
     Ok(out)
 }
 
-/// One home rank's send streams on the two-level path: the place of each
-/// of its tokens in its stream to each remote node's rail peer (what the
-/// layout's node bins are to compute on the GPU).
+/// One home rank's streams on the two-level path: the place of each of its
+/// tokens in its stream to each remote node's rail peer, and among its own
+/// rows of its forward batch (what the layout's node bins are to compute on
+/// the GPU, one bin per node).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeStreams {
-    /// `[T][N]`: token `t`'s row in the stream to node `m` (to the home's
-    /// rail peer there), tokens in order; `-1` where the token does not
-    /// reach `m`, and in the home node's column.
+    /// `[T][N]`: token `t`'s row in the stream to node `m`, tokens in
+    /// order; `-1` where the token does not reach `m`. For a remote node,
+    /// the stream crosses the network to the home's rail peer there; for
+    /// the home node, it is the home's own segment of its
+    /// [`forward_batches`] batch (no network).
     pub pos: Vec<i32>,
-    /// `[N]`: the rows of each stream, `0` for the home node (the
-    /// `send_rows` of `ops::hop_plan::hop_rounds`).
+    /// `[N]`: the rows of each stream (the home node's: its own segment).
     pub len: Vec<usize>,
 }
 
-/// The send streams of rank `home` ([`NodeStreams`]). A stream holds, in
-/// token order, the home's tokens that reach its node: the rows of
-/// [`forward_batches`] that come from `home`, in their order. The same
-/// errors as [`two_level_routes`].
+/// The streams of rank `home` ([`NodeStreams`]). The stream to node `m`
+/// holds, in token order, the home's tokens that reach `m`: the rows of
+/// node `m`'s [`forward_batches`] that come from `home`, in their order.
+/// The same errors as [`two_level_routes`].
 pub fn node_streams(
     shape: &Shape,
     topo: &Topology,
@@ -349,12 +351,114 @@ pub fn node_streams(
         len: vec![0; n],
     };
     for (t, route) in routes.iter().enumerate() {
-        for hop in &route.remote {
-            s.pos[t * n + hop.node] = s.len[hop.node] as i32;
-            s.len[hop.node] += 1;
+        for &m in &route.nodes {
+            s.pos[t * n + m] = s.len[m] as i32;
+            s.len[m] += 1;
         }
     }
     Ok(s)
+}
+
+/// The home's sum over nodes, the last step of the two-level combine: for
+/// each token of `home`, in f32 from 0, over the nodes it reaches in
+/// ascending order, one bf16 row each (the node's partial), rounded once to
+/// bf16; `[T_home][H]`, zero rows for tokens that reach no node.
+///
+/// Where each node's row lies:
+/// - a remote node `m`: row `streams.pos[t][m]` of `landed[m]`, the
+///   partials its rail peer sent back, in the order of the home's stream
+///   to `m` (`[streams.len[m]][H]`; `landed[home node]` is not read);
+/// - the home node: row `before + streams.pos[t][home node]` of `own`, the
+///   home's node-group combine over its forward batch, where the home's own
+///   rows start after `before`, the rows landed from the nodes below the
+///   home's (`recv_rows[m]` summed over `m < home node`; `recv_rows` as
+///   [`crate::ops::Topology`]'s rail peers send them, one count per node).
+///
+/// With `own` and `landed` the node groups' combines (`combine_emulated` of
+/// each node over its forward batches), this is
+/// [`combine_two_level_emulated`] bit for bit
+/// (`tests/reference_two_level.rs`).
+///
+/// Errors, each naming the argument: `streams` not of `T x N`, `recv_rows`
+/// not one count per node, `own` or `landed` shorter than the rows read.
+#[allow(clippy::too_many_arguments)]
+pub fn node_sum(
+    shape: &Shape,
+    topo: &Topology,
+    home: usize,
+    streams: &NodeStreams,
+    recv_rows: &[usize],
+    own: &[bf16],
+    landed: &[Vec<bf16>],
+) -> Result<Vec<bf16>> {
+    shape.validate()?;
+    check_topology(shape, topo)?;
+    check_rank("home", home, shape)?;
+    let (n, h) = (topo.nodes(), shape.hidden);
+    if streams.len.len() != n || !streams.pos.len().is_multiple_of(n) {
+        return Err(Error::arg(
+            "streams",
+            format!("[T][{n}] positions and {n} lengths"),
+            format!(
+                "{} positions, {} lengths",
+                streams.pos.len(),
+                streams.len.len()
+            ),
+        ));
+    }
+    if recv_rows.len() != n {
+        return Err(Error::arg(
+            "recv_rows",
+            format!("{n} counts, one per node"),
+            recv_rows.len(),
+        ));
+    }
+    let me = topo.node_of(home);
+    let before: usize = recv_rows[..me].iter().sum();
+    if own.len() < (before + streams.len[me]) * h {
+        return Err(Error::arg(
+            "own",
+            format!("at least {} rows of {h}", before + streams.len[me]),
+            format!("{} values", own.len()),
+        ));
+    }
+    if landed.len() != n {
+        return Err(Error::arg(
+            "landed",
+            format!("{n} row sets, one per node"),
+            landed.len(),
+        ));
+    }
+    if let Some(m) = (0..n).find(|&m| m != me && landed[m].len() < streams.len[m] * h) {
+        return Err(Error::arg(
+            "landed",
+            format!("at least {} rows of {h} from node {m}", streams.len[m]),
+            format!("{} values", landed[m].len()),
+        ));
+    }
+    let tokens = streams.pos.len() / n;
+    let mut out = vec![bf16::ZERO; tokens * h];
+    let mut acc = vec![0.0f32; h];
+    for t in 0..tokens {
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        for (m, from) in landed.iter().enumerate() {
+            let p = streams.pos[t * n + m];
+            if p < 0 {
+                continue;
+            }
+            let (rows, row) = match m == me {
+                true => (own, before + p as usize),
+                false => (&from[..], p as usize),
+            };
+            for (a, v) in acc.iter_mut().zip(&rows[row * h..(row + 1) * h]) {
+                *a += v.to_f32();
+            }
+        }
+        for (o, &a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+            *o = bf16::from_f32(a);
+        }
+    }
+    Ok(out)
 }
 
 /// The rows every rank moves in one dispatch, `[R]` in rank order
