@@ -19,8 +19,9 @@
 //!   their lengths are the traffic's network rows, paired between rail
 //!   peers by `ops::hop_plan::hop_rows`, and a token's place in a stream is
 //!   its row in the forward batch. The hop on the host: rows packed per
-//!   node, moved by `ops::hop_plan::hop_rounds`' chunk rounds into the
-//!   landing ranges, give each rail peer exactly its forward batch.
+//!   node (`pack_network_rows`), moved by `ops::hop_plan::hop_rounds`'
+//!   chunk rounds into the landing ranges, give each rail peer exactly its
+//!   forward batch.
 //! * The combine is each node's intra-node combine over its forward batches,
 //!   then one f32 sum of the nodes' bf16 partials per token, nodes
 //!   ascending (bit for bit): `node_sum`, reading each node's partial where
@@ -806,7 +807,7 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
             let (h, k) = (shape.hidden, shape.topk);
             let n = t.nodes();
             // A network row: the bf16 row's bits, then the K ids and K weights.
-            let row_bytes = 2 * h + 8 * k;
+            let row_bytes = network_row_bytes(h, k);
             let batches: Vec<Vec<ForwardBatch>> = (0..n)
                 .map(|m| forward_batches(&shape, &t, &inputs, m).unwrap())
                 .collect();
@@ -830,6 +831,8 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
                     .filter(|&r| b.origin[r].0 == a)
                     .collect()
             };
+            // Each rank's send range, as the pack kernel is to write it:
+            // its rows of the forward batches of its rail, nodes ascending.
             let mut send = Vec::new();
             for a in 0..world {
                 let mut buf = Vec::new();
@@ -838,6 +841,12 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
                         buf.extend(encode(&batches[m][t.local_index(a)], r));
                     }
                 }
+                let packed = pack_network_rows(&shape, &t, &inputs, a).unwrap();
+                assert!(
+                    packed == buf,
+                    "{n} x {g} seed {seed}: rank {a}'s packed rows"
+                );
+                assert_eq!(buf.len() % network_row_bytes(h, k), 0);
                 send.push(buf);
             }
             // The streams' lengths as the layouts give them, paired by hop_rows.

@@ -359,6 +359,52 @@ pub fn node_streams(
     Ok(s)
 }
 
+/// Bytes of one network row of dispatch: the `H` bf16 values, then `K`
+/// i32 expert ids, then `K` f32 weights.
+pub fn network_row_bytes(hidden: usize, topk: usize) -> usize {
+    2 * hidden + 8 * topk
+}
+
+/// Rank `home`'s send range of a two-level dispatch, as the pack kernel is
+/// to write it: its streams to the remote nodes, nodes ascending, each
+/// holding in token order the tokens that reach that node (the rows of
+/// [`node_streams`]), one [`network_row_bytes`] row each: the token's
+/// values (bf16, little-endian), then its [`RemoteHop`] top-k (the expert
+/// ids hosted on that node as i32, `-1` elsewhere; their weights as f32,
+/// `0.0` elsewhere). A row carries no origin: the rail peer returns its
+/// partials in the same order. The same errors as [`two_level_routes`].
+pub fn pack_network_rows(
+    shape: &Shape,
+    topo: &Topology,
+    inputs: &[RankInput],
+    home: usize,
+) -> Result<Vec<u8>> {
+    check_inputs(shape, inputs, RecvLayout::RankMajor)?;
+    check_topology(shape, topo)?;
+    check_rank("home", home, shape)?;
+    let h = shape.hidden;
+    let routes = routes_of(shape, topo, inputs, home);
+    let tokens = &inputs[home].tokens;
+    let mut out = Vec::new();
+    for m in 0..topo.nodes() {
+        for (t, route) in routes.iter().enumerate() {
+            let Some(hop) = route.remote.iter().find(|hop| hop.node == m) else {
+                continue;
+            };
+            for v in &tokens[t * h..(t + 1) * h] {
+                out.extend(v.to_bits().to_le_bytes());
+            }
+            for &e in &hop.topk_idx {
+                out.extend((e as i32).to_le_bytes());
+            }
+            for &w in &hop.topk_weights {
+                out.extend(w.to_bits().to_le_bytes());
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The home's sum over nodes, the last step of the two-level combine: for
 /// each token of `home`, in f32 from 0, over the nodes it reaches in
 /// ascending order, one bf16 row each (the node's partial), rounded once to
