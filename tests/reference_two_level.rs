@@ -24,8 +24,11 @@
 //!   forward batch.
 //! * The combine is each node's intra-node combine over its forward batches,
 //!   then one f32 sum of the nodes' bf16 partials per token, nodes
-//!   ascending (bit for bit): `node_sum`, reading each node's partial where
-//!   the streams put it (a hand case for its order and its own row).
+//!   ascending (bit for bit): the rail peers' partials moved home on the
+//!   host by `ops::hop_plan::hop_rounds_at` (each home's segment, where it
+//!   lies in the peer's output), then `node_sum`, reading each node's
+//!   partial where the streams put it (a hand case for its order and its
+//!   own row).
 //! * The combine: with one node (and with one rank per node) bit for bit
 //!   [`combine_emulated`]; on several nodes within bf16 rounding of
 //!   [`combine_f64`] with one more rounding per node; hand cases for the
@@ -909,7 +912,7 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
 /// nodes ascending: bit for bit `combine_two_level_emulated`.
 #[test]
 fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
-    use moe_ep::ops::hop_plan::hop_rows;
+    use moe_ep::ops::hop_plan::{hop_rounds_at, hop_rows, HopRound, HopSide};
     let mut compared = 0;
     for_each_combine(&[(4, 2), (8, 4), (8, 2), (8, 1)], 0x5EA1, |c| {
         let (shape, t, h) = (c.shape, c.t, c.shape.hidden);
@@ -964,24 +967,73 @@ fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
         let want =
             combine_two_level_emulated(shape, t, c.inputs, c.out, c.home, c.layout, c.weighted)
                 .unwrap();
-        // What comes home: from each remote node, the home's segment of its
-        // rail peer's partials (the rows of the home's stream, after those
-        // of the ranks of lower nodes on that rail); from its own node, its
-        // own combine, which node_sum reads past the rows landed from lower
-        // nodes.
+        // The return hop on the host: every rank of the home's rail sends
+        // the home of each other node its segment of its partials (the
+        // segments lie in node order, its own among them), moved by
+        // hop_rounds_at into the homes' landing ranges (streams back to
+        // back, nodes ascending), 2H bytes a row.
         let (n, i, me) = (t.nodes(), t.local_index(c.home), t.node_of(c.home));
         let streams: Vec<NodeStreams> = (0..t.world())
             .map(|a| node_streams(shape, t, c.inputs, a).unwrap())
             .collect();
         let mine = &streams[c.home];
-        let landed: Vec<Vec<bf16>> = (0..n)
+        let lens: Vec<usize> = streams.iter().flat_map(|s| s.len.clone()).collect();
+        let rail = |m: usize| m * g + i;
+        let starts = |rows: &[usize]| -> Vec<usize> {
+            rows.iter()
+                .scan(0, |a, &r| {
+                    *a += r;
+                    Some(*a - r)
+                })
+                .collect()
+        };
+        let row = 2 * h;
+        let plans: Vec<Vec<HopRound>> = (0..n)
             .map(|m| {
-                let seg: usize = (0..me).map(|nd| streams[nd * g + i].len[m]).sum();
-                node_sums[m][seg * h..(seg + mine.len[m]) * h].to_vec()
+                let (own_streams, from_homes) = hop_rows(t, rail(m), &lens).unwrap();
+                let segments: Vec<usize> = (0..n).map(|nd| streams[rail(nd)].len[m]).collect();
+                let (seg_at, land_at) = (starts(&segments), starts(&own_streams));
+                let send = HopSide {
+                    rows: &from_homes,
+                    at: &seg_at,
+                    base: 0,
+                };
+                let recv = HopSide {
+                    rows: &own_streams,
+                    at: &land_at,
+                    base: 0,
+                };
+                hop_rounds_at(t, rail(m), send, recv, row, 4).unwrap()
             })
             .collect();
-        let lens: Vec<usize> = streams.iter().flat_map(|s| s.len.clone()).collect();
-        let (_, recv_rows) = hop_rows(t, c.home, &lens).unwrap();
+        let partial_bytes: Vec<Vec<u8>> = node_sums
+            .iter()
+            .map(|p| p.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect())
+            .collect();
+        let (own_streams, recv_rows) = hop_rows(t, c.home, &lens).unwrap();
+        let mut land = vec![0u8; own_streams.iter().sum::<usize>() * row];
+        for c_round in 0..4 {
+            for (m, plan) in plans.iter().enumerate() {
+                for snd in plan[c_round].sends.iter().filter(|snd| snd.peer == c.home) {
+                    let r = plans[me][c_round].recvs.iter().find(|r| r.peer == rail(m));
+                    let r = r.expect("the home receives what its rail peer sends");
+                    assert_eq!(r.bytes, snd.bytes);
+                    let (src, dst) = (snd.src as usize, r.dst as usize);
+                    land[dst..dst + snd.bytes]
+                        .copy_from_slice(&partial_bytes[m][src..src + snd.bytes]);
+                }
+            }
+        }
+        let land_at = starts(&own_streams);
+        let landed: Vec<Vec<bf16>> = (0..n)
+            .map(|m| {
+                let bytes = &land[land_at[m] * row..(land_at[m] + own_streams[m]) * row];
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                    .collect()
+            })
+            .collect();
         let got = node_sum(shape, t, c.home, mine, &recv_rows, &node_sums[me], &landed).unwrap();
         assert_eq!(
             bits(&got),

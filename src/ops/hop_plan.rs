@@ -32,7 +32,7 @@ pub struct HopRound {
 /// This rank's hop, `chunks` rounds: `send_rows[m]` rows to its rail peer on
 /// node `m`, `recv_rows[m]` from it (both `[N]`, `0` at its own node), rows
 /// of `row_bytes`, streams back to back by node from `send_base` and
-/// `recv_base`.
+/// `recv_base` ([`hop_rounds_at`] with the streams' starts summed up).
 ///
 /// Errors, each naming the argument: `rank` outside the world, `send_rows`
 /// or `recv_rows` not one count per node or not 0 at the rank's own node,
@@ -48,43 +48,6 @@ pub fn hop_rounds(
     send_base: u64,
     recv_base: u64,
 ) -> Result<Vec<HopRound>> {
-    let (world, nodes) = (topology.world(), topology.nodes());
-    if rank >= world {
-        return Err(Error::arg("rank", format!("a rank in 0..{world}"), rank));
-    }
-    let me = topology.node_of(rank);
-    for (arg, rows) in [("send_rows", send_rows), ("recv_rows", recv_rows)] {
-        if rows.len() != nodes || rows[me] != 0 {
-            return Err(Error::arg(
-                arg,
-                format!("{nodes} row counts, one per node, 0 at this rank's node {me}"),
-                format!("{rows:?}"),
-            ));
-        }
-    }
-    if chunks == 0 {
-        return Err(Error::arg("chunks", "at least 1", chunks));
-    }
-    if row_bytes == 0 {
-        return Err(Error::arg("row_bytes", "at least 1", row_bytes));
-    }
-    let span = |arg: &'static str, base: u64, rows: &[usize]| -> Result<()> {
-        let bytes = rows
-            .iter()
-            .try_fold(0usize, |a, &r| a.checked_add(r.checked_mul(row_bytes)?));
-        match bytes.and_then(|b| base.checked_add(b as u64)) {
-            Some(_) => Ok(()),
-            None => Err(Error::arg(
-                arg,
-                "a range within the address space",
-                format!("{base:#x} + {rows:?} rows of {row_bytes} bytes"),
-            )),
-        }
-    };
-    span("send_base", send_base, send_rows)?;
-    span("recv_base", recv_base, recv_rows)?;
-    // Row `[c * n / chunks]` of a stream of n rows: chunk c's first.
-    let cut = |n: usize, c: usize| (n as u128 * c as u128 / chunks as u128) as usize;
     let starts = |rows: &[usize]| -> Vec<usize> {
         rows.iter()
             .scan(0, |at, &n| {
@@ -95,21 +58,129 @@ pub fn hop_rounds(
             .collect()
     };
     let (send_at, recv_at) = (starts(send_rows), starts(recv_rows));
-    // Chunk c of the stream of `rows` rows at row `at` of the range at
-    // `base`: its address and bytes, None when empty.
-    let chunk = |base: u64, at: usize, rows: usize, c: usize| {
-        let (lo, hi) = (cut(rows, c), cut(rows, c + 1));
-        (hi > lo).then(|| (base + ((at + lo) * row_bytes) as u64, (hi - lo) * row_bytes))
+    hop_rounds_at(
+        topology,
+        rank,
+        HopSide {
+            rows: send_rows,
+            at: &send_at,
+            base: send_base,
+        },
+        HopSide {
+            rows: recv_rows,
+            at: &recv_at,
+            base: recv_base,
+        },
+        row_bytes,
+        chunks,
+    )
+}
+
+/// One side of a rank's hop: `rows[m]` rows with its rail peer on node
+/// `m`, starting at row `at[m]` of the range at `base` (both `[N]`; `rows`
+/// is `0` at the rank's own node).
+#[derive(Clone, Copy, Debug)]
+pub struct HopSide<'a> {
+    /// Rows per node.
+    pub rows: &'a [usize],
+    /// First row per node, in the range.
+    pub at: &'a [usize],
+    /// The range's address.
+    pub base: u64,
+}
+
+/// [`hop_rounds`] with each stream where `at` says: combine's return sends
+/// a rail peer's partials from its forward batch's output, where its own
+/// node's rows lie between the streams of the other nodes.
+///
+/// Errors, each naming the argument (`send_rows`, `send_at`, `send_base`
+/// for `send`, `recv_*` for `recv`): `rank` outside the world, `rows` or
+/// `at` not one count per node, `rows` not 0 at the rank's own node,
+/// `chunks` 0, `row_bytes` 0, a stream past the end of the address space.
+pub fn hop_rounds_at(
+    topology: &Topology,
+    rank: usize,
+    send: HopSide<'_>,
+    recv: HopSide<'_>,
+    row_bytes: usize,
+    chunks: usize,
+) -> Result<Vec<HopRound>> {
+    let (world, nodes) = (topology.world(), topology.nodes());
+    if rank >= world {
+        return Err(Error::arg("rank", format!("a rank in 0..{world}"), rank));
+    }
+    let me = topology.node_of(rank);
+    let sides = [("send", send), ("recv", recv)];
+    for (side, h) in sides {
+        if h.rows.len() != nodes || h.rows[me] != 0 {
+            return Err(Error::arg(
+                if side == "send" {
+                    "send_rows"
+                } else {
+                    "recv_rows"
+                },
+                format!("{nodes} row counts, one per node, 0 at this rank's node {me}"),
+                format!("{:?}", h.rows),
+            ));
+        }
+        if h.at.len() != nodes {
+            return Err(Error::arg(
+                if side == "send" { "send_at" } else { "recv_at" },
+                format!("{nodes} first rows, one per node"),
+                format!("{:?}", h.at),
+            ));
+        }
+    }
+    if chunks == 0 {
+        return Err(Error::arg("chunks", "at least 1", chunks));
+    }
+    if row_bytes == 0 {
+        return Err(Error::arg("row_bytes", "at least 1", row_bytes));
+    }
+    for (side, h) in sides {
+        let end = |m: usize| {
+            h.at[m]
+                .checked_add(h.rows[m])
+                .and_then(|r| r.checked_mul(row_bytes))
+                .and_then(|b| h.base.checked_add(b as u64))
+        };
+        if let Some(m) = (0..nodes).find(|&m| end(m).is_none()) {
+            return Err(Error::arg(
+                if side == "send" {
+                    "send_base"
+                } else {
+                    "recv_base"
+                },
+                "a range within the address space",
+                format!(
+                    "{:#x} + rows {} + {} of {row_bytes} bytes (node {m})",
+                    h.base, h.at[m], h.rows[m]
+                ),
+            ));
+        }
+    }
+    // Row `[c * n / chunks]` of a stream of n rows: chunk c's first.
+    let cut = |n: usize, c: usize| (n as u128 * c as u128 / chunks as u128) as usize;
+    // Chunk c of node m's stream of a side: its address and bytes, None
+    // when empty.
+    let chunk = |h: &HopSide<'_>, m: usize, c: usize| {
+        let (lo, hi) = (cut(h.rows[m], c), cut(h.rows[m], c + 1));
+        (hi > lo).then(|| {
+            (
+                h.base + ((h.at[m] + lo) * row_bytes) as u64,
+                (hi - lo) * row_bytes,
+            )
+        })
     };
     Ok((0..chunks)
         .map(|c| {
             let mut round = HopRound::default();
             for m in 0..nodes {
                 let peer = topology.rail_peer(rank, m);
-                if let Some((src, bytes)) = chunk(send_base, send_at[m], send_rows[m], c) {
+                if let Some((src, bytes)) = chunk(&send, m, c) {
                     round.sends.push(HopSend { peer, src, bytes });
                 }
-                if let Some((dst, bytes)) = chunk(recv_base, recv_at[m], recv_rows[m], c) {
+                if let Some((dst, bytes)) = chunk(&recv, m, c) {
                     round.recvs.push(HopRecv { peer, dst, bytes });
                 }
             }
@@ -160,6 +231,44 @@ mod tests {
 
     fn topo(world: usize, g: usize) -> Topology {
         Topology::new(world, g).unwrap()
+    }
+
+    #[test]
+    fn hop_rounds_at_take_each_stream_where_it_lies() {
+        // Rank 1 of 2 x 1 sends 3 rows from row 5 and receives 2 at row 1.
+        let t = topo(2, 1);
+        let side = |rows: &'static [usize], at: &'static [usize]| HopSide {
+            rows,
+            at,
+            base: 1000,
+        };
+        let r =
+            hop_rounds_at(&t, 1, side(&[3, 0], &[5, 0]), side(&[2, 0], &[1, 0]), 10, 1).unwrap();
+        assert_eq!(
+            r[0].sends,
+            vec![HopSend {
+                peer: 0,
+                src: 1050,
+                bytes: 30
+            }]
+        );
+        assert_eq!(
+            r[0].recvs,
+            vec![HopRecv {
+                peer: 0,
+                dst: 1010,
+                bytes: 20
+            }]
+        );
+        let e = hop_rounds_at(&t, 1, side(&[3, 0], &[5]), side(&[2, 0], &[1, 0]), 10, 1);
+        assert!(e.unwrap_err().to_string().contains("send_at"));
+        let far = HopSide {
+            rows: &[3, 0],
+            at: &[5, 0],
+            base: u64::MAX - 40,
+        };
+        let e = hop_rounds_at(&t, 1, far, side(&[2, 0], &[1, 0]), 10, 1);
+        assert!(e.unwrap_err().to_string().contains("send_base"));
     }
 
     #[test]
