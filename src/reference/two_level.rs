@@ -372,7 +372,10 @@ pub fn network_row_bytes(hidden: usize, topk: usize) -> usize {
 /// values (bf16, little-endian), then its [`RemoteHop`] top-k (the expert
 /// ids hosted on that node as i32, `-1` elsewhere; their weights as f32,
 /// `0.0` elsewhere). A row carries no origin: the rail peer returns its
-/// partials in the same order. The same errors as [`two_level_routes`].
+/// partials in the same order.
+///
+/// Errors name `topology`, the shape's fields, `inputs`, `topk_idx`,
+/// `topk_weights`, `tokens` or `home`.
 pub fn pack_network_rows(
     shape: &Shape,
     topo: &Topology,
