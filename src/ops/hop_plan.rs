@@ -110,22 +110,22 @@ pub fn hop_rounds_at(
         return Err(Error::arg("rank", format!("a rank in 0..{world}"), rank));
     }
     let me = topology.node_of(rank);
-    let sides = [("send", send), ("recv", recv)];
-    for (side, h) in sides {
+    // Each side with the names its errors give: rows, at, base.
+    let sides = [
+        (["send_rows", "send_at", "send_base"], send),
+        (["recv_rows", "recv_at", "recv_base"], recv),
+    ];
+    for ([rows, at, _], h) in sides {
         if h.rows.len() != nodes || h.rows[me] != 0 {
             return Err(Error::arg(
-                if side == "send" {
-                    "send_rows"
-                } else {
-                    "recv_rows"
-                },
+                rows,
                 format!("{nodes} row counts, one per node, 0 at this rank's node {me}"),
                 format!("{:?}", h.rows),
             ));
         }
         if h.at.len() != nodes {
             return Err(Error::arg(
-                if side == "send" { "send_at" } else { "recv_at" },
+                at,
                 format!("{nodes} first rows, one per node"),
                 format!("{:?}", h.at),
             ));
@@ -137,7 +137,7 @@ pub fn hop_rounds_at(
     if row_bytes == 0 {
         return Err(Error::arg("row_bytes", "at least 1", row_bytes));
     }
-    for (side, h) in sides {
+    for ([.., base], h) in sides {
         let end = |m: usize| {
             h.at[m]
                 .checked_add(h.rows[m])
@@ -146,11 +146,7 @@ pub fn hop_rounds_at(
         };
         if let Some(m) = (0..nodes).find(|&m| end(m).is_none()) {
             return Err(Error::arg(
-                if side == "send" {
-                    "send_base"
-                } else {
-                    "recv_base"
-                },
+                base,
                 "a range within the address space",
                 format!(
                     "{:#x} + rows {} + {} of {row_bytes} bytes (node {m})",
