@@ -374,6 +374,44 @@ static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 488 &&
                   offsetof(LlParams, out) == 536 && offsetof(LlParams, set) == 544 &&
                   offsetof(LlParams, in_place) == 560,
               "LlParams offsets");
+// ---- the two-level (inter-node) path (two_level.cu) ----
+// Most nodes of a two-level world (rail peers of one rank, plus its own node).
+#define MOE_EP_MAX_NODES 64
+
+// One parameter struct for every two-level kernel. Node m's row of home
+// token t lies at row row_off[m] + pos[t][m] of the own_* arrays when m is
+// this rank's node (its segment of its forward batch) and of the net_*
+// arrays otherwise (its stream to the rail peer on m: the send range in
+// dispatch, the landing range of what comes back in combine).
+struct TwoLevelParams {
+  const void* topk_idx;       // [T][K] int32 or int64 (streams, pack_ids)
+  const void* x;              // [T][H] bf16 (pack_rows: tokens or output gradient)
+  const float* topk_w;        // [T][K] or null (pack_rows)
+  int32_t* pos;               // [T][N] row of t in its stream to node m, -1 if not reached
+  int32_t* lens;              // [N + 1] stream lengths, then the first bad entry's key + 1
+  int32_t* own_ids;           // [rows][K] node-local expert ids, -1 elsewhere
+  int32_t* net_ids;
+  int32_t* own_origin;        // [rows][2] (home rank, home token)
+  int32_t* net_origin;
+  void* own_x;                // [rows][H] bf16
+  void* net_x;
+  float* own_w;               // [rows][K]
+  float* net_w;
+  void* out;                  // [T][H] bf16 (node_sum)
+  float* out_w;               // [T][K] (gather_w)
+  int32_t* recv_src;          // [recv_rows][2] (remap_src)
+  const int32_t* origin_peers[MOE_EP_MAX_RANKS];  // each node rank's own_origin
+  int32_t row_off[MOE_EP_MAX_NODES];
+  int32_t num_tokens, topk, hidden, num_experts;
+  int32_t nodes, node, home_rank, recv_rows;
+};
+static_assert(sizeof(TwoLevelParams) == 480, "TwoLevelParams");
+static_assert(offsetof(TwoLevelParams, origin_peers) == 128 &&
+                  offsetof(TwoLevelParams, row_off) == 192 &&
+                  offsetof(TwoLevelParams, num_tokens) == 448 &&
+                  offsetof(TwoLevelParams, recv_rows) == 476,
+              "TwoLevelParams offsets");
+
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&

@@ -16,6 +16,7 @@ mod tests {
             "combine_push",
             "low_latency",
             "symm",
+            "two_level",
             "util",
         ];
         for name in names {

@@ -57,7 +57,8 @@ fn group_config_rejects_each_bad_field_by_name() {
 
 /// `ranks_per_node`: the default (0) and the world size are one node and
 /// accepted; a value that does not divide the world, more than 8 ranks per
-/// node, and more than one node (the inter-node path is not built yet) are
+/// node, and more than one node (an `EpGroup` runs one node; several run on
+/// `TwoLevelGroup`) are
 /// refused by name, each with its own message, the last only once every
 /// other field has passed. A single node of more than 8 ranks stays a
 /// `world` error.
@@ -98,7 +99,8 @@ fn ranks_per_node_is_checked_by_name() {
         let (arg, msg) = refused(g, world);
         assert_eq!(arg, "ranks_per_node", "{g} x {nodes}");
         assert!(
-            msg.contains("inter-node path is not built yet")
+            msg.contains("EpGroup runs one node")
+                && msg.contains("TwoLevelGroup")
                 && msg.contains(&format!("{nodes} nodes")),
             "{msg}"
         );

@@ -407,6 +407,76 @@ pub fn layout_info_len(r: usize, e: usize, el: usize, t: usize) -> usize {
     info_offsets(r, e, el).total + 2 * (layout_check_blocks(t) - 1)
 }
 
+/// Most nodes of a two-level world (`MOE_EP_MAX_NODES`).
+pub const MAX_NODES: usize = 64;
+
+/// Every two-level kernel (`two_level.cu`): node `m`'s row of home token `t`
+/// is row `row_off[m] + pos[t][m]` of the `own_*` arrays (`m` this rank's
+/// node) or the `net_*` arrays (a remote node).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TwoLevelParams {
+    pub topk_idx: u64,
+    pub x: u64,
+    pub topk_w: u64,
+    pub pos: u64,
+    pub lens: u64,
+    pub own_ids: u64,
+    pub net_ids: u64,
+    pub own_origin: u64,
+    pub net_origin: u64,
+    pub own_x: u64,
+    pub net_x: u64,
+    pub own_w: u64,
+    pub net_w: u64,
+    pub out: u64,
+    pub out_w: u64,
+    pub recv_src: u64,
+    pub origin_peers: [u64; MAX_RANKS],
+    pub row_off: [i32; MAX_NODES],
+    pub num_tokens: i32,
+    pub topk: i32,
+    pub hidden: i32,
+    pub num_experts: i32,
+    pub nodes: i32,
+    pub node: i32,
+    pub home_rank: i32,
+    pub recv_rows: i32,
+}
+
+impl Default for TwoLevelParams {
+    fn default() -> Self {
+        TwoLevelParams {
+            topk_idx: 0,
+            x: 0,
+            topk_w: 0,
+            pos: 0,
+            lens: 0,
+            own_ids: 0,
+            net_ids: 0,
+            own_origin: 0,
+            net_origin: 0,
+            own_x: 0,
+            net_x: 0,
+            own_w: 0,
+            net_w: 0,
+            out: 0,
+            out_w: 0,
+            recv_src: 0,
+            origin_peers: [0; MAX_RANKS],
+            row_off: [0; MAX_NODES],
+            num_tokens: 0,
+            topk: 0,
+            hidden: 0,
+            num_experts: 0,
+            nodes: 0,
+            node: 0,
+            home_rank: 0,
+            recv_rows: 0,
+        }
+    }
+}
+
 // The same numbers abi.cuh static_asserts.
 const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
@@ -419,6 +489,7 @@ const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
 const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
+const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 480);
 
 #[cfg(test)]
 mod tests {
@@ -458,6 +529,10 @@ mod tests {
         assert_eq!(offset_of!(LlParams, out), 536);
         assert_eq!(offset_of!(LlParams, set), 544);
         assert_eq!(offset_of!(LlParams, in_place), 560);
+        assert_eq!(offset_of!(TwoLevelParams, origin_peers), 128);
+        assert_eq!(offset_of!(TwoLevelParams, row_off), 192);
+        assert_eq!(offset_of!(TwoLevelParams, num_tokens), 448);
+        assert_eq!(offset_of!(TwoLevelParams, recv_rows), 476);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.
@@ -477,6 +552,7 @@ mod tests {
                 .to_string()
         };
         assert_eq!(define("MOE_EP_MAX_RANKS"), MAX_RANKS.to_string());
+        assert_eq!(define("MOE_EP_MAX_NODES"), MAX_NODES.to_string());
         assert_eq!(define("MOE_EP_MAX_BLOCKS"), MAX_BLOCKS.to_string());
         assert_eq!(define("MOE_EP_MAX_TOPK"), MAX_TOPK.to_string());
         assert_eq!(define("MOE_EP_THREADS"), THREADS.to_string());

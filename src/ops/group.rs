@@ -66,9 +66,9 @@ pub struct GroupConfig {
     /// each other over NVLink; tokens for another node cross the network
     /// once, to the rank of that node with the same local index (the rail
     /// peer; `docs/rdma-model.md`). A divisor of the world size, at most 8;
-    /// `0` (the default) is the whole world on one node. Only the single
-    /// node is built: a value that makes more than one node is refused by
-    /// [`validate`](Self::validate).
+    /// `0` (the default) is the whole world on one node. An [`EpGroup`]
+    /// runs one node ([`validate`](Self::validate) refuses more); a world
+    /// of several nodes runs on [`TwoLevelGroup`](super::TwoLevelGroup).
     pub ranks_per_node: usize,
 }
 
@@ -95,13 +95,31 @@ impl GroupConfig {
         Topology::new(world, self.ranks_per_node)
     }
 
-    /// Checks every field against the world size, naming the bad one.
+    /// Checks every field against the world size for an [`EpGroup`],
+    /// naming the bad one.
     ///
     /// The world and `ranks_per_node` first ([`Topology::new`]: at most 8
     /// ranks on one node, a divisor of the world), then every other field;
-    /// last, a world of more than one node is refused by `ranks_per_node`,
-    /// since the inter-node path is not built yet.
+    /// last, a world of more than one node is refused by `ranks_per_node`:
+    /// it runs on [`TwoLevelGroup`](super::TwoLevelGroup).
     pub fn validate(&self, world: usize) -> Result<()> {
+        let topology = self.validate_fields(world)?;
+        if topology.nodes() > 1 {
+            return Err(Error::arg(
+                "ranks_per_node",
+                format!(
+                    "the world size {world} or 0: EpGroup runs one node (a world of \
+                     several nodes runs on TwoLevelGroup, which the C ABI does not have yet)"
+                ),
+                format!("{} ({} nodes)", self.ranks_per_node, topology.nodes()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// [`validate`](Self::validate) but the one-node rule: the world's
+    /// nodes when every field is good.
+    pub(crate) fn validate_fields(&self, world: usize) -> Result<Topology> {
         let topology = self.topology(world)?;
         if self.num_experts == 0
             || !self.num_experts.is_multiple_of(world)
@@ -158,17 +176,7 @@ impl GroupConfig {
                 self.recv_capacity,
             ));
         }
-        if topology.nodes() > 1 {
-            return Err(Error::arg(
-                "ranks_per_node",
-                format!(
-                    "the world size {world} or 0: the inter-node path is not built yet, \
-                     so all ranks must be on one node"
-                ),
-                format!("{} ({} nodes)", self.ranks_per_node, topology.nodes()),
-            ));
-        }
-        Ok(())
+        Ok(topology)
     }
 }
 

@@ -11,7 +11,9 @@
 //! `residency.rs`, the nodes of a world and their rail peers ([`Topology`])
 //! in `topology.rs`, the network hop between rail peers (`RailHop`, public
 //! with the feature `raw`) in `rail_hop.rs`, its chunk rounds for one
-//! dispatch (`hop_rounds`) in `hop_plan.rs`.
+//! dispatch (`hop_rounds`) in `hop_plan.rs`, and the two-level path over
+//! several nodes ([`TwoLevelGroup`], `kernels-cuda/two_level.cu`) in
+//! `two_level.rs`.
 //!
 //! ```ignore
 //! let group = EpGroup::new(&comm, GroupConfig::new(256, 7168, 4096))?;     // collective
@@ -37,7 +39,7 @@ mod handle;
 pub mod hop_plan;
 #[cfg(not(feature = "raw"))]
 #[cfg_attr(not(feature = "raw"), allow(dead_code))]
-// the inter-node path's chunk rounds: the raw API and its tests use them so far
+// the inter-node path's plans (the chunk rounds are not used by the ops yet)
 pub(crate) mod hop_plan;
 mod layout;
 mod low_latency;
@@ -45,10 +47,11 @@ mod low_latency;
 pub mod rail_hop;
 #[cfg(not(feature = "raw"))]
 #[cfg_attr(not(feature = "raw"), allow(dead_code))]
-// the inter-node path's hop: the raw API and its tests use it so far
+// the inter-node path's hop (some of its accessors serve the raw API only)
 pub(crate) mod rail_hop;
 mod residency;
 mod topology;
+mod two_level;
 
 pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 pub use group::{EpGroup, GroupConfig, Mode};
@@ -62,3 +65,4 @@ pub use low_latency::{
 pub use rail_hop::{HopRecv, HopSend, RailHop};
 pub use residency::{residency, Residency};
 pub use topology::Topology;
+pub use two_level::{TwoLevelGroup, TwoLevelHandle};

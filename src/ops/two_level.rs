@@ -1,0 +1,890 @@
+//! The two-level (inter-node) path: [`TwoLevelGroup`], a world of several
+//! nodes (`GroupConfig::ranks_per_node`), and its [`TwoLevelHandle`].
+//!
+//! A token crosses the network once per remote node it reaches, to the rank
+//! of that node with its own local index (its rail peer), which forwards it
+//! over NVLink inside its node; combine runs the other way, each node's
+//! partial summed inside the node before it crosses the network, and the
+//! home sums the nodes in ascending order (`docs/rdma-model.md`,
+//! [`crate::reference::two_level`]). Per op:
+//!
+//! - layout: the node streams (`moe_ep_two_level_streams_*`: each token's
+//!   row in its stream to each node), their lengths to the host and to every
+//!   rank (one all-gather: the host waits here), each stream's node-local
+//!   expert ids and origins packed (`pack_ids`) and sent to the rail peers
+//!   ([`RailHop`]), then the node group's layout of the forward batch (the
+//!   rows landed from the nodes below, this rank's own rows, the rows landed
+//!   from the nodes above);
+//! - dispatch: the rows and weights packed (`pack_rows`), sent, and
+//!   dispatched inside the node; the received rows' sources mapped back to
+//!   (home rank, home token) (`remap_src`);
+//! - combine: the node group's combine of the forward batch, the partials
+//!   sent back, the home's sum over nodes (`node_sum`);
+//! - dispatch backward: as combine, plus the weight gradients (`gather_w`);
+//! - combine backward: as dispatch, without weights.
+//!
+//! The received rows are the flat dispatch's rows in another order: grouped
+//! by forwarding rank, then home node, then token
+//! ([`two_level_dispatch`](crate::reference::two_level_dispatch)).
+//!
+//! Kernels: `kernels-cuda/two_level.cu`; the forwarding is the NVLink path
+//! (the node's [`EpGroup`]). Tests: `tests/gpu_two_level.rs` (virtual nodes).
+//!
+//! Not built yet: the hop in chunks overlapped with the forwarding (each op
+//! sends everything, then forwards), and the path through [`EpGroup`] itself
+//! (a world of several nodes runs on this type).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use half::bf16;
+
+use super::abi::{TwoLevelParams, MAX_NODES, MAX_TOPK};
+use super::buffers::{
+    DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx, ROW_ALIGN,
+};
+use super::group::{EpGroup, GroupConfig, Mode};
+use super::handle::Handle;
+use super::hop_plan::hop_rows;
+use super::layout::RecvLayout;
+use super::rail_hop::{HopRecv, HopSend, RailHop};
+use super::topology::Topology;
+use crate::error::{Error, Result};
+use crate::runtime::{nvtx, Communicator, Function, Module};
+use crate::symm::SymmBuffer;
+
+/// The kernels of `two_level.cu`.
+struct Kernels {
+    streams_i32: Function,
+    streams_i64: Function,
+    pack_ids_i32: Function,
+    pack_ids_i64: Function,
+    pack_rows: Function,
+    node_sum: Function,
+    gather_w: Function,
+    remap_src: Function,
+}
+
+impl Kernels {
+    fn load(comm: &Communicator) -> Result<Kernels> {
+        let m = Module::get(comm.context(), "two_level")?;
+        Ok(Kernels {
+            streams_i32: m.function("moe_ep_two_level_streams_i32")?,
+            streams_i64: m.function("moe_ep_two_level_streams_i64")?,
+            pack_ids_i32: m.function("moe_ep_two_level_pack_ids_i32")?,
+            pack_ids_i64: m.function("moe_ep_two_level_pack_ids_i64")?,
+            pack_rows: m.function("moe_ep_two_level_pack_rows")?,
+            node_sum: m.function("moe_ep_two_level_node_sum")?,
+            gather_w: m.function("moe_ep_two_level_gather_w")?,
+            remap_src: m.function("moe_ep_two_level_remap_src")?,
+        })
+    }
+}
+
+/// Threads of the node-streams blocks (`kStreamThreads` in two_level.cu).
+const STREAM_THREADS: u32 = 1024;
+/// Threads of every other two-level kernel.
+const THREADS: u32 = 256;
+
+/// A grid of `THREADS`-thread blocks for `items` items of `per_block` each.
+fn grid(items: usize, per_block: usize) -> u32 {
+    items.div_ceil(per_block).clamp(1, 4096) as u32
+}
+
+/// An expert-parallel group over a world of several nodes: the node's own
+/// [`EpGroup`] (over [`Communicator::split`]) forwards inside the node, a
+/// [`RailHop`] crosses between nodes. Creating it is collective (over the
+/// world); so is every op.
+///
+/// Unlike the one-node path, the layout waits on the host (the stream
+/// lengths go to every rank before the hop can be sized), so it cannot be
+/// captured in a CUDA graph; dispatch, combine and the backward passes do
+/// not wait on the host.
+pub struct TwoLevelGroup {
+    comm: Arc<Communicator>,
+    cfg: GroupConfig,
+    topology: Topology,
+    node: EpGroup,
+    hop: RailHop,
+    k: Kernels,
+    /// This group's number in the process (handles remember it).
+    id: u64,
+}
+
+/// Where one rank's rows lie on the two-level path: its forward batch (the
+/// node segments in node order, its own at `fwd_off[node]`) and its send
+/// range (its streams to the remote nodes in node order).
+struct Plan {
+    /// `row_off[m]`: the first row of node `m`'s rows (the kernels' view).
+    row_off: [i32; MAX_NODES],
+    /// Rows of this rank's stream to each remote node (0 at its own node).
+    send_rows: Vec<usize>,
+    /// Rows the rail peer on each remote node sends here (0 at its own node).
+    recv_rows: Vec<usize>,
+    /// First row of each node's segment of the forward batch.
+    fwd_off: Vec<usize>,
+    /// First row of each remote node's stream in the send range.
+    send_off: Vec<usize>,
+    /// Rows of the forward batch and of the send range.
+    fwd_rows: usize,
+    sent_rows: usize,
+}
+
+/// The routing of one batch on the two-level path ([`TwoLevelGroup::layout`]).
+pub struct TwoLevelHandle {
+    node: Handle,
+    num_tokens: usize,
+    topk: usize,
+    /// `[T][N]` each token's row in its stream to each node, -1 if not reached.
+    pos: CudaSlice<i32>,
+    plan: Plan,
+    /// `[fwd_rows][K]` and `[sent_rows][K]` node-local ids.
+    own_ids: CudaSlice<i32>,
+    net_ids: CudaSlice<i32>,
+    /// `[N * max_tokens][2]` (home rank, token) of every forward-batch row,
+    /// in the node group's pool (read by the node's receivers).
+    origin: SymmBuffer<i32>,
+    /// Rows the node group's dispatch delivers here.
+    received: usize,
+    group: u64,
+}
+
+impl TwoLevelHandle {
+    /// The node group's handle of the forward batch: its counts are this
+    /// rank's receive counts (`host_counts().recv_rows`,
+    /// `tokens_per_local_expert`); its rank and expert counts are the node's.
+    pub fn node_handle(&self) -> &Handle {
+        &self.node
+    }
+    /// The receive layout.
+    pub fn layout(&self) -> RecvLayout {
+        self.node.layout()
+    }
+    /// This rank's tokens in the batch.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    /// Rows dispatch delivers here (expert-major: padded).
+    pub fn recv_rows(&self) -> usize {
+        self.received
+    }
+    /// Network rows this rank sends per remote node in dispatch (and
+    /// receives back in combine), by node; 0 at its own node.
+    pub fn network_rows_sent(&self) -> &[usize] {
+        &self.plan.send_rows
+    }
+    /// Network rows this rank receives per remote node in dispatch.
+    pub fn network_rows_received(&self) -> &[usize] {
+        &self.plan.recv_rows
+    }
+}
+
+static NEXT_GROUP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl TwoLevelGroup {
+    /// Creates the group (collective over the world `comm`): `cfg` as for
+    /// [`EpGroup::new`], with `ranks_per_node` making at least two nodes
+    /// (one node is [`EpGroup`]'s); high-throughput mode only.
+    ///
+    /// Errors, by field: the checks of [`GroupConfig::validate`] but the
+    /// one-node rule; `ranks_per_node` making one node; more than
+    /// [`MAX_NODES`] nodes; `mode` low-latency; `max_tokens_per_rank` times
+    /// the nodes above 2^20 (a forward batch holds a row per node); a field
+    /// that differs between ranks (every rank fails, naming the field).
+    pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<TwoLevelGroup> {
+        let world = comm.world();
+        let topology = cfg.validate_fields(world)?;
+        let nodes = topology.nodes();
+        if nodes < 2 {
+            return Err(Error::arg(
+                "ranks_per_node",
+                format!("fewer than the world size {world} (one node runs on EpGroup)"),
+                cfg.ranks_per_node,
+            ));
+        }
+        if nodes > MAX_NODES {
+            return Err(Error::arg(
+                "ranks_per_node",
+                format!("at most {MAX_NODES} nodes"),
+                format!("{} ({nodes} nodes)", cfg.ranks_per_node),
+            ));
+        }
+        if cfg.mode != Mode::HighThroughput {
+            return Err(Error::arg(
+                "mode",
+                "Mode::HighThroughput (the two-level path has no low-latency kernels)",
+                format!("{:?}", cfg.mode),
+            ));
+        }
+        let ctx = comm.context().clone();
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+        // Every rank's shared fields (the node groups compare the rest).
+        let mine = [
+            cfg.num_experts as u64,
+            cfg.hidden as u64,
+            cfg.max_tokens_per_rank as u64,
+            topology.ranks_per_node() as u64,
+        ];
+        let all = comm.all_gather_host(&stream, &mine)?;
+        let names = [
+            "num_experts",
+            "hidden",
+            "max_tokens_per_rank",
+            "ranks_per_node",
+        ];
+        for (r, theirs) in all.chunks(mine.len()).enumerate() {
+            if let Some(f) = (0..mine.len()).find(|&f| theirs[f] != mine[f]) {
+                return Err(Error::arg(
+                    names[f],
+                    format!(
+                        "the same value on every rank (rank {} has {})",
+                        comm.rank(),
+                        mine[f]
+                    ),
+                    format!("rank {r} has {}", theirs[f]),
+                ));
+            }
+        }
+        let mut node_cfg = cfg.clone();
+        node_cfg.num_experts = cfg.num_experts / nodes;
+        node_cfg.max_tokens_per_rank = cfg.max_tokens_per_rank * nodes;
+        node_cfg.ranks_per_node = 0;
+        if node_cfg.max_tokens_per_rank > (1 << 20) {
+            return Err(Error::arg(
+                "max_tokens_per_rank",
+                format!("at most 2^20 / {nodes} nodes (a forward batch holds a row per node)"),
+                cfg.max_tokens_per_rank,
+            ));
+        }
+        if node_cfg.recv_capacity == 0 {
+            node_cfg.recv_capacity = world * cfg.max_tokens_per_rank;
+        }
+        let hop = RailHop::new(comm, topology)?;
+        let node_comm = comm.split(&stream, comm.rank() / topology.ranks_per_node())?;
+        let node = EpGroup::new(&node_comm, node_cfg)?;
+        let k = Kernels::load(comm)?;
+        Ok(TwoLevelGroup {
+            comm: comm.clone(),
+            cfg,
+            topology,
+            node,
+            hop,
+            k,
+            id: NEXT_GROUP.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    /// The world's configuration.
+    pub fn config(&self) -> &GroupConfig {
+        &self.cfg
+    }
+    /// The nodes of the world.
+    pub fn topology(&self) -> Topology {
+        self.topology
+    }
+    /// The node's group: its pool holds caller-supplied receive buffers
+    /// (zero copy) and symmetric expert outputs; its `recv_capacity` is
+    /// this group's.
+    pub fn node_group(&self) -> &EpGroup {
+        &self.node
+    }
+    /// Rows every rank's receive buffers hold.
+    pub fn recv_capacity(&self) -> usize {
+        self.node.recv_capacity()
+    }
+    /// The world communicator.
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    /// The parameters every kernel of an op on `h` starts from.
+    fn params(&self, h: &TwoLevelHandle) -> TwoLevelParams {
+        TwoLevelParams {
+            pos: dptr(&h.pos),
+            own_ids: dptr(&h.own_ids),
+            net_ids: dptr(&h.net_ids),
+            row_off: h.plan.row_off,
+            num_tokens: h.num_tokens as i32,
+            topk: h.topk as i32,
+            hidden: self.cfg.hidden as i32,
+            num_experts: self.cfg.num_experts as i32,
+            nodes: self.topology.nodes() as i32,
+            node: self.topology.node_of(self.comm.rank()) as i32,
+            home_rank: self.comm.rank() as i32,
+            ..Default::default()
+        }
+    }
+
+    /// Refuses a handle of another group.
+    fn check_handle(&self, h: &TwoLevelHandle) -> Result<()> {
+        if h.group != self.id {
+            return Err(Error::arg(
+                "handle",
+                "a handle made by this group's layout",
+                "a handle of another group",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The network hop of `row_bytes`-byte rows: forward (dispatch's way)
+    /// from this rank's send range `net` into its rail peers' forward
+    /// batches, or back (combine's way) from its forward batch `own` into
+    /// the homes' landing ranges `net`.
+    fn hop(
+        &self,
+        stream: &Arc<CudaStream>,
+        h: &Plan,
+        own: u64,
+        net: u64,
+        row_bytes: usize,
+        forward: bool,
+    ) -> Result<()> {
+        let (rank, me) = (self.comm.rank(), self.topology.node_of(self.comm.rank()));
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        for m in (0..self.topology.nodes()).filter(|&m| m != me) {
+            let peer = self.topology.rail_peer(rank, m);
+            let out = HopSend {
+                peer,
+                src: net + (h.send_off[m] * row_bytes) as u64,
+                bytes: h.send_rows[m] * row_bytes,
+            };
+            let inn = HopRecv {
+                peer,
+                dst: own + (h.fwd_off[m] * row_bytes) as u64,
+                bytes: h.recv_rows[m] * row_bytes,
+            };
+            match forward {
+                true => {
+                    sends.push(out);
+                    recvs.push(inn);
+                }
+                false => {
+                    sends.push(HopSend {
+                        peer,
+                        src: inn.dst,
+                        bytes: inn.bytes,
+                    });
+                    recvs.push(HopRecv {
+                        peer,
+                        dst: out.src,
+                        bytes: out.bytes,
+                    });
+                }
+            }
+        }
+        // SAFETY: every range lies in the handle's or the op's buffers,
+        // sized by the handle's row counts (send range `sent_rows`, forward
+        // batch `fwd_rows` rows of `row_bytes`), which the ranks agreed on
+        // in the layout; they outlive the work enqueued on `stream` (freed
+        // in stream order); the ranges of one call do not overlap.
+        unsafe { self.hop.exchange(stream, &sends, &recvs) }
+    }
+
+    /// Computes the two-level routing (collective over the world, and waits
+    /// on the host): the node streams, their lengths on every rank, the
+    /// forward batch's ids and origins at the rail peers, and the node
+    /// group's layout of it. `topk_idx` is `[T, topk]`, `T <=
+    /// max_tokens_per_rank`; a bad expert id (outside `-1..E`, or twice in
+    /// a token) on any rank fails every rank here with
+    /// [`Error::InvalidDeviceData`] naming `topk_idx`, the rank, the token
+    /// and the slot.
+    pub fn layout(
+        &self,
+        stream: &Arc<CudaStream>,
+        topk_idx: TopkIdx<'_>,
+        topk: usize,
+        layout: RecvLayout,
+    ) -> Result<TwoLevelHandle> {
+        let _range = nvtx::range("moe_ep::two_level::layout");
+        let (idx_ptr, idx_len) = topk_idx.ptr_len();
+        if topk == 0 || topk > MAX_TOPK || topk > self.cfg.num_experts {
+            return Err(Error::arg(
+                "topk",
+                format!("1..={MAX_TOPK} (and at most num_experts)"),
+                topk,
+            ));
+        }
+        if idx_len % topk != 0 {
+            return Err(Error::arg(
+                "topk_idx",
+                format!("[T, {topk}] (a multiple of {topk} elements)"),
+                format!("{idx_len} elements"),
+            ));
+        }
+        let t = idx_len / topk;
+        if t > self.cfg.max_tokens_per_rank {
+            return Err(Error::arg(
+                "topk_idx",
+                format!(
+                    "at most max_tokens_per_rank = {} tokens",
+                    self.cfg.max_tokens_per_rank
+                ),
+                format!("{t} tokens"),
+            ));
+        }
+        let elem = match topk_idx {
+            TopkIdx::I32(b) => {
+                self.node
+                    .check_region("topk_idx", b, t * topk, "[T, K] i32", 4)?;
+                4
+            }
+            TopkIdx::I64(b) => {
+                self.node
+                    .check_region("topk_idx", b, t * topk, "[T, K] i64", 8)?;
+                8
+            }
+        };
+        layout.validate()?;
+        let (rank, n) = (self.comm.rank(), self.topology.nodes());
+        let me = self.topology.node_of(rank);
+        self.comm
+            .context()
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let pos = alloc::<i32>(stream, t * n)?;
+        let lens = alloc::<i32>(stream, n + 1)?;
+        let mut p = TwoLevelParams {
+            topk_idx: idx_ptr,
+            pos: dptr(&pos),
+            lens: dptr(&lens),
+            num_tokens: t as i32,
+            topk: topk as i32,
+            num_experts: self.cfg.num_experts as i32,
+            nodes: n as i32,
+            node: me as i32,
+            home_rank: rank as i32,
+            ..Default::default()
+        };
+        let (streams, pack_ids) = match topk_idx {
+            TopkIdx::I32(_) => (&self.k.streams_i32, &self.k.pack_ids_i32),
+            TopkIdx::I64(_) => (&self.k.streams_i64, &self.k.pack_ids_i64),
+        };
+        // SAFETY: p mirrors TwoLevelParams; topk_idx holds [T, K] (checked),
+        // pos [T, N] and lens [N + 1] were allocated above.
+        unsafe { streams.launch(stream, n as u32, STREAM_THREADS, 0, &p)? };
+        // Drained before the pageable copy (see `Handle::host_counts`).
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        let host_lens = stream
+            .clone_dtoh(&lens)
+            .map_err(Error::cuda("cuMemcpyDtoH"))?;
+        // Every rank's lengths and verdict (the all-gather waits for the
+        // kernel on every rank).
+        let all = self.comm.all_gather_host(stream, &host_lens)?;
+        for (r, theirs) in all.chunks(n + 1).enumerate() {
+            if theirs[n] != 0 {
+                return Err(self.bad_entry(stream, r, theirs[n] - 1, topk, idx_ptr, elem));
+            }
+        }
+        let lens_all: Vec<usize> = all
+            .chunks(n + 1)
+            .flat_map(|c| c[..n].iter().map(|&v| v as usize))
+            .collect();
+        let (send_rows, recv_rows) = hop_rows(&self.topology, rank, &lens_all)?;
+        let own_len = lens_all[rank * n + me];
+        let (mut fwd_off, mut send_off) = (vec![0; n], vec![0; n]);
+        let (mut fwd_rows, mut sent_rows) = (0, 0);
+        let mut row_off = [0i32; MAX_NODES];
+        for m in 0..n {
+            fwd_off[m] = fwd_rows;
+            fwd_rows += if m == me { own_len } else { recv_rows[m] };
+            send_off[m] = sent_rows;
+            sent_rows += send_rows[m];
+            row_off[m] = if m == me { fwd_off[m] } else { send_off[m] } as i32;
+        }
+        let plan = Plan {
+            row_off,
+            send_rows,
+            recv_rows,
+            fwd_off,
+            send_off,
+            fwd_rows,
+            sent_rows,
+        };
+        let own_ids = alloc::<i32>(stream, fwd_rows * topk)?;
+        let net_ids = alloc::<i32>(stream, sent_rows * topk)?;
+        let net_origin = alloc::<i32>(stream, sent_rows * 2)?;
+        // Collective: the same size on every rank of the node.
+        let origin: SymmBuffer<i32> = self
+            .node
+            .pool()
+            .alloc(n * self.cfg.max_tokens_per_rank * 2)?;
+        origin.used_on(stream)?;
+        p.row_off = row_off;
+        p.own_ids = dptr(&own_ids);
+        p.net_ids = dptr(&net_ids);
+        p.own_origin = origin.device_ptr();
+        p.net_origin = dptr(&net_origin);
+        // SAFETY: as above; the rows written are those of the streams, inside
+        // the forward batch (fwd_rows) and the send range (sent_rows).
+        unsafe { pack_ids.launch(stream, grid(t, THREADS as usize), THREADS, 0, &p)? };
+        self.hop(
+            stream,
+            &plan,
+            dptr(&own_ids),
+            dptr(&net_ids),
+            4 * topk,
+            true,
+        )?;
+        self.hop(
+            stream,
+            &plan,
+            origin.device_ptr(),
+            dptr(&net_origin),
+            8,
+            true,
+        )?;
+        let ids = own_ids.slice(0..fwd_rows * topk);
+        let node = self.node.layout(stream, TopkIdx::I32(&ids), topk, layout)?;
+        let received = node.host_counts(stream)?.recv_rows;
+        Ok(TwoLevelHandle {
+            node,
+            num_tokens: t,
+            topk,
+            pos,
+            plan,
+            own_ids,
+            net_ids,
+            origin,
+            received,
+            group: self.id,
+        })
+    }
+
+    /// Sends every token to the ranks of its experts: over the network to
+    /// its rail peers, then inside each node (the node group's dispatch).
+    /// `x` is `[T, H]` bf16, `topk_weights` `[T, K]` f32; `out` as for
+    /// [`EpGroup::dispatch`] (buffers of the node group's pool). The rows
+    /// are the flat dispatch's, grouped by forwarding rank, then home node,
+    /// then token; `src` gives each row's (home rank, home token).
+    pub fn dispatch<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        x: &dyn DeviceRegion<bf16>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOut<'a>,
+    ) -> Result<Dispatched<'a>> {
+        let _range = nvtx::range("moe_ep::two_level::dispatch");
+        self.check_handle(handle)?;
+        let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
+        self.node
+            .check_region("x", x, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        self.node
+            .check_region("topk_weights", topk_weights, t * k, "[T, K] f32", 4)?;
+        let plan = &handle.plan;
+        let fwd_x = alloc::<bf16>(stream, plan.fwd_rows * h)?;
+        let fwd_w = alloc::<f32>(stream, plan.fwd_rows * k)?;
+        let net_x = alloc::<bf16>(stream, plan.sent_rows * h)?;
+        let net_w = alloc::<f32>(stream, plan.sent_rows * k)?;
+        self.pack_rows(
+            stream,
+            handle,
+            x.device_ptr(),
+            topk_weights.device_ptr(),
+            &fwd_x,
+            &net_x,
+            Some((&fwd_w, &net_w)),
+        )?;
+        self.hop(stream, plan, dptr(&fwd_x), dptr(&net_x), 2 * h, true)?;
+        self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, true)?;
+        let (xs, ws) = (
+            fwd_x.slice(0..plan.fwd_rows * h),
+            fwd_w.slice(0..plan.fwd_rows * k),
+        );
+        let got = self.node.dispatch(stream, &handle.node, &xs, &ws, out)?;
+        // The rows' sources: (forwarding node rank, forward row) to (home
+        // rank, home token), from the forwarders' origins.
+        let mut p = self.params(handle);
+        p.recv_src = got.src.device_ptr();
+        p.recv_rows = handle.received as i32;
+        for (j, peer) in p
+            .origin_peers
+            .iter_mut()
+            .enumerate()
+            .take(self.node.comm().world())
+        {
+            *peer = handle.origin.peer_ptr(j).ok_or_else(|| {
+                Error::InvalidState(format!(
+                    "the forward batch origins of node rank {j} are not reachable"
+                ))
+            })?;
+        }
+        // SAFETY: p mirrors TwoLevelParams; recv_src holds the rows the
+        // node's dispatch delivered (recv_rows), each forwarder's origin
+        // buffer every row of its forward batch.
+        unsafe {
+            self.k.remap_src.launch(
+                stream,
+                grid(handle.received, THREADS as usize),
+                THREADS,
+                0,
+                &p,
+            )?
+        };
+        Ok(got)
+    }
+
+    /// Brings expert outputs home and sums them per token in a fixed order:
+    /// inside each node as the node group's combine (ascending rank), then,
+    /// at home, over the nodes ascending (f32 from 0, one bf16 term per
+    /// node, one rounding); the same bits on every run. Arguments as for
+    /// [`EpGroup::combine`], in this handle's receive layout.
+    pub fn combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        expert_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &mut dyn DeviceRegionMut<bf16>,
+    ) -> Result<()> {
+        let _range = nvtx::range("moe_ep::two_level::combine");
+        self.check_handle(handle)?;
+        let (t, h) = (handle.num_tokens, self.cfg.hidden);
+        self.node
+            .check_region("out", &*out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        let plan = &handle.plan;
+        let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
+        {
+            let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
+            self.node
+                .combine(stream, &handle.node, expert_out, weights, &mut view)?;
+        }
+        let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
+        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false)?;
+        self.node_sum(stream, handle, &fwd, &net, out.device_ptr())
+    }
+
+    /// Backward of dispatch: the gradient of the received tokens combined
+    /// home (unweighted, in combine's order), and the gradient of the
+    /// received weights routed back to `[T, K]` (`grad_topk_weights`, when
+    /// given). Arguments as for [`EpGroup::dispatch_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn dispatch_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        grad_recv_tokens: &dyn DeviceRegion<bf16>,
+        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
+        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
+        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+    ) -> Result<()> {
+        let _range = nvtx::range("moe_ep::two_level::dispatch_backward");
+        self.check_handle(handle)?;
+        let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
+        self.node.check_region(
+            "grad_tokens",
+            &*grad_tokens,
+            t * h,
+            "[T, hidden] bf16",
+            ROW_ALIGN,
+        )?;
+        if let Some(g) = grad_topk_weights.as_deref() {
+            self.node
+                .check_region("grad_topk_weights", g, t * k, "[T, K] f32", 4)?;
+        }
+        let plan = &handle.plan;
+        let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
+        let mut fwd_w = alloc::<f32>(stream, plan.fwd_rows * k)?;
+        {
+            let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
+            let mut view_w = fwd_w.slice_mut(0..plan.fwd_rows * k);
+            let gw: Option<&mut dyn DeviceRegionMut<f32>> = match grad_topk_weights {
+                Some(_) => Some(&mut view_w),
+                None => None,
+            };
+            self.node.dispatch_backward(
+                stream,
+                &handle.node,
+                grad_recv_tokens,
+                grad_recv_topk_weights,
+                &mut view,
+                gw,
+            )?;
+        }
+        let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
+        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false)?;
+        self.node_sum(stream, handle, &fwd, &net, grad_tokens.device_ptr())?;
+        if let Some(g) = grad_topk_weights {
+            let net_w = alloc::<f32>(stream, plan.sent_rows * k)?;
+            self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, false)?;
+            let mut p = self.params(handle);
+            p.own_w = dptr(&fwd_w);
+            p.net_w = dptr(&net_w);
+            p.out_w = g.device_ptr();
+            // SAFETY: p mirrors TwoLevelParams; out_w holds [T, K] (checked),
+            // the weight rows every row the handle's streams name.
+            unsafe {
+                self.k
+                    .gather_w
+                    .launch(stream, grid(t * k, THREADS as usize), THREADS, 0, &p)?
+            };
+        }
+        Ok(())
+    }
+
+    /// Backward of combine: the gradient of the output `[T, H]` sent to
+    /// every row of the token (over the network to the rail peers, then the
+    /// node group's combine backward); with `weights` (expert-major, as
+    /// given to combine) each row is scaled by its weight. Arguments as for
+    /// [`EpGroup::combine_backward`].
+    pub fn combine_backward<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        grad_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
+    ) -> Result<RecvBuf<'a, bf16>> {
+        let _range = nvtx::range("moe_ep::two_level::combine_backward");
+        self.check_handle(handle)?;
+        let (t, h) = (handle.num_tokens, self.cfg.hidden);
+        self.node
+            .check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        let plan = &handle.plan;
+        let fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
+        let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
+        self.pack_rows(stream, handle, grad_out.device_ptr(), 0, &fwd, &net, None)?;
+        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, true)?;
+        let view = fwd.slice(0..plan.fwd_rows * h);
+        self.node
+            .combine_backward(stream, &handle.node, &view, weights, grad_expert_out)
+    }
+
+    /// Copies each token's row of `x` (and, with `w`, its weights masked
+    /// to the node) to its row for every node it reaches.
+    #[allow(clippy::too_many_arguments)]
+    fn pack_rows(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        x: u64,
+        topk_w: u64,
+        own_x: &CudaSlice<bf16>,
+        net_x: &CudaSlice<bf16>,
+        w: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+    ) -> Result<()> {
+        let mut p = self.params(handle);
+        p.x = x;
+        p.own_x = dptr(own_x);
+        p.net_x = dptr(net_x);
+        if let Some((own_w, net_w)) = w {
+            p.topk_w = topk_w;
+            p.own_w = dptr(own_w);
+            p.net_w = dptr(net_w);
+        }
+        // SAFETY: p mirrors TwoLevelParams; x holds [T, H] (and topk_w [T, K],
+        // checked by the callers), the destinations every row the streams
+        // name (fwd_rows, sent_rows).
+        unsafe {
+            self.k.pack_rows.launch(
+                stream,
+                grid(handle.num_tokens, (THREADS / 32) as usize),
+                THREADS,
+                0,
+                &p,
+            )
+        }
+    }
+
+    /// The home's sum over nodes into `out` (`[T, H]`): `own` is this rank's
+    /// node group's output for its forward batch, `net` what the rail peers
+    /// sent back.
+    fn node_sum(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        own: &CudaSlice<bf16>,
+        net: &CudaSlice<bf16>,
+        out: u64,
+    ) -> Result<()> {
+        let mut p = self.params(handle);
+        p.own_x = dptr(own);
+        p.net_x = dptr(net);
+        p.out = out;
+        // SAFETY: p mirrors TwoLevelParams; out holds [T, H] (checked by the
+        // callers), own and net every row the streams name.
+        unsafe {
+            self.k.node_sum.launch(
+                stream,
+                grid(handle.num_tokens, (THREADS / 32) as usize),
+                THREADS,
+                0,
+                &p,
+            )
+        }
+    }
+
+    /// The error of rank `r`'s first bad routing entry (`key` = 4 * (t * K
+    /// + slot) + kind), as every rank reports it.
+    fn bad_entry(
+        &self,
+        stream: &Arc<CudaStream>,
+        r: usize,
+        key: i32,
+        topk: usize,
+        idx_ptr: u64,
+        elem: usize,
+    ) -> Error {
+        let (flat, kind) = ((key / 4) as usize, key % 4);
+        let (t, s) = (flat / topk, flat % topk);
+        let who = if r == self.comm.rank() {
+            format!("rank {r} (this rank)")
+        } else {
+            format!("rank {r}")
+        };
+        // This rank's own value, for the message.
+        let value = (r == self.comm.rank())
+            .then(|| read_entry(stream, idx_ptr + (flat * elem) as u64, elem).ok())
+            .flatten();
+        let what = match (kind, value) {
+            (1, Some(v)) => format!("expert id {v} not in [-1, {})", self.cfg.num_experts),
+            (1, None) => format!("an expert id not in [-1, {})", self.cfg.num_experts),
+            (_, Some(v)) => format!("expert {v} appears twice in the token's top-k"),
+            (_, None) => "an expert that appears twice in the token's top-k".to_string(),
+        };
+        Error::InvalidDeviceData {
+            arg: "topk_idx",
+            detail: format!("{who}: token {t} slot {s}: {what}"),
+        }
+    }
+}
+
+/// A device address of a slice (no event bookkeeping: the two-level ops
+/// enqueue everything on the stream the slice was allocated on).
+fn dptr<T>(s: &CudaSlice<T>) -> u64 {
+    DeviceRegion::device_ptr(s)
+}
+
+/// `len` elements (at least one) of stream-ordered device memory, not zeroed:
+/// every buffer of the two-level ops is written (by a kernel or the hop) in
+/// every element that is read.
+fn alloc<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    // SAFETY: see above; the slice is freed in stream order.
+    unsafe { stream.alloc::<T>(len.max(1)) }.map_err(Error::cuda("cuMemAlloc"))
+}
+
+/// One routing entry of `elem` bytes at `ptr`, read back for an error message.
+fn read_entry(stream: &Arc<CudaStream>, ptr: u64, elem: usize) -> Result<i64> {
+    let mut b = [0u8; 8];
+    stream
+        .synchronize()
+        .map_err(Error::cuda("cuStreamSynchronize"))?;
+    // SAFETY: ptr lies in the caller's topk_idx (checked to hold the entry).
+    unsafe {
+        cudarc::driver::result::memcpy_dtoh_sync(&mut b[..elem], ptr)
+            .map_err(Error::cuda("cuMemcpyDtoH"))?;
+    }
+    Ok(match elem {
+        4 => i32::from_le_bytes(b[..4].try_into().unwrap()) as i64,
+        _ => i64::from_le_bytes(b),
+    })
+}
