@@ -4,8 +4,11 @@
 //! nodes of one GPU when there are at least two (the hop then runs over
 //! NCCL).
 //!
-//! Each case runs layout, dispatch, combine and both backward passes in
-//! both receive layouts on every rank and checks them against the CPU
+//! The case table is the NVLink path's (`tests/common/cases.rs`: one module
+//! per case, a test per receive layout), plus routings of their own: every
+//! expert on another node, every expert on the own node, a node with no
+//! tokens. Each case runs layout, dispatch, combine and both backward passes
+//! on every rank and checks them against the CPU
 //! reference of the two-level path (`moe_ep::reference::two_level`):
 //! dispatch bit for bit (`two_level_dispatch`: the flat rows, grouped by
 //! forwarding rank, then home node, then token), combine bit for bit
@@ -25,25 +28,49 @@ use moe_ep::testkit::ranks::{ensure, run_ranks, worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{bf16, Error, GroupConfig, RecvLayout, Result, Topology};
 
+#[macro_use]
+#[path = "common/cases.rs"]
+mod cases;
+use cases::{case, Case};
+
+/// The case table at virtual nodes: one module per case, a test per layout.
+macro_rules! two_level_table {
+    ($($id:ident = $case:expr;)+) => {
+        $(
+            mod $id {
+                use super::*;
+                #[test]
+                fn rank_major() {
+                    table_case(stringify!($id), $case, RecvLayout::RankMajor);
+                }
+                #[test]
+                fn expert_major() {
+                    table_case(stringify!($id), $case, RecvLayout::ExpertMajor { alignment: 16 });
+                }
+            }
+        )+
+    };
+}
+
+with_case_table!(two_level_table);
+
 /// Where the tokens' experts lie.
 #[derive(Clone, Copy, Debug)]
 enum Route {
-    /// The workload generator's routing over all experts.
-    Random(Routing),
+    /// The case's routing over all experts.
+    Table,
     /// Every expert of every token on another node than the token's.
     AllRemote,
     /// Every expert of every token on the token's own node.
     AllLocal,
-    /// Random, and every rank of node 0 has no tokens.
+    /// The case's routing, and every rank of node 0 has no tokens.
     SilentNode,
 }
 
+/// A case of the table and where its experts lie.
 #[derive(Clone, Copy, Debug)]
-struct Case {
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
+struct Run {
+    case: Case,
     route: Route,
 }
 
@@ -72,25 +99,22 @@ fn shape_of(c: &Case, world: usize) -> Shape {
     }
 }
 
-/// Every rank's inputs of a case (the same on every rank).
-fn inputs_of(c: &Case, topo: &Topology, seed: u64) -> Vec<RankInput> {
-    let world = topo.world();
+/// Every rank's inputs of a run (the same on every rank).
+fn inputs_of(run: &Run, topo: &Topology, seed: u64) -> Vec<RankInput> {
+    let (c, world) = (&run.case, topo.world());
     let shape = shape_of(c, world);
     let tokens: Vec<usize> = (0..world)
-        .map(|r| match c.route {
+        .map(|r| match run.route {
             Route::SilentNode if topo.node_of(r) == 0 => 0,
+            _ if c.silent_rank == Some(r) => 0,
             _ => c.tokens,
         })
         .collect();
-    let routing = match c.route {
-        Route::Random(r) => r,
-        _ => Routing::Uniform,
-    };
-    let mut inputs = workload::rank_inputs(seed, &shape, &tokens, routing);
+    let mut inputs = workload::rank_inputs(seed, &shape, &tokens, c.routing);
     let en = c.experts / topo.nodes();
     for (r, inp) in inputs.iter_mut().enumerate() {
         let n = topo.node_of(r);
-        let pool: Vec<i64> = match c.route {
+        let pool: Vec<i64> = match run.route {
             Route::AllRemote => (0..c.experts)
                 .filter(|e| e / en != n)
                 .map(|e| e as i64)
@@ -192,51 +216,186 @@ fn permuted<T: Copy>(flat: &[T], perm: &[usize], per: usize) -> Vec<T> {
         .collect()
 }
 
-/// The whole forward and backward of one case, one layout, on one rank of
-/// a world of nodes of `g` ranks.
-fn run_case(r: &Rank, g: usize, c: &Case, layout: RecvLayout, seed: u64) -> Result<()> {
-    let topo = Topology::new(r.world, g)?;
-    let shape = shape_of(c, r.world);
-    let inputs = inputs_of(c, &topo, seed);
-    let me = &inputs[r.rank];
+/// What one rank of a run needs of the reference.
+struct PerRank {
+    /// What it receives (the two-level order).
+    want: refr::DispatchOutput,
+    /// Its expert outputs and weight gradients in the two-level order.
+    y: Vec<bf16>,
+    gw: Vec<f32>,
+    /// Per weighting (unweighted, then weighted for expert-major): its
+    /// combine bit for bit, and exactly.
+    emu: Vec<Vec<bf16>>,
+    exact: Vec<Vec<f64>>,
+    /// Its dispatch backward's weight gradients.
+    want_gw: Vec<f32>,
+    /// Its combine backward per weighting, in the two-level order.
+    want_cb: Vec<Vec<bf16>>,
+    /// Network rows per node, sent and received (0 at its own node).
+    net_sent: Vec<usize>,
+    net_recv: Vec<usize>,
+}
+
+/// What every rank of a run needs: computed once per world and node shape
+/// (one thread per rank), shared by all ranks.
+struct Fixture {
+    topo: Topology,
+    inputs: Vec<RankInput>,
+    /// Every rank's output gradient (combine backward's input).
+    grads: Vec<Vec<bf16>>,
+    per: Vec<PerRank>,
+    cap: usize,
+}
+
+fn build_fixture(
+    run: &Run,
+    world: usize,
+    g: usize,
+    layout: RecvLayout,
+    seed: u64,
+) -> Result<Fixture> {
+    let c = &run.case;
+    let topo = Topology::new(world, g)?;
+    let shape = shape_of(c, world);
+    let inputs = inputs_of(run, &topo, seed);
+    let (h, k) = (c.hidden, c.topk);
+    let wpr = weights_per_row(layout, k);
+    let flats: Vec<refr::DispatchOutput> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|d| {
+                let (shape, inputs) = (&shape, &inputs);
+                sc.spawn(move || refr::dispatch(shape, inputs, d, layout))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("reference thread"))
+            .collect::<Result<_>>()
+    })?;
+    let outs: Vec<Vec<bf16>> = flats
+        .iter()
+        .enumerate()
+        .map(|(d, o)| workload::tokens(&mut Rng::new(seed ^ (0xE0 + d as u64)), o.num_rows, h))
+        .collect();
+    let gws: Vec<Vec<f32>> = flats
+        .iter()
+        .enumerate()
+        .map(|(d, o)| {
+            let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
+            (0..o.num_rows * wpr)
+                .map(|_| rng.f32_unit() - 0.5)
+                .collect()
+        })
+        .collect();
+    let grads: Vec<Vec<bf16>> = inputs
+        .iter()
+        .enumerate()
+        .map(|(d, i)| {
+            workload::tokens(
+                &mut Rng::new(seed ^ (0x9B0 + d as u64)),
+                i.topk_idx.len() / k,
+                h,
+            )
+        })
+        .collect();
+    let traffic = refr::two_level_traffic(&shape, &topo, &inputs)?;
+    let weightings: &[bool] = match layout {
+        RecvLayout::RankMajor => &[false],
+        RecvLayout::ExpertMajor { .. } => &[false, true],
+    };
+    let per: Vec<PerRank> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|d| {
+                let (shape, topo, inputs, flats, outs, gws, grads, traffic) = (
+                    &shape, &topo, &inputs, &flats, &outs, &gws, &grads, &traffic,
+                );
+                sc.spawn(move || -> Result<PerRank> {
+                    let want = refr::two_level_dispatch(shape, topo, inputs, d, layout)?;
+                    let perm = flat_row_of(&want, &flats[d], wpr);
+                    let (mut emu, mut exact, mut want_cb) = (vec![], vec![], vec![]);
+                    for &w in weightings {
+                        emu.push(refr::combine_two_level_emulated(
+                            shape, topo, inputs, outs, d, layout, w,
+                        )?);
+                        exact.push(refr::combine_f64(shape, inputs, outs, d, layout, w)?);
+                        let cb = refr::combine_backward(shape, inputs, grads, d, layout, w)?;
+                        want_cb.push(permuted(&cb, &perm, h));
+                    }
+                    let (_, want_gw) =
+                        refr::dispatch_backward(shape, inputs, outs, gws, d, layout)?;
+                    let node = topo.node_of(d);
+                    let net = |v: &[usize]| -> Vec<usize> {
+                        v.iter()
+                            .enumerate()
+                            .map(|(m, &n)| if m == node { 0 } else { n })
+                            .collect()
+                    };
+                    Ok(PerRank {
+                        y: permuted(&outs[d], &perm, h),
+                        gw: permuted(&gws[d], &perm, wpr),
+                        want,
+                        emu,
+                        exact,
+                        want_gw,
+                        want_cb,
+                        net_sent: net(&traffic[d].net_sent),
+                        net_recv: net(&traffic[d].net_recv),
+                    })
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("reference thread"))
+            .collect::<Result<_>>()
+    })?;
+    let cap = flats.iter().map(|o| o.num_rows).max().unwrap_or(0).max(1);
+    Ok(Fixture {
+        topo,
+        inputs,
+        grads,
+        per,
+        cap,
+    })
+}
+
+/// The whole forward and backward of one run, one layout, on one rank.
+fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> {
+    let c = &run.case;
+    let (topo, mine) = (&f.topo, &f.per[r.rank]);
+    let me = &f.inputs[r.rank];
     let (h, k) = (c.hidden, c.topk);
     let t = me.topk_idx.len() / k;
     let wpr = weights_per_row(layout, k);
-    let flats: Vec<refr::DispatchOutput> = (0..r.world)
-        .map(|d| refr::dispatch(&shape, &inputs, d, layout))
-        .collect::<Result<_>>()?;
-    let want = refr::two_level_dispatch(&shape, &topo, &inputs, r.rank, layout)?;
-    let flat = &flats[r.rank];
-    let perm = flat_row_of(&want, flat, wpr);
-    let cap = flats.iter().map(|o| o.num_rows).max().unwrap_or(0).max(1);
+    let want = &mine.want;
+    let cap = f.cap;
 
     let mut cfg = GroupConfig::new(c.experts, h, c.tokens.max(1));
-    cfg.ranks_per_node = g;
+    cfg.ranks_per_node = topo.ranks_per_node();
     cfg.recv_capacity = cap;
     cfg.timeout = Duration::from_secs(10);
-    cfg.num_sms = r.sms(8, c.experts / topo.nodes())?;
+    cfg.combine_chunks = c.chunks;
+    cfg.num_sms = r.sms(c.sms.min(8), c.experts / topo.nodes())?;
     let group = TwoLevelGroup::new(&r.comm, cfg)?;
     let s = &r.stream;
-    let (x_buf, w_buf, idx_buf) = (
-        up(s, &me.tokens)?,
-        up(s, &me.topk_weights)?,
-        up(s, &me.topk_idx)?,
-    );
-    let (x, w, idx) = (
-        x_buf.slice(0..t * h),
-        w_buf.slice(0..t * k),
-        idx_buf.slice(0..t * k),
-    );
+    let (x_buf, w_buf) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
+    let (x, w) = (x_buf.slice(0..t * h), w_buf.slice(0..t * k));
+    let idx64_buf = up(s, &me.topk_idx)?;
+    let idx32_buf = up(
+        s,
+        &me.topk_idx.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+    )?;
+    let (idx64, idx32) = (idx64_buf.slice(0..t * k), idx32_buf.slice(0..t * k));
+    let idx = if c.idx_i32 {
+        TopkIdx::I32(&idx32)
+    } else {
+        TopkIdx::I64(&idx64)
+    };
 
-    // Layout: the receive counts are the flat path's.
-    let handle = group.layout(s, TopkIdx::I64(&idx), k, layout)?;
+    // Layout: the receive counts are the flat path's; the network rows the
+    // reference's traffic.
+    let handle = group.layout(s, idx, k, layout)?;
     let rows = want.num_rows;
-    ensure(handle.recv_rows() == rows && flat.num_rows == rows, || {
-        format!(
-            "recv rows {} want {rows} (flat {})",
-            handle.recv_rows(),
-            flat.num_rows
-        )
+    ensure(handle.recv_rows() == rows, || {
+        format!("recv rows {} want {rows}", handle.recv_rows())
     })?;
     let hc = handle.node_handle().host_counts(s)?;
     let tple: Vec<usize> = want
@@ -249,24 +408,15 @@ fn run_case(r: &Rank, g: usize, c: &Case, layout: RecvLayout, seed: u64) -> Resu
         &hc.tokens_per_local_expert,
         &tple,
     )?;
-    let traffic = refr::two_level_traffic(&shape, &topo, &inputs)?;
-    let mine = &traffic[r.rank];
-    let me_node = topo.node_of(r.rank);
-    let net = |v: &[usize]| -> Vec<usize> {
-        v.iter()
-            .enumerate()
-            .map(|(m, &n)| if m == me_node { 0 } else { n })
-            .collect()
-    };
     first_diff(
         "network rows sent",
         handle.network_rows_sent(),
-        &net(&mine.net_sent),
+        &mine.net_sent,
     )?;
     first_diff(
         "network rows received",
         handle.network_rows_received(),
-        &net(&mine.net_recv),
+        &mine.net_recv,
     )?;
 
     // Dispatch, pool buffers: bit for bit.
@@ -323,38 +473,26 @@ fn run_case(r: &Rank, g: usize, c: &Case, layout: RecvLayout, seed: u64) -> Resu
         )?;
     }
 
-    // Combine: every rank's expert outputs in the flat order (the
-    // reference's), each rank's given to the kernels in its two-level order.
-    let outs: Vec<Vec<bf16>> = flats
-        .iter()
-        .enumerate()
-        .map(|(d, o)| workload::tokens(&mut Rng::new(seed ^ (0xE0 + d as u64)), o.num_rows, h))
-        .collect();
-    let mut y_rows = permuted(&outs[r.rank], &perm, h);
+    // Combine, the expert outputs in the two-level order: bit for bit the
+    // reference's emulation, within bf16 rounding of exact, the same bits
+    // on every run.
+    let mut y_rows = mine.y.clone();
     y_rows.resize(cap * h, bf16::ZERO);
     let y = up(s, &y_rows)?;
     let mut out = s
         .alloc_zeros::<bf16>((t * h).max(1))
         .map_err(Error::cuda("alloc"))?;
-    let weightings: &[bool] = match layout {
-        RecvLayout::RankMajor => &[false],
-        RecvLayout::ExpertMajor { .. } => &[false, true],
-    };
-    for &weighted in weightings {
+    for (i, weighted) in [false, true].into_iter().take(mine.emu.len()).enumerate() {
         let wts: Option<&dyn DeviceRegion<f32>> = weighted.then_some(&got.topk_weights as _);
         group.combine(s, &handle, &y, wts, &mut out)?;
         let first = bits(&down(s, &out, t * h)?);
-        let emu = refr::combine_two_level_emulated(
-            &shape, &topo, &inputs, &outs, r.rank, layout, weighted,
-        )?;
         first_diff(
             &format!("combine (weighted={weighted}) vs emulated f32"),
             &first,
-            &bits(&emu),
+            &bits(&mine.emu[i]),
         )?;
-        let exact = refr::combine_f64(&shape, &inputs, &outs, r.rank, layout, weighted)?;
         let got_bf: Vec<bf16> = first.iter().map(|&b| bf16::from_bits(b)).collect();
-        refr::check_close_bf16(&got_bf, &exact, r.world + topo.nodes())
+        refr::check_close_bf16(&got_bf, &mine.exact[i], r.world + topo.nodes())
             .map_err(|e| Error::InvalidState(format!("combine vs f64: {e}")))?;
         for run in 1..4 {
             group.combine(s, &handle, &y, wts, &mut out)?;
@@ -369,28 +507,16 @@ fn run_case(r: &Rank, g: usize, c: &Case, layout: RecvLayout, seed: u64) -> Resu
         let mut ys = group.node_group().pool().alloc::<bf16>(cap * h)?;
         ys.copy_from_device(s, &y)?;
         group.combine(s, &handle, &ys, None, &mut out)?;
-        let emu =
-            refr::combine_two_level_emulated(&shape, &topo, &inputs, &outs, r.rank, layout, false)?;
         first_diff(
             "combine from symmetric memory",
             &bits(&down(s, &out, t * h)?),
-            &bits(&emu),
+            &bits(&mine.emu[0]),
         )?;
     }
 
     // Dispatch backward: the gradient rows summed home as combine sums
     // (unweighted), the weight gradients routed back to their slots.
-    let gws: Vec<Vec<f32>> = flats
-        .iter()
-        .enumerate()
-        .map(|(d, o)| {
-            let mut rng = Rng::new(seed ^ (0x6A0 + d as u64));
-            (0..o.num_rows * wpr)
-                .map(|_| rng.f32_unit() - 0.5)
-                .collect()
-        })
-        .collect();
-    let mut gw_rows = permuted(&gws[r.rank], &perm, wpr);
+    let mut gw_rows = mine.gw.clone();
     gw_rows.resize(cap * wpr, 0.0);
     let gw_in = up(s, &gw_rows)?;
     let mut grad_x = s
@@ -398,130 +524,110 @@ fn run_case(r: &Rank, g: usize, c: &Case, layout: RecvLayout, seed: u64) -> Resu
         .map_err(Error::cuda("alloc"))?;
     let mut grad_w = up(s, &vec![f32::from_bits(u32::MAX); (t * k).max(1)])?;
     group.dispatch_backward(s, &handle, &y, Some(&gw_in), &mut grad_x, Some(&mut grad_w))?;
-    let want_gx =
-        refr::combine_two_level_emulated(&shape, &topo, &inputs, &outs, r.rank, layout, false)?;
-    let (_, want_gw) = refr::dispatch_backward(&shape, &inputs, &outs, &gws, r.rank, layout)?;
     first_diff(
         "dispatch_backward grad tokens",
         &bits(&down(s, &grad_x, t * h)?),
-        &bits(&want_gx),
+        &bits(&mine.emu[0]),
     )?;
     first_diff(
         "dispatch_backward grad weights",
         &fbits(&down(s, &grad_w, t * k)?),
-        &fbits(&want_gw),
+        &fbits(&mine.want_gw),
     )?;
 
     // Combine backward: the output gradient sent to every row of its token
     // (scaled by the row's weight when weighted).
-    let grads: Vec<Vec<bf16>> = inputs
-        .iter()
-        .enumerate()
-        .map(|(d, i)| {
-            workload::tokens(
-                &mut Rng::new(seed ^ (0x9B0 + d as u64)),
-                i.topk_idx.len() / k,
-                h,
-            )
-        })
-        .collect();
-    let g_buf = up(s, &grads[r.rank])?;
+    let g_buf = up(s, &f.grads[r.rank])?;
     let g = g_buf.slice(0..t * h);
-    for &weighted in weightings {
+    for (i, weighted) in [false, true]
+        .into_iter()
+        .take(mine.want_cb.len())
+        .enumerate()
+    {
         let wts: Option<&dyn DeviceRegion<f32>> = weighted.then_some(&got.topk_weights as _);
         let gx = group.combine_backward(s, &handle, &g, wts, None)?;
-        let want_g = refr::combine_backward(&shape, &inputs, &grads, r.rank, layout, weighted)?;
         first_diff(
             &format!("combine_backward (weighted={weighted})"),
             &bits(&down(s, &gx, rows * h)?),
-            &bits(&permuted(&want_g, &perm, h)),
+            &bits(&mine.want_cb[i]),
         )?;
     }
     r.comm.barrier(s)?;
     Ok(())
 }
 
-/// Runs `c` in both layouts at every world's node shapes.
-fn run_table_case(test: &str, c: Case, seed: u64) {
+/// Runs `run` in `layout` at every world's node shapes (`test` names it).
+fn run_at_nodes(test: &str, run: Run, layout: RecvLayout, seed: u64) {
     for world in worlds(test, 2) {
+        if !run.case.experts.is_multiple_of(world.size) {
+            eprintln!("  SKIP {test} at {world}: {} experts", run.case.experts);
+            continue;
+        }
         for g in per_node(world.size) {
-            for layout in LAYOUTS {
-                run_ranks(world, |r| {
-                    run_case(r, g, &c, layout, seed).map_err(|e| {
-                        Error::InvalidState(format!(
-                            "{test}: {} nodes x {g}, {layout:?}: {e}",
-                            world.size / g
-                        ))
-                    })
-                });
-                eprintln!("    {} nodes x {g} ranks, {layout:?}: ok", world.size / g);
-            }
+            let f = build_fixture(&run, world.size, g, layout, seed).expect("the reference");
+            run_ranks(world, |r| {
+                run_case(r, &run, &f, layout).map_err(|e| {
+                    Error::InvalidState(format!(
+                        "{test}: {} nodes x {g}, {layout:?}: {e}",
+                        world.size / g
+                    ))
+                })
+            });
+            eprintln!("    {} nodes x {g} ranks: ok", world.size / g);
         }
     }
 }
 
-#[test]
-fn uniform_t127_h2048_k8_e64() {
-    let c = Case {
-        tokens: 127,
-        hidden: 2048,
-        topk: 8,
-        experts: 64,
-        route: Route::Random(Routing::Uniform),
+/// One case of the table in one layout.
+fn table_case(id: &str, c: Case, layout: RecvLayout) {
+    assert_eq!(
+        id,
+        c.id(),
+        "the test's name must be the id of its case's fields"
+    );
+    let seed = 2000
+        + id.bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64))
+            % 1000;
+    let run = Run {
+        case: c,
+        route: Route::Table,
     };
-    run_table_case("uniform_t127_h2048_k8_e64", c, 11);
+    run_at_nodes(&format!("{id}::{layout:?}"), run, layout, seed);
 }
 
-#[test]
-fn masked30_t300_h4096_k4_e32() {
-    let c = Case {
-        tokens: 300,
-        hidden: 4096,
-        topk: 4,
-        experts: 32,
-        route: Route::Random(Routing::Masked { masked_share: 0.3 }),
-    };
-    run_table_case("masked30_t300_h4096_k4_e32", c, 12);
+/// A routing of this file's own in both layouts.
+fn routed_case(test: &str, c: Case, route: Route, seed: u64) {
+    for layout in LAYOUTS {
+        run_at_nodes(
+            &format!("{test}::{layout:?}"),
+            Run { case: c, route },
+            layout,
+            seed,
+        );
+    }
 }
 
 /// Every token's experts on other nodes: everything crosses the network,
 /// nothing stays home.
 #[test]
 fn all_experts_on_other_nodes() {
-    let c = Case {
-        tokens: 64,
-        hidden: 1024,
-        topk: 2,
-        experts: 16,
-        route: Route::AllRemote,
-    };
-    run_table_case("all_experts_on_other_nodes", c, 13);
+    let c = case(64, 1024, 2, 16, Routing::Uniform);
+    routed_case("all_experts_on_other_nodes", c, Route::AllRemote, 13);
 }
 
 /// Every token's experts on its own node: nothing crosses the network.
 #[test]
 fn all_experts_on_the_own_node() {
-    let c = Case {
-        tokens: 64,
-        hidden: 1024,
-        topk: 2,
-        experts: 16,
-        route: Route::AllLocal,
-    };
-    run_table_case("all_experts_on_the_own_node", c, 14);
+    let c = case(64, 1024, 2, 16, Routing::Uniform);
+    routed_case("all_experts_on_the_own_node", c, Route::AllLocal, 14);
 }
 
 /// Node 0's ranks have no tokens: they send nothing and still receive.
 #[test]
 fn a_node_that_sends_nothing() {
-    let c = Case {
-        tokens: 50,
-        hidden: 2048,
-        topk: 4,
-        experts: 32,
-        route: Route::SilentNode,
-    };
-    run_table_case("a_node_that_sends_nothing", c, 15);
+    let c = case(50, 2048, 4, 32, Routing::Masked { masked_share: 0.2 });
+    routed_case("a_node_that_sends_nothing", c, Route::SilentNode, 15);
 }
 
 /// A bad expert id on rank 0 (out of range, then the same expert twice in
@@ -530,18 +636,16 @@ fn a_node_that_sends_nothing() {
 #[test]
 fn bad_expert_id_is_refused_on_every_rank() {
     let test = "bad_expert_id_is_refused_on_every_rank";
-    let c = Case {
-        tokens: 20,
-        hidden: 512,
-        topk: 4,
-        experts: 32,
-        route: Route::Random(Routing::Uniform),
+    let c = case(20, 512, 4, 32, Routing::Uniform);
+    let run = Run {
+        case: c,
+        route: Route::Table,
     };
     for world in worlds(test, 2) {
         let g = per_node(world.size)[0];
         run_ranks(world, |r| {
             let topo = Topology::new(r.world, g)?;
-            let inputs = inputs_of(&c, &topo, 16);
+            let inputs = inputs_of(&run, &topo, 16);
             let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
             cfg.ranks_per_node = g;
             cfg.num_sms = r.sms(4, c.experts / topo.nodes())?;
