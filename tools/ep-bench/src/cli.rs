@@ -402,8 +402,14 @@ pub struct Opts {
     /// NVLink GB/s against tokens as SVG (needs >= 2 --tokens)
     #[arg(long, value_name = "FILE.svg", value_parser = parse_out_path)]
     pub plot: Option<PathBuf>,
-    /// Ranks per node: not implemented yet (there is no RDMA path)
-    #[arg(long, value_name = "N")]
+    /// Ranks per node, 1..=8: the two-level path (TwoLevelGroup), the world
+    /// as world / N nodes of N ranks, tokens for another node crossing the
+    /// network to the rail peer there (--mode ht; ops layout, dispatch,
+    /// combine, dispatch-bwd, combine-bwd). Adds "net GB/s" (network bytes
+    /// each rank sends) and the rail-hop baseline: the dispatch's network
+    /// bytes moved by the hop alone (NCCL send / receive; device copies on
+    /// virtual ranks), "vs hop"
+    #[arg(long, value_name = "N", value_parser = in_range(1, 8))]
     pub ranks_per_node: Option<usize>,
     /// No progress bar
     #[arg(long)]
@@ -452,10 +458,13 @@ impl Opts {
     /// the dropping of repeated list values. `--gpus` or `--virtual-ranks`
     /// given: also [`Opts::validate_for_world`] with that size.
     pub fn validate(&mut self) -> Result<(), String> {
-        if self.ranks_per_node.is_some() {
-            return Err("--ranks-per-node: not implemented yet (there is no RDMA path between nodes: every rank is on one NVLink node)".into());
-        }
         let ll = self.mode == Mode::LowLatency;
+        if self.ranks_per_node.is_some() && ll {
+            return Err(
+                "--ranks-per-node: the two-level path has no low-latency kernels (--mode ht only)"
+                    .into(),
+            );
+        }
         if self.tokens.is_empty() {
             self.tokens = vec![if ll {
                 LL_DEFAULT_TOKENS
@@ -483,6 +492,13 @@ impl Opts {
                 "--ops: {} is not an op of --mode {mode} (its ops: {these})",
                 op.name()
             ));
+        }
+        if self.ranks_per_node.is_some() && self.ops.contains(&Op::CombinePush) {
+            return Err(
+                "--ops: combine-push is not an op of --ranks-per-node (the two-level combine \
+                 always pushes)"
+                    .into(),
+            );
         }
         if ll {
             if let Some(t) = self.tokens.iter().find(|&&t| t > LL_MAX_TOKENS) {
@@ -569,6 +585,14 @@ impl Opts {
             return Err(format!(
                 "--experts: {e} is not divisible by the world size {world}"
             ));
+        }
+        if let Some(g) = self.ranks_per_node {
+            if !world.is_multiple_of(g) || world / g < 2 {
+                return Err(format!(
+                    "--ranks-per-node: {g} must divide the world size {world} into at least \
+                     2 nodes"
+                ));
+            }
         }
         Ok(())
     }
@@ -983,10 +1007,27 @@ mod tests {
             "1032",
         ),
         ("--mode ll --ops ll-foo", "--ops", "ll-dispatch"),
+        ("--ranks-per-node 0", "--ranks-per-node", "out of range"),
+        ("--ranks-per-node 9", "--ranks-per-node", "out of range"),
         (
-            "--ranks-per-node 4",
+            "--virtual-ranks 4 --ranks-per-node 3",
             "--ranks-per-node",
-            "not implemented yet",
+            "at least 2 nodes",
+        ),
+        (
+            "--virtual-ranks 4 --ranks-per-node 4",
+            "--ranks-per-node",
+            "at least 2 nodes",
+        ),
+        (
+            "--mode ll --ranks-per-node 1",
+            "--ranks-per-node",
+            "--mode ht only",
+        ),
+        (
+            "--ranks-per-node 1 --ops combine-push",
+            "--ops",
+            "not an op of --ranks-per-node",
         ),
         ("--tokens abc", "--tokens", "'abc' is not a whole number"),
         ("--tokens 1,,2", "--tokens", "not a whole number"),

@@ -22,7 +22,8 @@
 //! with the op's SM count. NCCL EP, when its library
 //! loads, runs the same case beside ours on the same communicator, inputs
 //! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]). `--mode ll` cases run
-//! the low-latency ops instead ([`ll`]). Rank 0 gathers every rank's
+//! the low-latency ops instead ([`ll`]), `--ranks-per-node` the two-level
+//! path ([`two_level`]). Rank 0 gathers every rank's
 //! statistics and returns them.
 
 use std::cell::RefCell;
@@ -45,6 +46,7 @@ use crate::nccl_ep;
 use crate::report::{self, CaseResult, OpResult, Ranks, Stat};
 
 mod ll;
+mod two_level;
 
 /// Errors travel as one line of text up to `main`.
 type R<T> = Result<T, String>;
@@ -429,6 +431,7 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
             gpu_name: gpu_name.clone(),
             check: r.1,
             nccl_ep_check: r.2,
+            ranks_per_node: opts.ranks_per_node.unwrap_or(0),
         });
     }
     bar.finish_and_clear();
@@ -485,6 +488,9 @@ fn run_case(
 ) -> R<(Vec<OpResult>, Option<bool>, Option<bool>)> {
     if case.mode == moe_ep::Mode::LowLatency {
         return ll::run_case(c, case, world);
+    }
+    if let Some(g) = c.opts.ranks_per_node {
+        return two_level::run_case(c, case, world, g);
     }
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
@@ -1138,6 +1144,7 @@ fn gather(c: &Ctx<'_>, mine: Vec<Measured>) -> R<Vec<OpResult>> {
                     .collect(),
                 nvlink_bytes: (0..world).map(|r| at(r, 3) as u64).collect(),
                 logical_bytes: (0..world).map(|r| at(r, 4) as u64).collect(),
+                network_bytes: Vec::new(),
             }
         })
         .collect())

@@ -54,6 +54,10 @@ pub const LOCAL_COPY_DISPATCH: &str = "local-copy-dispatch";
 pub const LOCAL_COPY_COMBINE: &str = "local-copy-combine";
 /// Prefix of NCCL EP's rows.
 pub const NCCL_EP_PREFIX: &str = "nccl-ep-";
+/// The two-level path's network baseline: the dispatch's network bytes
+/// moved by the rail hop alone (NCCL send / receive between rail peers;
+/// device copies on virtual ranks).
+pub const RAIL_HOP: &str = "rail-hop";
 /// NCCL EP's `ncclEpUpdateHandle` (its layout).
 pub const NCCL_EP_LAYOUT: &str = "nccl-ep-layout";
 /// NCCL EP's forward dispatch.
@@ -153,6 +157,9 @@ pub struct OpResult {
     pub nvlink_bytes: Vec<u64>,
     /// DeepEP-convention bytes (B) of each rank, indexed by rank.
     pub logical_bytes: Vec<u64>,
+    /// Bytes (B) each rank sent over the network (between nodes) in the
+    /// op, indexed by rank; empty on one node (`--ranks-per-node`).
+    pub network_bytes: Vec<u64>,
 }
 
 impl OpResult {
@@ -187,6 +194,16 @@ impl OpResult {
     }
 
     /// NVLink bytes (B) of the slowest rank (0 if unknown).
+    pub fn row_network_bytes(&self) -> u64 {
+        self.slowest_of(&self.network_bytes)
+    }
+
+    /// The slowest rank's network GB/s (0 without network bytes).
+    pub fn network_gbps(&self) -> f64 {
+        gbps(self.row_network_bytes(), self.stat().median_us)
+    }
+
+    /// The slowest rank's NVLink bytes.
     pub fn row_nvlink_bytes(&self) -> u64 {
         self.slowest_of(&self.nvlink_bytes)
     }
@@ -235,6 +252,9 @@ pub struct CaseResult {
     /// `--check`'s cross-check of NCCL EP's outputs (same words; `None`
     /// also when NCCL EP did not run).
     pub nccl_ep_check: Option<bool>,
+    /// Ranks per node of the two-level path (`--ranks-per-node`); 0: one
+    /// node.
+    pub ranks_per_node: usize,
 }
 
 impl CaseResult {
@@ -255,6 +275,14 @@ impl CaseResult {
         let base = self.op(baseline)?.stat().median_us;
         let mine = op.stat().median_us;
         (base.is_finite() && mine.is_finite() && base > 0.0 && mine > 0.0).then(|| base / mine)
+    }
+
+    /// Our network GB/s over the [`RAIL_HOP`] baseline's (`vs hop`: the
+    /// same network bytes moved by the hop alone), when both moved some.
+    pub fn vs_hop(&self, op: &OpResult) -> Option<f64> {
+        let ours = op.network_gbps();
+        let base = self.op(RAIL_HOP)?.network_gbps();
+        (op.is_ours() && ours > 0.0 && base > 0.0).then(|| ours / base)
     }
 
     /// NCCL EP's median time for the op over ours (`vs NCCL-EP`), when
@@ -298,9 +326,13 @@ impl CaseResult {
         } else {
             &self.gpu_name
         };
-        match self.ranks {
+        let ranks = match self.ranks {
             Ranks::Virtual => format!("{} virtual ranks on one {gpu}", self.world),
             Ranks::Nccl => format!("{} x {gpu}", self.world),
+        };
+        match self.ranks_per_node {
+            0 => ranks,
+            g => format!("{ranks} as {} nodes x {g} (two-level path)", self.world / g),
         }
     }
 }
@@ -422,6 +454,10 @@ pub fn table(results: &[CaseResult]) -> String {
         .any(|r| r.check.is_some() || r.nccl_ep_check.is_some());
     let with_ep = results.iter().any(CaseResult::has_nccl_ep);
     let with_local = results.iter().any(CaseResult::has_local_copy);
+    let with_net = results
+        .iter()
+        .any(|r| r.ops.iter().any(|o| o.row_network_bytes() > 0));
+    let with_hop = results.iter().any(|r| r.op(RAIL_HOP).is_some());
     let mut header: Vec<String> = varying.iter().map(|&i| CASE_FIELDS[i].into()).collect();
     // Every case column is a number but the layout.
     let mut right: Vec<bool> = varying.iter().map(|&i| i != 4).collect();
@@ -443,6 +479,8 @@ pub fn table(results: &[CaseResult]) -> String {
     ];
     let columns = columns[..6 + ratios.len()]
         .iter()
+        .chain(with_net.then_some(&"net GB/s"))
+        .chain(with_hop.then_some(&"vs hop"))
         .chain(with_ep.then_some(&"vs NCCL-EP"))
         .chain(with_local.then_some(&"vs local"))
         .chain(with_check.then_some(&"check"));
@@ -482,6 +520,12 @@ pub fn table(results: &[CaseResult]) -> String {
                 r.filter(|r| r.is_finite())
                     .map_or("-".into(), |r| format!("{r:.2}x"))
             };
+            if with_net {
+                row.push(bw(op.row_network_bytes(), op.network_gbps()));
+            }
+            if with_hop {
+                row.push(times(res.vs_hop(op)));
+            }
             if with_ep {
                 row.push(times(res.vs_nccl_ep(op)));
             }
@@ -558,6 +602,7 @@ struct OpRecord<'a> {
     max_us: Option<f64>,
     slowest_rank: Option<usize>,
     nvlink_bytes: u64,
+    network_bytes: u64,
     logical_bytes: u64,
     nvlink_gbps: f64,
     logical_gbps: f64,
@@ -580,6 +625,7 @@ impl<'a> OpRecord<'a> {
             max_us: finite(st.max_us),
             slowest_rank: op.slowest_rank(),
             nvlink_bytes: op.row_nvlink_bytes(),
+            network_bytes: op.row_network_bytes(),
             logical_bytes: op.row_logical_bytes(),
             nvlink_gbps: op.nvlink_gbps(),
             logical_gbps: op.logical_gbps(),
@@ -595,11 +641,11 @@ impl<'a> OpRecord<'a> {
 /// All results as one JSON document:
 /// `{"tool", "version", "results": [{"case": {"tokens", "hidden", "topk",
 /// "experts", "layout", "num_sms", "mode", "dtype", "routing"}, "world",
-/// "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
-/// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "logical_bytes",
+/// "ranks_per_node", "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
+/// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "network_bytes", "logical_bytes",
 /// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
 /// "vs_nccl_ep", "vs_local", "per_rank": [{"rank", "median_us", "min_us", "max_us",
-/// "nvlink_bytes", "logical_bytes"}]}], "nccl_ep_check"}]}`. Times in µs,
+/// "nvlink_bytes", "network_bytes", "logical_bytes"}]}], "nccl_ep_check"}]}`. Times in µs,
 /// bytes in B, bandwidths in GB/s; unknown values are `null`; `ranks` is
 /// `"nccl"` or `"virtual"`.
 pub fn json(results: &[CaseResult]) -> String {
@@ -609,6 +655,7 @@ pub fn json(results: &[CaseResult]) -> String {
         #[serde(flatten)]
         stat: Stat,
         nvlink_bytes: Option<u64>,
+        network_bytes: Option<u64>,
         logical_bytes: Option<u64>,
     }
     #[derive(Serialize)]
@@ -621,6 +668,7 @@ pub fn json(results: &[CaseResult]) -> String {
     struct CaseOut<'a> {
         case: CaseRecord,
         world: usize,
+        ranks_per_node: usize,
         ranks: Ranks,
         gpu_name: &'a str,
         check: Option<bool>,
@@ -641,6 +689,7 @@ pub fn json(results: &[CaseResult]) -> String {
             .map(|res| CaseOut {
                 case: CaseRecord::new(&res.case),
                 world: res.world,
+                ranks_per_node: res.ranks_per_node,
                 ranks: res.ranks,
                 gpu_name: &res.gpu_name,
                 check: res.check,
@@ -654,6 +703,7 @@ pub fn json(results: &[CaseResult]) -> String {
                                 rank,
                                 stat,
                                 nvlink_bytes: op.nvlink_bytes.get(rank).copied(),
+                                network_bytes: op.network_bytes.get(rank).copied(),
                                 logical_bytes: op.logical_bytes.get(rank).copied(),
                             })
                             .collect(),
@@ -668,8 +718,8 @@ pub fn json(results: &[CaseResult]) -> String {
 
 /// Header plus one line per (case, op): `tokens, hidden, topk, experts,
 /// layout, num_sms, mode, dtype, routing, world, gpu_name, op, baseline,
-/// median_us, min_us, max_us, slowest_rank, nvlink_bytes, logical_bytes,
-/// nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling,
+/// median_us, min_us, max_us, slowest_rank, nvlink_bytes, network_bytes,
+/// logical_bytes, nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling,
 /// vs_nccl_ep, vs_local, check, per_rank_median_us, ranks`. Times in µs, bytes in B,
 /// GB/s; unknown values are empty; `check` is `ok` / `failed` / empty (the
 /// row's: NCCL EP's rows give the cross-check); `per_rank_median_us` is
@@ -755,6 +805,7 @@ pub(crate) mod tests {
                 .collect(),
             nvlink_bytes: nvlink.to_vec(),
             logical_bytes: nvlink.iter().map(|b| b + b / 2).collect(),
+            network_bytes: Vec::new(),
         }
     }
 
@@ -784,6 +835,7 @@ pub(crate) mod tests {
             gpu_name: "NVIDIA H200".to_string(),
             check,
             nccl_ep_check: None,
+            ranks_per_node: 0,
         }
     }
 
@@ -941,7 +993,7 @@ pub(crate) mod tests {
         assert_eq!(
             header.join(","),
             "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,world,gpu_name,op,\
-             baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,logical_bytes,\
+             baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,network_bytes,logical_bytes,\
              nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,vs_nccl_ep,vs_local,check,\
              per_rank_median_us,ranks"
         );
@@ -1185,6 +1237,7 @@ pub(crate) mod tests {
                 gpu_name: "NVIDIA H200".to_string(),
                 check: Some(true),
                 nccl_ep_check: Some(true),
+                ranks_per_node: 0,
             }
         };
         let results = [
