@@ -13,6 +13,8 @@
 //! | dispatch-bwd | the rows it forwarded x (2H + 4K) |
 //! | combine-bwd | its network rows x 2H |
 //!
+//! The layout waits on the host, so it is timed from the host barrier
+//! (host skew and enqueue time fall inside); the other ops as on one node.
 //! The `rail-hop` baseline moves the dispatch's network bytes with the
 //! hop alone (`RailHop::exchange`: NCCL send / receive between rail peers;
 //! device copies on virtual ranks), in the same run. `--check` compares
@@ -164,7 +166,10 @@ pub(super) fn run_case(
     let mut net: Vec<u64> = Vec::new();
     for &op in &opts.ops {
         let samples = match op {
-            Op::Layout => c.time(op.name(), || {
+            // The layout waits on the host (its stream lengths): timed from
+            // the host barrier, not behind the start gate (whose stream
+            // would never drain).
+            Op::Layout => c.time_with(op.name(), false, || {
                 group
                     .layout(s_, TopkIdx::I64(&idxv), k, layout)
                     .map(drop)
