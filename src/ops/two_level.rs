@@ -100,7 +100,15 @@ fn grid(items: usize, per_block: usize) -> u32 {
 /// Unlike the one-node path, the layout waits on the host (the stream
 /// lengths go to every rank before the hop can be sized), so it cannot be
 /// captured in a CUDA graph; dispatch, combine and the backward passes do
-/// not wait on the host.
+/// not wait on the host (on a virtual world the hop takes two host rounds
+/// of the ranks' threads). The caller's buffers are used on `stream` as
+/// they are: unlike [`EpGroup`]'s ops, these do not order themselves after
+/// a buffer's own stream.
+///
+/// Known defect (2026-12-01): `ep-bench --ranks-per-node` at 8 virtual
+/// ranks stops with an illegal address in repeated dispatches, tied to the
+/// received rows' source remap; the GPU tests pass (BENCHMARKS.md, "Open
+/// gaps").
 pub struct TwoLevelGroup {
     comm: Arc<Communicator>,
     cfg: GroupConfig,

@@ -365,14 +365,18 @@ pub fn network_row_bytes(hidden: usize, topk: usize) -> usize {
     2 * hidden + 8 * topk
 }
 
-/// Rank `home`'s send range of a two-level dispatch, as the pack kernel is
-/// to write it: its streams to the remote nodes, nodes ascending, each
-/// holding in token order the tokens that reach that node (the rows of
-/// [`node_streams`]), one [`network_row_bytes`] row each: the token's
-/// values (bf16, little-endian), then its [`RemoteHop`] top-k (the expert
-/// ids hosted on that node as i32, `-1` elsewhere; their weights as f32,
-/// `0.0` elsewhere). A row carries no origin: the rail peer returns its
+/// Rank `home`'s send range of a two-level dispatch as one byte model: its
+/// streams to the remote nodes, nodes ascending, each holding in token order
+/// the tokens that reach that node (the rows of [`node_streams`]), one
+/// [`network_row_bytes`] row each: the token's values (bf16,
+/// little-endian), then its [`RemoteHop`] top-k (the expert ids hosted on
+/// that node as i32, `-1` elsewhere; their weights as f32, `0.0`
+/// elsewhere). A row carries no origin here: the rail peer returns its
 /// partials in the same order.
+///
+/// `TwoLevelGroup` sends the same fields per row as separate arrays (the
+/// ids node-local and in the layout, with each row's origin; the values
+/// and weights in the dispatch: `docs/rdma-model.md`, "Building it").
 ///
 /// Errors name `topology`, the shape's fields, `inputs`, `topk_idx`,
 /// `topk_weights`, `tokens` or `home`.
