@@ -24,7 +24,10 @@ use moe_ep::{bf16, EpGroup, Error, GroupConfig, RecvLayout, Result};
 #[macro_use]
 #[path = "common/cases.rs"]
 mod cases;
+#[path = "common/device.rs"]
+mod device;
 use cases::{case, Case};
+use device::{bits, down, drain, first_diff, up, up_len, weights_per_row};
 
 /// The case table: one module per case, named by the case's id, with a test
 /// per receive layout. Each test first checks that its name is the id its
@@ -168,81 +171,9 @@ fn build_fixture(c: &Case, world: usize, layout: RecvLayout, seed: u64) -> Resul
     })
 }
 
-fn weights_per_row(layout: RecvLayout, k: usize) -> usize {
-    match layout {
-        RecvLayout::RankMajor => k,
-        RecvLayout::ExpertMajor { .. } => 1,
-    }
-}
-
-fn up<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits>(
-    s: &Arc<CudaStream>,
-    v: &[T],
-) -> Result<CudaSlice<T>> {
-    if v.is_empty() {
-        return s.alloc_zeros::<T>(1).map_err(Error::cuda("alloc"));
-    }
-    drain(s)?;
-    s.clone_htod(v).map_err(Error::cuda("htod"))
-}
-
-fn up_len<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits + Copy + Default>(
-    s: &Arc<CudaStream>,
-    v: &[T],
-    len: usize,
-) -> Result<CudaSlice<T>> {
-    let mut full = v.to_vec();
-    full.resize(len.max(v.len()).max(1), T::default());
-    up(s, &full)
-}
-
-fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
-    s: &Arc<CudaStream>,
-    ptr: &dyn DeviceRegion<T>,
-    n: usize,
-) -> Result<Vec<T>> {
-    let mut host = vec![T::default(); n];
-    if n == 0 {
-        return Ok(host);
-    }
-    drain(s)?;
-    // SAFETY: ptr holds at least n elements (checked by callers' sizing).
-    unsafe {
-        moe_ep::cuda::result::memcpy_dtoh_async(&mut host, ptr.device_ptr(), s.cu_stream())
-            .map_err(Error::cuda("dtoh"))?;
-    }
-    s.synchronize().map_err(Error::cuda("sync"))?;
-    Ok(host)
-}
-
-/// Waits for the stream's work before a copy from or to pageable memory:
-/// the driver moves pageable copies of all threads through shared staging
-/// buffers, so a copy queued behind this rank's kernels (which wait for the
-/// other ranks) would hold up the other virtual ranks' copies and launches.
-fn drain(s: &Arc<CudaStream>) -> Result<()> {
-    s.synchronize().map_err(Error::cuda("sync"))
-}
-
-fn bits(v: &[bf16]) -> Vec<u16> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 /// Random expert outputs of rank `d` (`rows` x hidden), the same on every rank.
 fn expert_out(seed: u64, d: usize, rows: usize, hidden: usize) -> Vec<bf16> {
     workload::tokens(&mut Rng::new(seed ^ (0xE0 + d as u64)), rows, hidden)
-}
-
-fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<()> {
-    ensure(got.len() == want.len(), || {
-        format!("{what}: {} values, want {}", got.len(), want.len())
-    })?;
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        return Err(Error::InvalidState(format!(
-            "{what}: first difference at {i}: got {:?}, want {:?}",
-            got[i], want[i]
-        )));
-    }
-    Ok(())
 }
 
 /// One rank's tokens, top-k weights and top-k ids on the device.

@@ -18,10 +18,8 @@
 #![cfg(feature = "multi-gpu")]
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
-use moe_ep::cuda::{CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx, TwoLevelGroup};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::ranks::{ensure, run_ranks, worlds, Rank};
@@ -31,7 +29,10 @@ use moe_ep::{bf16, Error, GroupConfig, RecvLayout, Result, Topology};
 #[macro_use]
 #[path = "common/cases.rs"]
 mod cases;
+#[path = "common/device.rs"]
+mod device;
 use cases::{case, Case};
+use device::{bits, down, first_diff, up, weights_per_row};
 
 /// The case table at virtual nodes: one module per case, a test per layout.
 macro_rules! two_level_table {
@@ -132,62 +133,8 @@ fn inputs_of(run: &Run, topo: &Topology, seed: u64) -> Vec<RankInput> {
     inputs
 }
 
-fn up<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits>(
-    s: &Arc<CudaStream>,
-    v: &[T],
-) -> Result<CudaSlice<T>> {
-    if v.is_empty() {
-        return s.alloc_zeros::<T>(1).map_err(Error::cuda("alloc"));
-    }
-    s.synchronize().map_err(Error::cuda("sync"))?;
-    s.clone_htod(v).map_err(Error::cuda("htod"))
-}
-
-fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
-    s: &Arc<CudaStream>,
-    r: &dyn DeviceRegion<T>,
-    n: usize,
-) -> Result<Vec<T>> {
-    let mut host = vec![T::default(); n];
-    if n == 0 {
-        return Ok(host);
-    }
-    s.synchronize().map_err(Error::cuda("sync"))?;
-    // SAFETY: r holds at least n elements (sized by the callers).
-    unsafe {
-        moe_ep::cuda::result::memcpy_dtoh_async(&mut host, r.device_ptr(), s.cu_stream())
-            .map_err(Error::cuda("dtoh"))?;
-    }
-    s.synchronize().map_err(Error::cuda("sync"))?;
-    Ok(host)
-}
-
-fn bits(v: &[bf16]) -> Vec<u16> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 fn fbits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<()> {
-    ensure(got.len() == want.len(), || {
-        format!("{what}: {} values, want {}", got.len(), want.len())
-    })?;
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        return Err(Error::InvalidState(format!(
-            "{what}: first difference at {i}: got {:?}, want {:?}",
-            got[i], want[i]
-        )));
-    }
-    Ok(())
-}
-
-fn weights_per_row(layout: RecvLayout, k: usize) -> usize {
-    match layout {
-        RecvLayout::RankMajor => k,
-        RecvLayout::ExpertMajor { .. } => 1,
-    }
 }
 
 /// For each row of the two-level receive buffer, the flat buffer's row of

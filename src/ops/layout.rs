@@ -18,7 +18,7 @@ use super::abi::{
     SCAN_THREADS,
 };
 use super::buffers::TopkIdx;
-use super::group::{EpGroup, MAX_EXPERTS};
+use super::group::{EpGroup, GroupConfig, MAX_EXPERTS};
 use super::handle::{ArenaOffsets, Handle};
 use crate::error::{Error, Result};
 
@@ -98,6 +98,39 @@ pub(crate) fn exchange_smem_limit() -> u32 {
     exchange_smem(MAX_EXPERTS)
 }
 
+/// The tokens of a `[T, topk]` routing of `idx_len` entries, after the
+/// checks every layout makes: `topk` in `1..=MAX_TOPK` and at most the
+/// experts, `idx_len` a multiple of it, `T` at most `max_tokens_per_rank`
+/// (each error names `topk` or `topk_idx`).
+pub(crate) fn tokens_of_routing(topk: usize, idx_len: usize, cfg: &GroupConfig) -> Result<usize> {
+    if topk == 0 || topk > MAX_TOPK || topk > cfg.num_experts {
+        return Err(Error::arg(
+            "topk",
+            format!("1..={} (and at most num_experts)", MAX_TOPK),
+            topk,
+        ));
+    }
+    if !idx_len.is_multiple_of(topk) {
+        return Err(Error::arg(
+            "topk_idx",
+            format!("[T, {topk}] (a multiple of {topk} elements)"),
+            format!("{idx_len} elements"),
+        ));
+    }
+    let t = idx_len / topk;
+    if t > cfg.max_tokens_per_rank {
+        return Err(Error::arg(
+            "topk_idx",
+            format!(
+                "at most max_tokens_per_rank = {} tokens",
+                cfg.max_tokens_per_rank
+            ),
+            format!("{t} tokens"),
+        ));
+    }
+    Ok(t)
+}
+
 impl EpGroup {
     /// Computes the routing layout (collective): tokens per rank and expert,
     /// every token's row on every receiver, and the count matrix of all
@@ -111,31 +144,7 @@ impl EpGroup {
     ) -> Result<Handle> {
         let _turn = self.turn("moe_ep::layout", stream)?;
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
-        if topk == 0 || topk > MAX_TOPK || topk > self.cfg.num_experts {
-            return Err(Error::arg(
-                "topk",
-                format!("1..={} (and at most num_experts)", MAX_TOPK),
-                topk,
-            ));
-        }
-        if idx_len % topk != 0 {
-            return Err(Error::arg(
-                "topk_idx",
-                format!("[T, {topk}] (a multiple of {topk} elements)"),
-                format!("{idx_len} elements"),
-            ));
-        }
-        let t = idx_len / topk;
-        if t > self.cfg.max_tokens_per_rank {
-            return Err(Error::arg(
-                "topk_idx",
-                format!(
-                    "at most max_tokens_per_rank = {} tokens",
-                    self.cfg.max_tokens_per_rank
-                ),
-                format!("{t} tokens"),
-            ));
-        }
+        let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         match topk_idx {
             TopkIdx::I32(b) => self.check_region("topk_idx", b, t * topk, "[T, K] i32", 4)?,
             TopkIdx::I64(b) => self.check_region("topk_idx", b, t * topk, "[T, K] i64", 8)?,

@@ -40,14 +40,14 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use half::bf16;
 
-use super::abi::{TwoLevelParams, MAX_NODES, MAX_TOPK};
+use super::abi::{TwoLevelParams, MAX_NODES};
 use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx, ROW_ALIGN,
 };
 use super::group::{EpGroup, GroupConfig, Mode};
 use super::handle::Handle;
 use super::hop_plan::hop_rows;
-use super::layout::RecvLayout;
+use super::layout::{tokens_of_routing, RecvLayout};
 use super::rail_hop::{HopRecv, HopSend, RailHop};
 use super::topology::Topology;
 use crate::error::{Error, Result};
@@ -409,31 +409,7 @@ impl TwoLevelGroup {
     ) -> Result<TwoLevelHandle> {
         let _range = nvtx::range("moe_ep::two_level::layout");
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
-        if topk == 0 || topk > MAX_TOPK || topk > self.cfg.num_experts {
-            return Err(Error::arg(
-                "topk",
-                format!("1..={MAX_TOPK} (and at most num_experts)"),
-                topk,
-            ));
-        }
-        if idx_len % topk != 0 {
-            return Err(Error::arg(
-                "topk_idx",
-                format!("[T, {topk}] (a multiple of {topk} elements)"),
-                format!("{idx_len} elements"),
-            ));
-        }
-        let t = idx_len / topk;
-        if t > self.cfg.max_tokens_per_rank {
-            return Err(Error::arg(
-                "topk_idx",
-                format!(
-                    "at most max_tokens_per_rank = {} tokens",
-                    self.cfg.max_tokens_per_rank
-                ),
-                format!("{t} tokens"),
-            ));
-        }
+        let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         let elem = match topk_idx {
             TopkIdx::I32(b) => {
                 self.node

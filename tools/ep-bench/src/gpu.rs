@@ -272,6 +272,55 @@ fn rank_input(case: &Case, seed: u64, rank: usize, topk_idx: Vec<i64>) -> RankIn
     }
 }
 
+/// Rows rank `d` receives in `layout` (expert-major: padding rows
+/// included), as the handle's `host_counts().recv_rows` says on rank d.
+fn recv_rows(counts: &refr::Counts, layout: RecvLayout, d: usize) -> usize {
+    match layout {
+        RecvLayout::RankMajor => counts.rank_major_rows(d),
+        RecvLayout::ExpertMajor { alignment } => counts.expert_major_rows(d, alignment),
+    }
+}
+
+/// Every rank's counts of a case's routing, and the receive capacity that
+/// holds the most rows any rank receives (at least 1).
+fn counts_and_capacity(
+    shape: &Shape,
+    routing: &[Vec<i64>],
+    layout: RecvLayout,
+) -> R<(refr::Counts, usize)> {
+    let layouts: Vec<refr::Layout> = routing
+        .iter()
+        .map(|t| refr::layout(shape, t))
+        .collect::<Result<_, _>>()
+        .map_err(s)?;
+    let counts = refr::gather_counts(shape, &layouts);
+    let cap = (0..shape.num_ranks)
+        .map(|d| recv_rows(&counts, layout, d))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    Ok((counts, cap))
+}
+
+/// One rank's tokens, weights and routing on the device (one element for
+/// an empty rank, so that every buffer exists).
+fn upload(
+    s_: &Arc<CudaStream>,
+    me: &RankInput,
+) -> R<(CudaSlice<bf16>, CudaSlice<f32>, CudaSlice<i64>)> {
+    fn up<T: moe_ep::cuda::DeviceRepr>(s_: &Arc<CudaStream>, v: &[T], empty: T) -> R<CudaSlice<T>> {
+        match v.is_empty() {
+            true => s_.clone_htod(&[empty][..]).map_err(s),
+            false => s_.clone_htod(v).map_err(s),
+        }
+    }
+    Ok((
+        up(s_, &me.tokens, bf16::ZERO)?,
+        up(s_, &me.topk_weights, 0f32)?,
+        up(s_, &me.topk_idx, -1i64)?,
+    ))
+}
+
 /// One NCCL rank of a launcher's (or our own spawned) world: measures every
 /// case; rank 0 returns the gathered results, the others an empty `Vec`.
 pub fn run_rank(opts: &Opts, cases: &[Case], env: &RankEnv) -> R<Vec<CaseResult>> {
@@ -503,19 +552,8 @@ fn run_case(
     shape.validate().map_err(s)?;
     let layout = case.layout;
     let routing = routings(case, &shape, opts.seed, world)?;
-    let layouts: Vec<refr::Layout> = routing
-        .iter()
-        .map(|t| refr::layout(&shape, t))
-        .collect::<Result<_, _>>()
-        .map_err(s)?;
-    let counts = refr::gather_counts(&shape, &layouts);
-    // Rows rank d receives in the layout (expert-major: padding rows
-    // included), as the handle's `host_counts().recv_rows` says on rank d.
-    let rows_on = |d: usize| match layout {
-        RecvLayout::RankMajor => counts.rank_major_rows(d),
-        RecvLayout::ExpertMajor { alignment } => counts.expert_major_rows(d, alignment),
-    };
-    let cap = (0..world).map(rows_on).max().unwrap_or(1).max(1);
+    let (counts, cap) = counts_and_capacity(&shape, &routing, layout)?;
+    let rows_on = |d: usize| recv_rows(&counts, layout, d);
     let mut cfg = GroupConfig::new(case.experts, case.hidden, case.tokens.max(1));
     cfg.recv_capacity = cap;
     cfg.num_sms = case.num_sms;
@@ -528,25 +566,7 @@ fn run_case(
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
-    let up = |v: &[bf16]| {
-        s_.clone_htod(if v.is_empty() { &[bf16::ZERO][..] } else { v })
-            .map_err(s)
-    };
-    let x = up(&me.tokens)?;
-    let w = s_
-        .clone_htod(if me.topk_weights.is_empty() {
-            &[0f32][..]
-        } else {
-            &me.topk_weights
-        })
-        .map_err(s)?;
-    let idx = s_
-        .clone_htod(if me.topk_idx.is_empty() {
-            &[-1i64][..]
-        } else {
-            &me.topk_idx
-        })
-        .map_err(s)?;
+    let (x, w, idx) = upload(s_, &me)?;
     let (xv, wv, idxv) = (x.slice(0..t * h), w.slice(0..t * k), idx.slice(0..t * k));
     let mut recv = group.pool().alloc::<bf16>(cap * h).map_err(s)?;
     let wpr = if matches!(layout, RecvLayout::RankMajor) {

@@ -26,7 +26,7 @@ use moe_ep::ops::{DeviceRegion, DispatchOut, HopRecv, HopSend, RailHop, TopkIdx,
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::{bf16, GroupConfig, RecvLayout, Topology};
 
-use super::{gather, rank_input, routings, s, Ctx, Measured, R};
+use super::{counts_and_capacity, gather, rank_input, routings, s, upload, Ctx, Measured, R};
 use crate::cli::{Case, Op};
 use crate::report::{OpResult, RAIL_HOP};
 
@@ -59,17 +59,7 @@ pub(super) fn run_case(
             topk_idx: idx.clone(),
         })
         .collect();
-    let layouts: Vec<refr::Layout> = routing
-        .iter()
-        .map(|t| refr::layout(&shape, t))
-        .collect::<Result<_, _>>()
-        .map_err(s)?;
-    let counts = refr::gather_counts(&shape, &layouts);
-    let rows_on = |d: usize| match layout {
-        RecvLayout::RankMajor => counts.rank_major_rows(d),
-        RecvLayout::ExpertMajor { alignment } => counts.expert_major_rows(d, alignment),
-    };
-    let cap = (0..world).map(rows_on).max().unwrap_or(1).max(1);
+    let (counts, cap) = counts_and_capacity(&shape, &routing, layout)?;
     let traffic = refr::two_level_traffic(&shape, &topo, &routed).map_err(s)?;
     let mut cfg = GroupConfig::new(case.experts, case.hidden, case.tokens.max(1));
     cfg.ranks_per_node = g;
@@ -78,25 +68,7 @@ pub(super) fn run_case(
     let group = TwoLevelGroup::new(&c.comm, cfg).map_err(s)?;
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
-    let up = |v: &[bf16]| {
-        s_.clone_htod(if v.is_empty() { &[bf16::ZERO][..] } else { v })
-            .map_err(s)
-    };
-    let x = up(&me.tokens)?;
-    let w = s_
-        .clone_htod(if me.topk_weights.is_empty() {
-            &[0f32][..]
-        } else {
-            &me.topk_weights
-        })
-        .map_err(s)?;
-    let idx = s_
-        .clone_htod(if me.topk_idx.is_empty() {
-            &[-1i64][..]
-        } else {
-            &me.topk_idx
-        })
-        .map_err(s)?;
+    let (x, w, idx) = upload(s_, &me)?;
     let (xv, wv, idxv) = (x.slice(0..t * h), w.slice(0..t * k), idx.slice(0..t * k));
     let wpr = if matches!(layout, RecvLayout::RankMajor) {
         k
