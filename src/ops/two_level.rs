@@ -28,7 +28,9 @@
 //! ([`two_level_dispatch`](crate::reference::two_level_dispatch)).
 //!
 //! Kernels: `kernels-cuda/two_level.cu`; the forwarding is the NVLink path
-//! (the node's [`EpGroup`]). Tests: `tests/gpu_two_level.rs` (virtual nodes).
+//! (the node's [`EpGroup`]). Tests: `tests/gpu_two_level.rs` (virtual nodes),
+//! and the unit tests below (each rank's rows against the reference's
+//! forward batches and traffic, on the CPU).
 //!
 //! Not built yet: the hop in chunks overlapped with the forwarding (each op
 //! sends everything, then forwards), and the path through [`EpGroup`] itself
@@ -137,6 +139,36 @@ struct Plan {
     /// Rows of the forward batch and of the send range.
     fwd_rows: usize,
     sent_rows: usize,
+}
+
+impl Plan {
+    /// Rank `rank`'s plan from every rank's stream lengths (`lens[r * N +
+    /// m]`: rank `r`'s rows to node `m`, its own node's entry its own
+    /// segment); errors as [`hop_rows`].
+    fn new(topology: &Topology, rank: usize, lens: &[usize]) -> Result<Plan> {
+        let (send_rows, recv_rows) = hop_rows(topology, rank, lens)?;
+        let (n, me) = (topology.nodes(), topology.node_of(rank));
+        let own_len = lens[rank * n + me];
+        let (mut fwd_off, mut send_off) = (vec![0; n], vec![0; n]);
+        let (mut fwd_rows, mut sent_rows) = (0, 0);
+        let mut row_off = [0i32; MAX_NODES];
+        for m in 0..n {
+            fwd_off[m] = fwd_rows;
+            fwd_rows += if m == me { own_len } else { recv_rows[m] };
+            send_off[m] = sent_rows;
+            sent_rows += send_rows[m];
+            row_off[m] = if m == me { fwd_off[m] } else { send_off[m] } as i32;
+        }
+        Ok(Plan {
+            row_off,
+            send_rows,
+            recv_rows,
+            fwd_off,
+            send_off,
+            fwd_rows,
+            sent_rows,
+        })
+    }
 }
 
 /// The routing of one batch on the two-level path ([`TwoLevelGroup::layout`]).
@@ -469,27 +501,8 @@ impl TwoLevelGroup {
             .chunks(n + 1)
             .flat_map(|c| c[..n].iter().map(|&v| v as usize))
             .collect();
-        let (send_rows, recv_rows) = hop_rows(&self.topology, rank, &lens_all)?;
-        let own_len = lens_all[rank * n + me];
-        let (mut fwd_off, mut send_off) = (vec![0; n], vec![0; n]);
-        let (mut fwd_rows, mut sent_rows) = (0, 0);
-        let mut row_off = [0i32; MAX_NODES];
-        for m in 0..n {
-            fwd_off[m] = fwd_rows;
-            fwd_rows += if m == me { own_len } else { recv_rows[m] };
-            send_off[m] = sent_rows;
-            sent_rows += send_rows[m];
-            row_off[m] = if m == me { fwd_off[m] } else { send_off[m] } as i32;
-        }
-        let plan = Plan {
-            row_off,
-            send_rows,
-            recv_rows,
-            fwd_off,
-            send_off,
-            fwd_rows,
-            sent_rows,
-        };
+        let plan = Plan::new(&self.topology, rank, &lens_all)?;
+        let (fwd_rows, sent_rows, row_off) = (plan.fwd_rows, plan.sent_rows, plan.row_off);
         let own_ids = alloc::<i32>(stream, fwd_rows * topk)?;
         let net_ids = alloc::<i32>(stream, sent_rows * topk)?;
         let net_origin = alloc::<i32>(stream, sent_rows * 2)?;
@@ -871,4 +884,107 @@ fn read_entry(stream: &Arc<CudaStream>, ptr: u64, elem: usize) -> Result<i64> {
         4 => i32::from_le_bytes(b[..4].try_into().unwrap()) as i64,
         _ => i64::from_le_bytes(b),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::{forward_batches, node_streams, two_level_traffic, RankInput, Shape};
+
+    /// A routing of `t` tokens per rank: distinct experts per token from a
+    /// small linear congruential generator, some slots masked.
+    fn inputs(shape: &Shape, t: usize, seed: u64) -> Vec<RankInput> {
+        let mut x = seed;
+        let mut next = move || {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) as usize
+        };
+        (0..shape.num_ranks)
+            .map(|_| {
+                let mut idx = Vec::new();
+                for _ in 0..t {
+                    let mut row: Vec<i64> = Vec::new();
+                    while row.len() < shape.topk {
+                        let e = (next() % shape.num_experts) as i64;
+                        if !row.contains(&e) {
+                            row.push(e);
+                        }
+                    }
+                    if next() % 4 == 0 {
+                        row[0] = -1;
+                    }
+                    idx.extend(row);
+                }
+                RankInput {
+                    tokens: vec![half::bf16::ZERO; t * shape.hidden],
+                    topk_weights: vec![0.5; idx.len()],
+                    topk_idx: idx,
+                }
+            })
+            .collect()
+    }
+
+    /// Every rank's plan, from the reference's node streams, puts each
+    /// node's rows where the reference's forward batch has them: its own
+    /// segment at its node's place, each remote node's rows (what that
+    /// node's rail peer sends) in node order, and sends what the traffic
+    /// says.
+    #[test]
+    fn plans_match_the_forward_batches_and_the_traffic() {
+        for (world, g, t) in [(4, 2, 37), (8, 2, 50), (8, 4, 23), (2, 1, 0), (6, 2, 11)] {
+            let topo = Topology::new(world, g).unwrap();
+            let shape = Shape {
+                num_ranks: world,
+                num_experts: 12 * world,
+                hidden: 8,
+                topk: 4,
+            };
+            let inputs = inputs(&shape, t, world as u64 * 31 + g as u64);
+            let n = topo.nodes();
+            let lens: Vec<usize> = (0..world)
+                .flat_map(|r| node_streams(&shape, &topo, &inputs, r).unwrap().len)
+                .collect();
+            let traffic = two_level_traffic(&shape, &topo, &inputs).unwrap();
+            for rank in 0..world {
+                let p = Plan::new(&topo, rank, &lens).unwrap();
+                let me = topo.node_of(rank);
+                let batch =
+                    &forward_batches(&shape, &topo, &inputs, me).unwrap()[topo.local_index(rank)];
+                assert_eq!(p.fwd_rows, batch.origin.len(), "{world} x {g} rank {rank}");
+                for m in 0..n {
+                    let home = topo.rail_peer(rank, m);
+                    let rows: Vec<usize> = (batch.origin.iter().enumerate())
+                        .filter(|(_, o)| o.0 == home)
+                        .map(|(i, _)| i)
+                        .collect();
+                    let len = if m == me {
+                        lens[rank * n + me]
+                    } else {
+                        p.recv_rows[m]
+                    };
+                    assert_eq!(rows.len(), len, "node {m}");
+                    assert!(rows.iter().enumerate().all(|(j, &i)| i == p.fwd_off[m] + j));
+                    let at = if m == me { p.fwd_off[m] } else { p.send_off[m] };
+                    assert_eq!(p.row_off[m] as usize, at);
+                    if m != me {
+                        assert_eq!(p.send_rows[m], traffic[rank].net_sent[m]);
+                        assert_eq!(p.recv_rows[m], traffic[rank].net_recv[m]);
+                    } else {
+                        assert_eq!((p.send_rows[m], p.recv_rows[m]), (0, 0));
+                    }
+                }
+                assert_eq!(p.sent_rows, p.send_rows.iter().sum::<usize>());
+                assert!((0..n).all(|m| m == me || p.send_off[m] + p.send_rows[m] <= p.sent_rows));
+            }
+        }
+    }
+
+    #[test]
+    fn lengths_of_another_world_are_refused() {
+        let topo = Topology::new(4, 2).unwrap();
+        assert!(Plan::new(&topo, 0, &[1, 2, 3]).is_err());
+        assert!(Plan::new(&topo, 4, &[0; 8]).is_err());
+    }
 }
