@@ -70,7 +70,7 @@ impl RecvLayout {
     }
 
     /// Refuses an alignment the kernels cannot take, naming `layout`.
-    fn check_for_kernels(self) -> Result<()> {
+    pub(crate) fn check_for_kernels(self) -> Result<()> {
         match self {
             RecvLayout::ExpertMajor { alignment }
                 if alignment == 0 || alignment > MAX_ALIGNMENT =>

@@ -387,34 +387,31 @@ impl TwoLevelGroup {
         let (mut sends, mut recvs) = (Vec::new(), Vec::new());
         for m in (0..self.topology.nodes()).filter(|&m| m != me) {
             let peer = self.topology.rail_peer(rank, m);
-            let out = HopSend {
-                peer,
-                src: net + (h.send_off[m] * row_bytes) as u64,
-                bytes: h.send_rows[m] * row_bytes,
+            // This rank's stream to node m in `net`, node m's segment of
+            // the forward batch in `own`: dispatch's way out of the first
+            // into the second, combine's the other way.
+            let stream_at = (
+                net + (h.send_off[m] * row_bytes) as u64,
+                h.send_rows[m] * row_bytes,
+            );
+            let segment_at = (
+                own + (h.fwd_off[m] * row_bytes) as u64,
+                h.recv_rows[m] * row_bytes,
+            );
+            let ((src, out), (dst, inn)) = match forward {
+                true => (stream_at, segment_at),
+                false => (segment_at, stream_at),
             };
-            let inn = HopRecv {
+            sends.push(HopSend {
                 peer,
-                dst: own + (h.fwd_off[m] * row_bytes) as u64,
-                bytes: h.recv_rows[m] * row_bytes,
-            };
-            match forward {
-                true => {
-                    sends.push(out);
-                    recvs.push(inn);
-                }
-                false => {
-                    sends.push(HopSend {
-                        peer,
-                        src: inn.dst,
-                        bytes: inn.bytes,
-                    });
-                    recvs.push(HopRecv {
-                        peer,
-                        dst: out.src,
-                        bytes: out.bytes,
-                    });
-                }
-            }
+                src,
+                bytes: out,
+            });
+            recvs.push(HopRecv {
+                peer,
+                dst,
+                bytes: inn,
+            });
         }
         // SAFETY: every range lies in the handle's or the op's buffers,
         // sized by the handle's row counts (send range `sent_rows`, forward
@@ -454,7 +451,9 @@ impl TwoLevelGroup {
                 8
             }
         };
-        layout.validate()?;
+        // The node group's layout refuses what its kernels cannot take: here,
+        // before any collective step.
+        layout.check_for_kernels()?;
         let (rank, n) = (self.comm.rank(), self.topology.nodes());
         let me = self.topology.node_of(rank);
         self.comm
@@ -687,14 +686,15 @@ impl TwoLevelGroup {
         }
         let plan = &handle.plan;
         let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
-        let mut fwd_w = alloc::<f32>(stream, plan.fwd_rows * k)?;
+        // The weight gradients' rows only when they are asked for.
+        let mut fwd_w = match grad_topk_weights {
+            Some(_) => Some(alloc::<f32>(stream, plan.fwd_rows * k)?),
+            None => None,
+        };
         {
             let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
-            let mut view_w = fwd_w.slice_mut(0..plan.fwd_rows * k);
-            let gw: Option<&mut dyn DeviceRegionMut<f32>> = match grad_topk_weights {
-                Some(_) => Some(&mut view_w),
-                None => None,
-            };
+            let mut view_w = fwd_w.as_mut().map(|w| w.slice_mut(0..plan.fwd_rows * k));
+            let gw = view_w.as_mut().map(|v| v as &mut dyn DeviceRegionMut<f32>);
             self.node.dispatch_backward(
                 stream,
                 &handle.node,
@@ -707,7 +707,7 @@ impl TwoLevelGroup {
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
         self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false)?;
         self.node_sum(stream, handle, &fwd, &net, grad_tokens.device_ptr())?;
-        if let Some(g) = grad_topk_weights {
+        if let (Some(g), Some(fwd_w)) = (grad_topk_weights, fwd_w) {
             let net_w = alloc::<f32>(stream, plan.sent_rows * k)?;
             self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, false)?;
             let mut p = self.params(handle);
