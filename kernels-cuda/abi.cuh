@@ -399,17 +399,21 @@ struct TwoLevelParams {
   float* net_w;
   void* out;                  // [T][H] bf16 (node_sum)
   float* out_w;               // [T][K] (gather_w)
-  int32_t* recv_src;          // [recv_rows][2] (remap_src)
+  int32_t* recv_src;          // [recv_rows][2] (remap_src: the mapped sources)
+  const int32_t* src_in;      // [recv_rows][2] (remap_src: the node group's sources)
   const int32_t* origin_peers[MOE_EP_MAX_RANKS];  // each node rank's own_origin
   int32_t row_off[MOE_EP_MAX_NODES];
   int32_t num_tokens, topk, hidden, num_experts;
   int32_t nodes, node, home_rank, recv_rows;
+  int32_t node_world, origin_rows;  // remap_src: ranks per node, rows of each origin buffer
 };
-static_assert(sizeof(TwoLevelParams) == 480, "TwoLevelParams");
-static_assert(offsetof(TwoLevelParams, origin_peers) == 128 &&
-                  offsetof(TwoLevelParams, row_off) == 192 &&
-                  offsetof(TwoLevelParams, num_tokens) == 448 &&
-                  offsetof(TwoLevelParams, recv_rows) == 476,
+static_assert(sizeof(TwoLevelParams) == 496, "TwoLevelParams");
+static_assert(offsetof(TwoLevelParams, src_in) == 128 &&
+                  offsetof(TwoLevelParams, origin_peers) == 136 &&
+                  offsetof(TwoLevelParams, row_off) == 200 &&
+                  offsetof(TwoLevelParams, num_tokens) == 456 &&
+                  offsetof(TwoLevelParams, recv_rows) == 484 &&
+                  offsetof(TwoLevelParams, origin_rows) == 492,
               "TwoLevelParams offsets");
 
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).

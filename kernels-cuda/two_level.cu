@@ -190,16 +190,23 @@ extern "C" __global__ void moe_ep_two_level_gather_w(const __grid_constant__ Two
 }
 
 // The received rows' sources: the node group's dispatch gives (forwarding
-// node rank j, row r of j's forward batch); each becomes j's origin of that
-// row, (home rank, home token), read from j's own_origin. Padding stays
-// (-1, -1).
+// node rank j, row r of j's forward batch) in src_in; recv_src gets j's
+// origin of that row, (home rank, home token), read from j's own_origin.
+// Out of place: src_in is never written, so a source is mapped once. A
+// source outside the node's ranks or the origin rows (padding, or rows a
+// failed node dispatch left unwritten: its error is the group's) becomes
+// (-1, -1) and is never dereferenced.
 extern "C" __global__ void moe_ep_two_level_remap_src(const __grid_constant__ TwoLevelParams p) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.recv_rows;
        i += gridDim.x * blockDim.x) {
-    const int j = p.recv_src[2 * i], r = p.recv_src[2 * i + 1];
-    if (j < 0 || j >= MOE_EP_MAX_RANKS) continue;
-    const int32_t* o = p.origin_peers[j] + (size_t)r * 2;
-    p.recv_src[2 * i] = o[0];
-    p.recv_src[2 * i + 1] = o[1];
+    const int j = p.src_in[2 * i], r = p.src_in[2 * i + 1];
+    int home = -1, tok = -1;
+    if (j >= 0 && j < p.node_world && j < MOE_EP_MAX_RANKS && r >= 0 && r < p.origin_rows) {
+      const int32_t* o = p.origin_peers[j] + (size_t)r * 2;
+      home = o[0];
+      tok = o[1];
+    }
+    p.recv_src[2 * i] = home;
+    p.recv_src[2 * i + 1] = tok;
   }
 }

@@ -432,6 +432,7 @@ pub struct TwoLevelParams {
     pub out: u64,
     pub out_w: u64,
     pub recv_src: u64,
+    pub src_in: u64,
     pub origin_peers: [u64; MAX_RANKS],
     pub row_off: [i32; MAX_NODES],
     pub num_tokens: i32,
@@ -442,6 +443,8 @@ pub struct TwoLevelParams {
     pub node: i32,
     pub home_rank: i32,
     pub recv_rows: i32,
+    pub node_world: i32,
+    pub origin_rows: i32,
 }
 
 impl Default for TwoLevelParams {
@@ -463,6 +466,7 @@ impl Default for TwoLevelParams {
             out: 0,
             out_w: 0,
             recv_src: 0,
+            src_in: 0,
             origin_peers: [0; MAX_RANKS],
             row_off: [0; MAX_NODES],
             num_tokens: 0,
@@ -473,6 +477,8 @@ impl Default for TwoLevelParams {
             node: 0,
             home_rank: 0,
             recv_rows: 0,
+            node_world: 0,
+            origin_rows: 0,
         }
     }
 }
@@ -489,7 +495,7 @@ const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
 const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
-const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 480);
+const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 496);
 
 #[cfg(test)]
 mod tests {
@@ -529,10 +535,12 @@ mod tests {
         assert_eq!(offset_of!(LlParams, out), 536);
         assert_eq!(offset_of!(LlParams, set), 544);
         assert_eq!(offset_of!(LlParams, in_place), 560);
-        assert_eq!(offset_of!(TwoLevelParams, origin_peers), 128);
-        assert_eq!(offset_of!(TwoLevelParams, row_off), 192);
-        assert_eq!(offset_of!(TwoLevelParams, num_tokens), 448);
-        assert_eq!(offset_of!(TwoLevelParams, recv_rows), 476);
+        assert_eq!(offset_of!(TwoLevelParams, src_in), 128);
+        assert_eq!(offset_of!(TwoLevelParams, origin_peers), 136);
+        assert_eq!(offset_of!(TwoLevelParams, row_off), 200);
+        assert_eq!(offset_of!(TwoLevelParams, num_tokens), 456);
+        assert_eq!(offset_of!(TwoLevelParams, recv_rows), 484);
+        assert_eq!(offset_of!(TwoLevelParams, origin_rows), 492);
     }
 
     /// The constants mirrored from abi.cuh's `#define`s have the same values.

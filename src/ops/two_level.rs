@@ -421,6 +421,50 @@ impl TwoLevelGroup {
         unsafe { self.hop.exchange(stream, &sends, &recvs) }
     }
 
+    /// The rows' sources of a node dispatch, (forwarding node rank, forward
+    /// row), mapped to (home rank, home token) from the forwarders' origins,
+    /// into a fresh buffer of the node pool (collective: the same size on
+    /// every rank of the node).
+    fn remap_src(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        src_in: SymmBuffer<i32>,
+    ) -> Result<SymmBuffer<i32>> {
+        let out: SymmBuffer<i32> = self.node.pool().alloc(src_in.len())?;
+        out.used_on(stream)?;
+        let node_world = self.node.comm().world();
+        let mut p = self.params(handle);
+        p.recv_src = out.device_ptr();
+        p.src_in = src_in.device_ptr();
+        p.recv_rows = handle.received.min(src_in.len() / 2) as i32;
+        p.node_world = node_world as i32;
+        p.origin_rows = (handle.origin.len() / 2) as i32;
+        for (j, peer) in p.origin_peers.iter_mut().enumerate().take(node_world) {
+            *peer = handle.origin.peer_ptr(j).ok_or_else(|| {
+                Error::InvalidState(format!(
+                    "the forward batch origins of node rank {j} are not reachable"
+                ))
+            })?;
+        }
+        // SAFETY: p mirrors TwoLevelParams; src_in and out hold recv_rows
+        // rows of 2 (both the node pool's recv_capacity x 2), each
+        // forwarder's origin buffer origin_rows rows; the kernel reads an
+        // origin only at a node rank and row inside those bounds.
+        unsafe {
+            self.k.remap_src.launch(
+                stream,
+                grid(handle.received, THREADS as usize),
+                THREADS,
+                0,
+                &p,
+            )?
+        };
+        // src_in is released in stream order, after the kernel that read it.
+        drop(src_in);
+        Ok(out)
+    }
+
     /// Computes the two-level routing (collective over the world, and waits
     /// on the host): the node streams, their lengths on every rank, the
     /// forward batch's ids and origins at the rail peers, and the node
@@ -593,36 +637,8 @@ impl TwoLevelGroup {
             fwd_x.slice(0..plan.fwd_rows * h),
             fwd_w.slice(0..plan.fwd_rows * k),
         );
-        let got = self.node.dispatch(stream, &handle.node, &xs, &ws, out)?;
-        // The rows' sources: (forwarding node rank, forward row) to (home
-        // rank, home token), from the forwarders' origins.
-        let mut p = self.params(handle);
-        p.recv_src = got.src.device_ptr();
-        p.recv_rows = handle.received as i32;
-        for (j, peer) in p
-            .origin_peers
-            .iter_mut()
-            .enumerate()
-            .take(self.node.comm().world())
-        {
-            *peer = handle.origin.peer_ptr(j).ok_or_else(|| {
-                Error::InvalidState(format!(
-                    "the forward batch origins of node rank {j} are not reachable"
-                ))
-            })?;
-        }
-        // SAFETY: p mirrors TwoLevelParams; recv_src holds the rows the
-        // node's dispatch delivered (recv_rows), each forwarder's origin
-        // buffer every row of its forward batch.
-        unsafe {
-            self.k.remap_src.launch(
-                stream,
-                grid(handle.received, THREADS as usize),
-                THREADS,
-                0,
-                &p,
-            )?
-        };
+        let mut got = self.node.dispatch(stream, &handle.node, &xs, &ws, out)?;
+        got.src = self.remap_src(stream, handle, got.src)?;
         Ok(got)
     }
 
