@@ -93,6 +93,7 @@
 #define MOE_EP_CTR_DESCRIPTOR 6    // a peer's descriptor of its buffers for this op call
 #define MOE_EP_CTR_LL_DISPATCH 7   // low-latency dispatch: a sender block's rows (LlSignal)
 #define MOE_EP_CTR_LL_COMBINE 8    // low-latency combine: an expert rank block's rows home
+#define MOE_EP_CTR_HOP_ARRIVAL 9   // two-level dispatch: a chunk of the network hop (peer: its sender)
 
 // Written by kernels into host-mapped pinned memory; read by the host at the
 // next call. 64 bytes.
@@ -242,6 +243,14 @@ struct DispatchParams {
   // write, per token they send, the rows of its experts there (read by the
   // receiver's extra copies and by combine). Null for rank-major.
   int32_t* meta[MOE_EP_MAX_RANKS];
+  // Rows that arrive while the kernel runs (the two-level path's forward
+  // batch, in chunks of the network hop), or null: row t may be read once
+  // arrive[arrive_of[t]] >= arrive_epoch (arrive_of[t] < 0: already here);
+  // arrive_peer[c] is the rank that sends chunk c (named on a timeout).
+  const uint64_t* arrive;
+  const int32_t* arrive_of;
+  const int32_t* arrive_peer;
+  uint64_t arrive_epoch;
 };
 
 // combine, and dispatch backward, which is a combine of the gradient
@@ -361,7 +370,7 @@ static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
 static_assert(sizeof(OpCommon) == 240, "OpCommon");
 static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
-static_assert(sizeof(DispatchParams) == 640, "DispatchParams");
+static_assert(sizeof(DispatchParams) == 672, "DispatchParams");
 static_assert(sizeof(CombineParams) == 472, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 248, "LlBufs");
@@ -427,7 +436,9 @@ static_assert(offsetof(LayoutParams, topk_idx) == 240,
 static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, scale_w) == 256 &&
                   offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456 &&
                   offsetof(DispatchParams, desc) == 520 &&
-                  offsetof(DispatchParams, meta) == 576,
+                  offsetof(DispatchParams, meta) == 576 &&
+                  offsetof(DispatchParams, arrive) == 640 &&
+                  offsetof(DispatchParams, arrive_epoch) == 664,
               "DispatchParams offsets");
 static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
                   offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&

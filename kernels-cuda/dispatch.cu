@@ -75,13 +75,13 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* const (&dst)[MOE
                                          unsigned dmask, int4* local, unsigned lmask,
                                          const int (&lrow)[MOE_EP_MAX_TOPK],
                                          const float (&lw)[MOE_EP_MAX_TOPK], bool scaled, int n16,
-                                         int per, int lane) {
+                                         int per, int lane, bool coherent) {
   for (int base = 0; base < n16; base += 32 * per) {
     int4 v[kPiece];
 #pragma unroll
     for (int i = 0; i < kPiece; ++i) {
       const int idx = base + i * 32 + lane;
-      if (i < per && idx < n16) v[i] = ld_nc_v4(src + idx);
+      if (i < per && idx < n16) v[i] = coherent ? ld_v4(src + idx) : ld_nc_v4(src + idx);
     }
 #pragma unroll
     for (int r = 0; r < MOE_EP_MAX_RANKS; ++r) {
@@ -105,6 +105,26 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* const (&dst)[MOE
       }
     }
   }
+}
+
+// Whether row t of x may be read: with p.arrive, the warp's lane 0 waits
+// (bounded) for its chunk of the network hop, then the warp syncs, so that
+// every lane's later loads of the row and its weights see the chunk.
+// false: the wait failed (reported); the warp takes no more rows.
+__device__ __forceinline__ bool row_arrived(const DispatchParams& p, int t, int me, int lane,
+                                            const ErrSink& err) {
+  if (p.arrive == nullptr) return true;
+  bool ok = true;
+  if (lane == 0) {
+    const int c = p.arrive_of[t];
+    if (c >= 0) {
+      ok = wait_at_least(p.arrive + c, p.arrive_epoch, p.op.timeout_ns, err, me, p.arrive_peer[c],
+                         MOE_EP_CTR_HOP_ARRIVAL);
+    }
+  }
+  ok = __shfl_sync(0xffffffffu, (int)ok, 0) != 0;
+  __syncwarp();
+  return ok;
 }
 
 // One token's routing as this lane sees it (lane < R: rank d = lane; lane < K: slot k = lane).
@@ -194,12 +214,15 @@ __device__ void dispatch_body(const DispatchParams& p) {
   TokRoute cur{-1, -1, 0, 0.f};
   // Ranks whose descriptor this warp found equal to mine (written to only then).
   unsigned agreed = 1u << me;
+  const bool coherent = p.arrive != nullptr;  // rows land while this kernel runs
   int t = n_items > 0 ? claims.next(lane) : n_items;
+  if (t < n_items && !row_arrived(p, t, me, lane, err)) t = n_items;
   if (t < n_items) cur = load_route(p, t, R, K, expert_major, lane);
   while (t < n_items) {
     // Claims only grow, so the next token is another one: its routing now,
     // its row into L2.
-    const int t_next = claims.next(lane);
+    int t_next = claims.next(lane);
+    if (t_next < n_items && !row_arrived(p, t_next, me, lane, err)) t_next = n_items;
     TokRoute next = cur;
     if (t_next < n_items) {
       next = load_route(p, t_next, R, K, expert_major, lane);
@@ -241,7 +264,7 @@ __device__ void dispatch_body(const DispatchParams& p) {
     float lw[MOE_EP_MAX_TOPK];
     if (!expert_major) {
       copy_row<false>(x + (size_t)t * n16, dst, dmask, nullptr, 0u, lrow, lw, false, n16, per,
-                      lane);
+                      lane, coherent);
     } else {
       const unsigned lmask = __ballot_sync(0xffffffffu, dk == me);
       const float my_w = (scaled && dk == me) ? p.scale_w[erow] : 1.f;
@@ -251,7 +274,7 @@ __device__ void dispatch_body(const DispatchParams& p) {
         lw[k] = __shfl_sync(0xffffffffu, my_w, k);
       }
       copy_row<true>(x + (size_t)t * n16, dst, dmask & ~(1u << me), rx, lmask, lrow, lw, scaled,
-                     n16, per, lane);
+                     n16, per, lane, coherent);
     }
 
     // Metadata: top-k weights, local expert ids, source.

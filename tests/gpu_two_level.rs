@@ -73,6 +73,8 @@ enum Route {
 struct Run {
     case: Case,
     route: Route,
+    /// Rows per chunk of dispatch's hop (`TwoLevelGroup::with_hop_chunk_rows`).
+    chunk_rows: usize,
 }
 
 const LAYOUTS: [RecvLayout; 2] = [
@@ -321,7 +323,14 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     cfg.timeout = Duration::from_secs(10);
     cfg.combine_chunks = c.chunks;
     cfg.num_sms = r.sms(c.sms.min(8), c.experts / topo.nodes())?;
-    let group = TwoLevelGroup::new(&r.comm, cfg)?;
+    let group = TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg, run.chunk_rows)?;
+    ensure(group.hop_chunk_rows() == run.chunk_rows, || {
+        format!(
+            "hop_chunk_rows() {}, asked {}",
+            group.hop_chunk_rows(),
+            run.chunk_rows
+        )
+    })?;
     let s = &r.stream;
     let (x_buf, w_buf) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
     let (x, w) = (x_buf.slice(0..t * h), w_buf.slice(0..t * k));
@@ -539,6 +548,7 @@ fn table_case(id: &str, c: Case, layout: RecvLayout) {
     let run = Run {
         case: c,
         route: Route::Table,
+        chunk_rows: moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS,
     };
     run_at_nodes(&format!("{id}::{layout:?}"), run, layout, seed);
 }
@@ -548,7 +558,11 @@ fn routed_case(test: &str, c: Case, route: Route, seed: u64) {
     for layout in LAYOUTS {
         run_at_nodes(
             &format!("{test}::{layout:?}"),
-            Run { case: c, route },
+            Run {
+                case: c,
+                route,
+                chunk_rows: moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS,
+            },
             layout,
             seed,
         );
@@ -587,6 +601,7 @@ fn bad_expert_id_is_refused_on_every_rank() {
     let run = Run {
         case: c,
         route: Route::Table,
+        chunk_rows: moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS,
     };
     for world in worlds(test, 2) {
         let g = per_node(world.size)[0];
@@ -659,6 +674,67 @@ fn bad_expert_id_is_refused_on_every_rank() {
                 &bits(&want.tokens),
             )?;
             r.comm.barrier(s)
+        });
+    }
+}
+
+/// Dispatch's hop one row per chunk (every row its own arrival flag, the
+/// most rounds) and in one chunk per stream (one flag per rail peer), in
+/// both layouts: the same results as the table's default chunks.
+#[test]
+fn hop_in_single_rows_and_in_one_chunk() {
+    let c = case(127, 2048, 8, 64, Routing::Uniform);
+    for chunk_rows in [1, 4096] {
+        for layout in LAYOUTS {
+            run_at_nodes(
+                &format!("hop_in_single_rows_and_in_one_chunk::{chunk_rows}::{layout:?}"),
+                Run {
+                    case: c,
+                    route: Route::Table,
+                    chunk_rows,
+                },
+                layout,
+                17,
+            );
+        }
+    }
+}
+
+/// A hop chunk of 0 rows, and chunk rows that differ between ranks, are
+/// refused by name on every rank.
+#[test]
+fn bad_hop_chunk_rows_are_refused_by_name() {
+    let test = "bad_hop_chunk_rows_are_refused_by_name";
+    for world in worlds(test, 2) {
+        run_ranks(world, |r| {
+            let mut cfg = GroupConfig::new(64, 512, 16);
+            cfg.ranks_per_node = per_node(r.world)[0];
+            cfg.num_sms = r.sms(4, 64 / (r.world / cfg.ranks_per_node))?;
+            match TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg.clone(), 0) {
+                Err(Error::InvalidArgument {
+                    arg: "hop_chunk_rows",
+                    ..
+                }) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "hop_chunk_rows 0: expected an error naming hop_chunk_rows, got {:?}",
+                        other.err()
+                    )))
+                }
+            }
+            let rows = if r.rank == 0 { 32 } else { 64 };
+            match TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg, rows) {
+                Err(Error::InvalidArgument {
+                    arg: "hop_chunk_rows",
+                    ..
+                }) => Ok(()),
+                other => Err(Error::InvalidState(format!(
+                    "hop_chunk_rows {rows} on rank {}: expected an error naming \
+                     hop_chunk_rows on every rank, got {:?}",
+                    r.rank,
+                    other.err()
+                ))),
+            }
         });
     }
 }

@@ -118,6 +118,7 @@ pub fn counter_name(c: i32) -> &'static str {
         6 => "op call descriptor",
         7 => "low-latency dispatch",
         8 => "low-latency combine",
+        9 => "network hop arrival",
         _ => "unknown",
     }
 }
@@ -232,6 +233,14 @@ pub struct DispatchParams {
     /// Expert-major: every rank's `LayoutBufs::meta` as mapped here (the
     /// senders write it); zeros for rank-major.
     pub meta: [u64; MAX_RANKS],
+    /// Rows that arrive while the kernel runs (the two-level forward batch,
+    /// chunk by chunk), or 0: row `t` is read once
+    /// `arrive[arrive_of[t]] >= arrive_epoch` (`arrive_of[t] < 0`: already
+    /// here); `arrive_peer[c]` sends chunk `c`.
+    pub arrive: u64,
+    pub arrive_of: u64,
+    pub arrive_peer: u64,
+    pub arrive_epoch: u64,
 }
 
 /// Combine and dispatch backward (`combine_pull.cu`, `combine_push.cu`).
@@ -490,7 +499,7 @@ const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
 const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 640);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 672);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
@@ -519,6 +528,8 @@ mod tests {
         assert_eq!(offset_of!(DispatchParams, recv_src), 456);
         assert_eq!(offset_of!(DispatchParams, desc), 520);
         assert_eq!(offset_of!(DispatchParams, meta), 576);
+        assert_eq!(offset_of!(DispatchParams, arrive), 640);
+        assert_eq!(offset_of!(DispatchParams, arrive_epoch), 664);
         assert_eq!(offset_of!(CombineParams, y), 240);
         assert_eq!(offset_of!(CombineParams, out), 264);
         assert_eq!(offset_of!(CombineParams, y_peers), 280);
@@ -581,6 +592,8 @@ mod tests {
         assert_eq!(counter_name(7), "low-latency dispatch");
         assert_eq!(define("MOE_EP_CTR_LL_COMBINE"), "8");
         assert_eq!(counter_name(8), "low-latency combine");
+        assert_eq!(define("MOE_EP_CTR_HOP_ARRIVAL"), "9");
+        assert_eq!(counter_name(9), "network hop arrival");
         assert_eq!(define("MOE_EP_FIELD_PAYLOAD"), FIELD_PAYLOAD.to_string());
         assert_eq!(define("MOE_EP_FIELD_OP"), desc::FIELD_OP.to_string());
         assert_eq!(define("MOE_EP_DESC_WORDS"), DESC_WORDS.to_string());

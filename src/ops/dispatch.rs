@@ -28,6 +28,20 @@ use crate::symm::SymmBuffer;
 /// descriptor word, [`EpGroup::located`]).
 type Located = (Peers, u64);
 
+/// Where a dispatch's input rows arrive while it runs (device addresses):
+/// `flags[c]` reaches `epoch` once chunk `c` has landed, `row_chunk[t]` is
+/// row `t`'s chunk (-1: already there), `chunk_peer[c]` the rank sending
+/// chunk `c`. The flags are written in stream order on another stream; the
+/// kernel waits for each row's chunk (bounded: a chunk that never lands is
+/// a timeout naming its sender and "network hop arrival").
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Arrival {
+    pub flags: u64,
+    pub row_chunk: u64,
+    pub chunk_peer: u64,
+    pub epoch: u64,
+}
+
 /// What one dispatch-kernel launch moves, besides the rows. (Built and
 /// consumed within one call: its size does not matter.)
 #[allow(clippy::large_enum_variant)]
@@ -55,6 +69,7 @@ impl EpGroup {
         x: u64,
         recv_x: Located,
         rows: Rows,
+        arrival: Option<&Arrival>,
     ) -> Result<()> {
         let none = ([0u64; MAX_RANKS], 0);
         let (f, op, topk_w, scale_w, recv_w, recv_idx, recv_src) = match rows {
@@ -97,6 +112,10 @@ impl EpGroup {
             recv_src: recv_src.0,
             desc: d,
             meta: handle.meta_peers()?,
+            arrive: arrival.map_or(0, |a| a.flags),
+            arrive_of: arrival.map_or(0, |a| a.row_chunk),
+            arrive_peer: arrival.map_or(0, |a| a.chunk_peer),
+            arrive_epoch: arrival.map_or(0, |a| a.epoch),
         };
         // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
         unsafe {
@@ -119,6 +138,21 @@ impl EpGroup {
         x: &dyn DeviceRegion<bf16>,
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
+    ) -> Result<Dispatched<'a>> {
+        self.dispatch_arriving(stream, handle, x, topk_weights, out, None)
+    }
+
+    /// [`EpGroup::dispatch`] of rows that land in `x` and `topk_weights`
+    /// while the kernel runs (`arrival`: the two-level path's forward batch,
+    /// chunk by chunk); `None` is a plain dispatch.
+    pub(crate) fn dispatch_arriving<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        x: &dyn DeviceRegion<bf16>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOut<'a>,
+        arrival: Option<&Arrival>,
     ) -> Result<Dispatched<'a>> {
         let _turn = self.enter("moe_ep::dispatch", stream, handle)?;
         let (t, k, h, cap) = (
@@ -153,7 +187,7 @@ impl EpGroup {
             recv_idx: self.located(&idx, "recv_topk_idx")?,
             recv_src: self.located(&src, "recv_src")?,
         };
-        self.launch_dispatch(stream, handle, x.device_ptr(), recv_x, rows)?;
+        self.launch_dispatch(stream, handle, x.device_ptr(), recv_x, rows, arrival)?;
         Ok(Dispatched {
             tokens,
             topk_weights: weights,
@@ -205,6 +239,7 @@ impl EpGroup {
             grad_out.device_ptr(),
             recv_x,
             Rows::Gradient { scale_w },
+            None,
         )?;
         Ok(out)
     }

@@ -65,4 +65,4 @@ pub use low_latency::{
 pub use rail_hop::{HopRecv, HopSend, RailHop};
 pub use residency::{residency, Residency};
 pub use topology::Topology;
-pub use two_level::{TwoLevelGroup, TwoLevelHandle};
+pub use two_level::{TwoLevelGroup, TwoLevelHandle, DEFAULT_HOP_CHUNK_ROWS};

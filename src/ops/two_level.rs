@@ -32,9 +32,16 @@
 //! and the unit tests below (each rank's rows against the reference's
 //! forward batches and traffic, on the CPU).
 //!
-//! Not built yet: the hop in chunks overlapped with the forwarding (each op
-//! sends everything, then forwards), and the path through [`EpGroup`] itself
-//! (a world of several nodes runs on this type).
+//! Dispatch's hop runs in chunks of [`TwoLevelGroup::hop_chunk_rows`] rows
+//! on a stream of its own, overlapped with the forwarding: the node group's
+//! dispatch starts at once and each of its warps waits (bounded) for the
+//! chunk of the row it takes, which the hop stream flags once the chunk's
+//! rows and weights have landed (`cuStreamWriteValue64`, ordered after the
+//! chunk's receive). The other ops send everything, then go on.
+//!
+//! Not built yet: the chunked overlap in combine and the backward passes,
+//! and the path through [`EpGroup`] itself (a world of several nodes runs on
+//! this type).
 
 use std::sync::Arc;
 
@@ -46,6 +53,7 @@ use super::abi::{TwoLevelParams, MAX_NODES};
 use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx, ROW_ALIGN,
 };
+use super::dispatch::Arrival;
 use super::group::{EpGroup, GroupConfig, Mode};
 use super::handle::Handle;
 use super::hop_plan::hop_rows;
@@ -89,6 +97,11 @@ const STREAM_THREADS: u32 = 1024;
 /// Threads of every other two-level kernel.
 const THREADS: u32 = 256;
 
+/// Rows per chunk of dispatch's network hop unless
+/// [`TwoLevelGroup::with_hop_chunk_rows`] says otherwise: 128 rows of hidden
+/// 7168 are 1.8 MB of bf16 per chunk and rail peer.
+pub const DEFAULT_HOP_CHUNK_ROWS: usize = 128;
+
 /// A grid of `THREADS`-thread blocks for `items` items of `per_block` each.
 fn grid(items: usize, per_block: usize) -> u32 {
     items.div_ceil(per_block).clamp(1, 4096) as u32
@@ -120,6 +133,17 @@ pub struct TwoLevelGroup {
     k: Kernels,
     /// This group's number in the process (handles remember it).
     id: u64,
+    /// Rows per chunk of dispatch's hop.
+    chunk_rows: usize,
+    /// Dispatch's hop, chunk by chunk (the op stream's node dispatch runs
+    /// beside it).
+    hop_stream: Arc<CudaStream>,
+    /// One arrival flag per chunk a dispatch can receive (its remote
+    /// segments in node order, each in chunks): the call's epoch once the
+    /// chunk has landed.
+    arrive: CudaSlice<u64>,
+    /// The last dispatch's epoch.
+    epoch: std::sync::atomic::AtomicU64,
 }
 
 /// Where one rank's rows lie on the two-level path: its forward batch (the
@@ -139,6 +163,60 @@ struct Plan {
     /// Rows of the forward batch and of the send range.
     fwd_rows: usize,
     sent_rows: usize,
+}
+
+/// Dispatch's hop in chunks of `rows` rows: round `c` moves rows `c * rows`
+/// on of every stream and segment (an empty piece where one is shorter).
+struct Chunks {
+    rows: usize,
+    /// Rounds: the longest stream between any two rail peers, in chunks
+    /// (the same on every rank: every rank makes each round's exchange).
+    rounds: usize,
+    /// First arrival flag of each node's segment here (remote nodes; its
+    /// chunk `c` is flag `first[m] + c`).
+    first: Vec<usize>,
+    /// `[fwd_rows]` each forward row's flag (-1: this rank's own rows),
+    /// then `[flags]` each flag's sending rank.
+    table: CudaSlice<i32>,
+}
+
+impl Chunks {
+    /// The chunks of `plan` for `rank`, from every rank's stream lengths
+    /// (as [`Plan::new`]); the table on the host.
+    fn plan(
+        topology: &Topology,
+        rank: usize,
+        lens: &[usize],
+        plan: &Plan,
+        rows: usize,
+    ) -> (usize, Vec<usize>, Vec<i32>) {
+        let n = topology.nodes();
+        let longest = (0..topology.world())
+            .flat_map(|r| {
+                (0..n)
+                    .filter(move |&m| m != topology.node_of(r))
+                    .map(move |m| lens[r * n + m])
+            })
+            .max()
+            .unwrap_or(0);
+        let me = topology.node_of(rank);
+        let mut table = vec![-1i32; plan.fwd_rows];
+        let (mut first, mut peers) = (vec![0usize; n], Vec::new());
+        for m in (0..n).filter(|&m| m != me) {
+            first[m] = peers.len();
+            let peer = topology.rail_peer(rank, m) as i32;
+            for c in 0..plan.recv_rows[m].div_ceil(rows) {
+                let lo = c * rows;
+                let hi = (lo + rows).min(plan.recv_rows[m]);
+                for q in lo..hi {
+                    table[plan.fwd_off[m] + q] = peers.len() as i32;
+                }
+                peers.push(peer);
+            }
+        }
+        table.extend(peers);
+        (longest.div_ceil(rows), first, table)
+    }
 }
 
 impl Plan {
@@ -187,6 +265,8 @@ pub struct TwoLevelHandle {
     origin: SymmBuffer<i32>,
     /// Rows the node group's dispatch delivers here.
     received: usize,
+    /// Dispatch's hop in chunks.
+    chunks: Chunks,
     group: u64,
 }
 
@@ -233,7 +313,23 @@ impl TwoLevelGroup {
     /// the nodes above 2^20 (a forward batch holds a row per node); a field
     /// that differs between ranks (every rank fails, naming the field).
     pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<TwoLevelGroup> {
+        Self::with_hop_chunk_rows(comm, cfg, DEFAULT_HOP_CHUNK_ROWS)
+    }
+
+    /// [`TwoLevelGroup::new`] with dispatch's network hop in chunks of
+    /// `hop_chunk_rows` rows (at least 1, the same on every rank: an error
+    /// names `hop_chunk_rows` otherwise). Smaller chunks start the
+    /// forwarding sooner and cost more transfers (and, on a virtual world,
+    /// more host rounds).
+    pub fn with_hop_chunk_rows(
+        comm: &Arc<Communicator>,
+        cfg: GroupConfig,
+        hop_chunk_rows: usize,
+    ) -> Result<TwoLevelGroup> {
         let world = comm.world();
+        if hop_chunk_rows == 0 {
+            return Err(Error::arg("hop_chunk_rows", "at least 1 row", 0));
+        }
         let topology = cfg.validate_fields(world)?;
         let nodes = topology.nodes();
         if nodes < 2 {
@@ -267,6 +363,7 @@ impl TwoLevelGroup {
             cfg.hidden as u64,
             cfg.max_tokens_per_rank as u64,
             topology.ranks_per_node() as u64,
+            hop_chunk_rows as u64,
         ];
         let all = comm.all_gather_host(&stream, &mine)?;
         let names = [
@@ -274,6 +371,7 @@ impl TwoLevelGroup {
             "hidden",
             "max_tokens_per_rank",
             "ranks_per_node",
+            "hop_chunk_rows",
         ];
         for (r, theirs) in all.chunks(mine.len()).enumerate() {
             if let Some(f) = (0..mine.len()).find(|&f| theirs[f] != mine[f]) {
@@ -303,9 +401,21 @@ impl TwoLevelGroup {
             node_cfg.recv_capacity = world * cfg.max_tokens_per_rank;
         }
         let hop = RailHop::new(comm, topology)?;
+        // Allocated before the node group, whose creation ends in a barrier
+        // (after it, a sibling's kernels may wait for this rank).
+        let hop_stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+        let flags = (nodes - 1) * cfg.max_tokens_per_rank.div_ceil(hop_chunk_rows);
+        // On the hop stream, which every dispatch leaves ordered after its
+        // node dispatch (the flags' last reader): freed after them.
+        let arrive = hop_stream
+            .alloc_zeros::<u64>(flags.max(1))
+            .map_err(Error::cuda("cuMemAlloc"))?;
+        let k = Kernels::load(comm)?;
+        hop_stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
         let node_comm = comm.split(&stream, comm.rank() / topology.ranks_per_node())?;
         let node = EpGroup::new(&node_comm, node_cfg)?;
-        let k = Kernels::load(comm)?;
         Ok(TwoLevelGroup {
             comm: comm.clone(),
             cfg,
@@ -314,6 +424,10 @@ impl TwoLevelGroup {
             hop,
             k,
             id: NEXT_GROUP.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            chunk_rows: hop_chunk_rows,
+            hop_stream,
+            arrive,
+            epoch: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -338,6 +452,10 @@ impl TwoLevelGroup {
     /// The world communicator.
     pub fn comm(&self) -> &Arc<Communicator> {
         &self.comm
+    }
+    /// Rows per chunk of dispatch's network hop.
+    pub fn hop_chunk_rows(&self) -> usize {
+        self.chunk_rows
     }
 
     /// The parameters every kernel of an op on `h` starts from.
@@ -374,6 +492,7 @@ impl TwoLevelGroup {
     /// from this rank's send range `net` into its rail peers' forward
     /// batches, or back (combine's way) from its forward batch `own` into
     /// the homes' landing ranges `net`.
+    #[allow(clippy::too_many_arguments)]
     fn hop(
         &self,
         stream: &Arc<CudaStream>,
@@ -382,21 +501,33 @@ impl TwoLevelGroup {
         net: u64,
         row_bytes: usize,
         forward: bool,
+        chunk: Option<usize>,
     ) -> Result<()> {
         let (rank, me) = (self.comm.rank(), self.topology.node_of(self.comm.rank()));
+        // The rows [lo, hi) of a stream or segment of `len` rows: all of
+        // them, or chunk c's.
+        let piece = |len: usize| match chunk {
+            None => (0, len),
+            Some(c) => {
+                let lo = (c * self.chunk_rows).min(len);
+                (lo, (lo + self.chunk_rows).min(len))
+            }
+        };
         let (mut sends, mut recvs) = (Vec::new(), Vec::new());
         for m in (0..self.topology.nodes()).filter(|&m| m != me) {
             let peer = self.topology.rail_peer(rank, m);
             // This rank's stream to node m in `net`, node m's segment of
             // the forward batch in `own`: dispatch's way out of the first
             // into the second, combine's the other way.
+            let (s_lo, s_hi) = piece(h.send_rows[m]);
+            let (f_lo, f_hi) = piece(h.recv_rows[m]);
             let stream_at = (
-                net + (h.send_off[m] * row_bytes) as u64,
-                h.send_rows[m] * row_bytes,
+                net + ((h.send_off[m] + s_lo) * row_bytes) as u64,
+                (s_hi - s_lo) * row_bytes,
             );
             let segment_at = (
-                own + (h.fwd_off[m] * row_bytes) as u64,
-                h.recv_rows[m] * row_bytes,
+                own + ((h.fwd_off[m] + f_lo) * row_bytes) as u64,
+                (f_hi - f_lo) * row_bytes,
             );
             let ((src, out), (dst, inn)) = match forward {
                 true => (stream_at, segment_at),
@@ -570,6 +701,7 @@ impl TwoLevelGroup {
             dptr(&net_ids),
             4 * topk,
             true,
+            None,
         )?;
         self.hop(
             stream,
@@ -578,10 +710,31 @@ impl TwoLevelGroup {
             dptr(&net_origin),
             8,
             true,
+            None,
         )?;
         let ids = own_ids.slice(0..fwd_rows * topk);
         let node = self.node.layout(stream, TopkIdx::I32(&ids), topk, layout)?;
         let received = node.host_counts(stream)?.recv_rows;
+        let (rounds, first, table) =
+            Chunks::plan(&self.topology, rank, &lens_all, &plan, self.chunk_rows);
+        let flags = table.len() - plan.fwd_rows;
+        if flags > self.arrive.len() {
+            return Err(Error::InvalidState(format!(
+                "rank {rank}: {flags} chunks of the hop, more than the {} arrival flags",
+                self.arrive.len()
+            )));
+        }
+        let mut table = table;
+        table.push(-1); // never empty
+        let table = stream
+            .clone_htod(&table)
+            .map_err(Error::cuda("cuMemcpyHtoD"))?;
+        let chunks = Chunks {
+            rows: self.chunk_rows,
+            rounds,
+            first,
+            table,
+        };
         Ok(TwoLevelHandle {
             node,
             num_tokens: t,
@@ -592,6 +745,7 @@ impl TwoLevelGroup {
             net_ids,
             origin,
             received,
+            chunks,
             group: self.id,
         })
     }
@@ -631,13 +785,46 @@ impl TwoLevelGroup {
             &net_x,
             Some((&fwd_w, &net_w)),
         )?;
-        self.hop(stream, plan, dptr(&fwd_x), dptr(&net_x), 2 * h, true)?;
-        self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, true)?;
+        // The hop in rounds of one chunk per stream on the hop stream, each
+        // round's landed chunks flagged there; the node dispatch, enqueued
+        // after them on `stream`, waits for each row's flag.
+        let ch = &handle.chunks;
+        let epoch = self
+            .epoch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let hs = &self.hop_stream;
+        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        let me = self.topology.node_of(self.comm.rank());
+        for c in 0..ch.rounds {
+            self.hop(hs, plan, dptr(&fwd_x), dptr(&net_x), 2 * h, true, Some(c))?;
+            self.hop(hs, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, true, Some(c))?;
+            for m in (0..self.topology.nodes()).filter(|&m| m != me) {
+                if plan.recv_rows[m] > c * ch.rows {
+                    let flag = dptr(&self.arrive) + 8 * (ch.first[m] + c) as u64;
+                    write_flag(hs, flag, epoch)?;
+                }
+            }
+        }
         let (xs, ws) = (
             fwd_x.slice(0..plan.fwd_rows * h),
             fwd_w.slice(0..plan.fwd_rows * k),
         );
-        let mut got = self.node.dispatch(stream, &handle.node, &xs, &ws, out)?;
+        let arrival = Arrival {
+            flags: dptr(&self.arrive),
+            row_chunk: dptr(&ch.table),
+            chunk_peer: dptr(&ch.table) + 4 * plan.fwd_rows as u64,
+            epoch,
+        };
+        let got = self
+            .node
+            .dispatch_arriving(stream, &handle.node, &xs, &ws, out, Some(&arrival));
+        // The buffers: freed or reused after the hop, whatever the dispatch
+        // returned; the flags: written again (and freed) after this node
+        // dispatch has read them.
+        stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        let mut got = got?;
         got.src = self.remap_src(stream, handle, got.src)?;
         Ok(got)
     }
@@ -668,7 +855,7 @@ impl TwoLevelGroup {
                 .combine(stream, &handle.node, expert_out, weights, &mut view)?;
         }
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
-        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false)?;
+        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false, None)?;
         self.node_sum(stream, handle, &fwd, &net, out.device_ptr())
     }
 
@@ -721,11 +908,11 @@ impl TwoLevelGroup {
             )?;
         }
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
-        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false)?;
+        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false, None)?;
         self.node_sum(stream, handle, &fwd, &net, grad_tokens.device_ptr())?;
         if let (Some(g), Some(fwd_w)) = (grad_topk_weights, fwd_w) {
             let net_w = alloc::<f32>(stream, plan.sent_rows * k)?;
-            self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, false)?;
+            self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, false, None)?;
             let mut p = self.params(handle);
             p.own_w = dptr(&fwd_w);
             p.net_w = dptr(&net_w);
@@ -763,7 +950,7 @@ impl TwoLevelGroup {
         let fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
         self.pack_rows(stream, handle, grad_out.device_ptr(), 0, &fwd, &net, None)?;
-        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, true)?;
+        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, true, None)?;
         let view = fwd.slice(0..plan.fwd_rows * h);
         self.node
             .combine_backward(stream, &handle.node, &view, weights, grad_expert_out)
@@ -883,6 +1070,24 @@ fn alloc<T: cudarc::driver::DeviceRepr>(
 ) -> Result<CudaSlice<T>> {
     // SAFETY: see above; the slice is freed in stream order.
     unsafe { stream.alloc::<T>(len.max(1)) }.map_err(Error::cuda("cuMemAlloc"))
+}
+
+/// Writes `value` to the device word at `addr` in `stream`'s order, after
+/// the work enqueued before it (with a memory barrier first: the writes
+/// before it are visible to whoever reads the value).
+fn write_flag(stream: &CudaStream, addr: u64, value: u64) -> Result<()> {
+    use cudarc::driver::sys;
+    // SAFETY: addr is a u64 of the group's arrival flags (live as long as
+    // the group, which outlives the work on its hop stream: the op stream
+    // joins it before the op returns); 0 = CU_STREAM_WRITE_VALUE_DEFAULT.
+    let rc = unsafe { sys::cuStreamWriteValue64_v2(stream.cu_stream(), addr, value, 0) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Cuda {
+            context: "cuStreamWriteValue64 (hop arrival flag)",
+            source: cudarc::driver::DriverError(rc),
+        });
+    }
+    Ok(())
 }
 
 /// One routing entry of `elem` bytes at `ptr`, read back for an error message.

@@ -411,6 +411,11 @@ pub struct Opts {
     /// virtual ranks), "vs hop"
     #[arg(long, value_name = "N", value_parser = in_range(1, 8))]
     pub ranks_per_node: Option<usize>,
+    /// With --ranks-per-node: rows per chunk of dispatch's network hop
+    /// (the node's forwarding starts on the first chunk while the next ones
+    /// are on the wire; default moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS)
+    #[arg(long, value_name = "ROWS", value_parser = in_range(1, 1 << 20))]
+    pub hop_chunk_rows: Option<usize>,
     /// No progress bar
     #[arg(long)]
     pub quiet: bool,
@@ -459,6 +464,9 @@ impl Opts {
     /// given: also [`Opts::validate_for_world`] with that size.
     pub fn validate(&mut self) -> Result<(), String> {
         let ll = self.mode == Mode::LowLatency;
+        if self.hop_chunk_rows.is_some() && self.ranks_per_node.is_none() {
+            return Err("--hop-chunk-rows: only with --ranks-per-node (the two-level path)".into());
+        }
         if self.ranks_per_node.is_some() && ll {
             return Err(
                 "--ranks-per-node: the two-level path has no low-latency kernels (--mode ht only)"
@@ -1009,6 +1017,16 @@ mod tests {
         ("--mode ll --ops ll-foo", "--ops", "ll-dispatch"),
         ("--ranks-per-node 0", "--ranks-per-node", "out of range"),
         ("--ranks-per-node 9", "--ranks-per-node", "out of range"),
+        (
+            "--hop-chunk-rows 64",
+            "--hop-chunk-rows",
+            "only with --ranks-per-node",
+        ),
+        (
+            "--ranks-per-node 1 --hop-chunk-rows 0",
+            "--hop-chunk-rows",
+            "out of range",
+        ),
         (
             "--virtual-ranks 4 --ranks-per-node 3",
             "--ranks-per-node",

@@ -65,7 +65,10 @@ pub(super) fn run_case(
     cfg.ranks_per_node = g;
     cfg.recv_capacity = cap;
     cfg.num_sms = case.num_sms;
-    let group = TwoLevelGroup::new(&c.comm, cfg).map_err(s)?;
+    let chunk_rows = opts
+        .hop_chunk_rows
+        .unwrap_or(moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS);
+    let group = TwoLevelGroup::with_hop_chunk_rows(&c.comm, cfg, chunk_rows).map_err(s)?;
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
     let (x, w, idx) = upload(s_, &me)?;
