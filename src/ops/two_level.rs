@@ -36,7 +36,7 @@
 //! on a stream of its own, overlapped with the forwarding: the node group's
 //! dispatch starts at once and each of its warps waits (bounded) for the
 //! chunk of the row it takes, which the hop stream flags once the chunk's
-//! rows and weights have landed (`cuStreamWriteValue64`, ordered after the
+//! rows and weights have landed (a stream-ordered memset, after the
 //! chunk's receive). The other ops send everything, then go on.
 //!
 //! Not built yet: the chunked overlap in combine and the backward passes,
@@ -814,7 +814,7 @@ impl TwoLevelGroup {
             flags: dptr(&self.arrive),
             row_chunk: dptr(&ch.table),
             chunk_peer: dptr(&ch.table) + 4 * plan.fwd_rows as u64,
-            epoch,
+            epoch: flag_value(epoch),
         };
         let got = self
             .node
@@ -1072,22 +1072,31 @@ fn alloc<T: cudarc::driver::DeviceRepr>(
     unsafe { stream.alloc::<T>(len.max(1)) }.map_err(Error::cuda("cuMemAlloc"))
 }
 
-/// Writes `value` to the device word at `addr` in `stream`'s order, after
-/// the work enqueued before it (with a memory barrier first: the writes
-/// before it are visible to whoever reads the value).
-fn write_flag(stream: &CudaStream, addr: u64, value: u64) -> Result<()> {
-    use cudarc::driver::sys;
-    // SAFETY: addr is a u64 of the group's arrival flags (live as long as
-    // the group, which outlives the work on its hop stream: the op stream
-    // joins it before the op returns); 0 = CU_STREAM_WRITE_VALUE_DEFAULT.
-    let rc = unsafe { sys::cuStreamWriteValue64_v2(stream.cu_stream(), addr, value, 0) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
+/// Sets the arrival flag at `addr` (a u64) to `epoch` in `stream`'s order,
+/// after the work enqueued before it: both 32-bit halves to `epoch` (a
+/// stream-ordered memset, which takes any device memory, where
+/// `cuStreamWriteValue64` refused the pool's: CUDA_ERROR_INVALID_VALUE on
+/// an H200, 2026-12-02). The kernels wait for [`flag_value`]`(epoch)`; a
+/// half-written flag reads below it.
+fn write_flag(stream: &CudaStream, addr: u64, epoch: u64) -> Result<()> {
+    let e = u32::try_from(epoch).map_err(|_| {
+        Error::InvalidState("the group's dispatches ran past 2^32 epochs of its hop flags".into())
+    })?;
+    // SAFETY: addr is a u64 of the group's arrival flags (allocated on the
+    // hop stream, which every dispatch leaves ordered after its last use).
+    let rc = unsafe { cudarc::driver::sys::cuMemsetD32Async(addr, e, 2, stream.cu_stream()) };
+    if rc != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
         return Err(Error::Cuda {
-            context: "cuStreamWriteValue64 (hop arrival flag)",
+            context: "cuMemsetD32Async (hop arrival flag)",
             source: cudarc::driver::DriverError(rc),
         });
     }
     Ok(())
+}
+
+/// The value of an arrival flag set to `epoch` ([`write_flag`]).
+fn flag_value(epoch: u64) -> u64 {
+    (epoch << 32) | epoch
 }
 
 /// One routing entry of `elem` bytes at `ptr`, read back for an error message.
