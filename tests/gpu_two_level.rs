@@ -377,6 +377,11 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
 
     // Dispatch, pool buffers: bit for bit.
     let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+    // A wait that timed out (a node peer, a chunk of the hop) by its name,
+    // before the rows it left unwritten.
+    s.synchronize()
+        .map_err(|e| Error::InvalidState(format!("dispatch: {e}")))?;
+    group.node_group().check()?;
     first_diff(
         "dispatch tokens",
         &bits(&down(s, &got.tokens, rows * h)?),
