@@ -120,10 +120,10 @@ fn grid(items: usize, per_block: usize) -> u32 {
 /// they are: unlike [`EpGroup`]'s ops, these do not order themselves after
 /// a buffer's own stream.
 ///
-/// Known defect (2026-12-01): `ep-bench --ranks-per-node` at 8 virtual
-/// ranks stops with an illegal address in repeated dispatches, tied to the
-/// received rows' source remap; the GPU tests pass (BENCHMARKS.md, "Open
-/// gaps").
+/// Known defect (2026-12-02): `ep-bench --ranks-per-node` at 8 virtual
+/// ranks sometimes stops on the 10 s timeout of a node peer's call
+/// descriptor, the named peer already past the op; the GPU tests pass at
+/// the same worlds (BENCHMARKS.md, "Open gaps").
 pub struct TwoLevelGroup {
     comm: Arc<Communicator>,
     cfg: GroupConfig,
