@@ -796,7 +796,7 @@ impl TwoLevelGroup {
         let hs = &self.hop_stream;
         hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
         let me = self.topology.node_of(self.comm.rank());
-        for c in 0..ch.rounds {
+        let sent = (0..ch.rounds).try_for_each(|c| {
             self.hop(hs, plan, dptr(&fwd_x), dptr(&net_x), 2 * h, true, Some(c))?;
             self.hop(hs, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, true, Some(c))?;
             for m in (0..self.topology.nodes()).filter(|&m| m != me) {
@@ -805,6 +805,13 @@ impl TwoLevelGroup {
                     write_flag(hs, flag, epoch)?;
                 }
             }
+            Ok(())
+        });
+        if let Err(e) = sent {
+            // Rounds already enqueued still use the buffers: they are freed
+            // after them.
+            stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
+            return Err(e);
         }
         let (xs, ws) = (
             fwd_x.slice(0..plan.fwd_rows * h),
@@ -1208,6 +1215,99 @@ mod tests {
                 assert_eq!(p.sent_rows, p.send_rows.iter().sum::<usize>());
                 assert!((0..n).all(|m| m == me || p.send_off[m] + p.send_rows[m] <= p.sent_rows));
             }
+        }
+    }
+
+    /// Each rank's chunks of dispatch's hop: every remote row's flag is
+    /// its node's first flag plus its row / chunk rows, sent by the rail
+    /// peer there; own rows have none; the flags are numbered densely and
+    /// fit the group's allocation; the rounds are the same on every rank
+    /// and cover every stream it sends and every segment it receives.
+    #[test]
+    #[allow(clippy::needless_range_loop)] // m indexes several per-node arrays
+    fn chunks_flag_every_remote_row_and_cover_every_stream() {
+        for (world, g, t, rows) in [
+            (4, 2, 37, 8),
+            (8, 2, 50, 1),
+            (8, 4, 23, 128),
+            (2, 1, 0, 4),
+            (6, 2, 11, 3),
+            (8, 2, 64, 16),
+        ] {
+            let topo = Topology::new(world, g).unwrap();
+            let shape = Shape {
+                num_ranks: world,
+                num_experts: 12 * world,
+                hidden: 8,
+                topk: 4,
+            };
+            let inputs = inputs(&shape, t, world as u64 * 17 + rows as u64);
+            let n = topo.nodes();
+            let lens: Vec<usize> = (0..world)
+                .flat_map(|r| node_streams(&shape, &topo, &inputs, r).unwrap().len)
+                .collect();
+            let mut rounds_seen = Vec::new();
+            for rank in 0..world {
+                let p = Plan::new(&topo, rank, &lens).unwrap();
+                let (rounds, first, table) = Chunks::plan(&topo, rank, &lens, &p, rows);
+                let at = format!("{world} x {g}, {rows} rows, rank {rank}");
+                rounds_seen.push(rounds);
+                let me = topo.node_of(rank);
+                let (of_row, peers) = table.split_at(p.fwd_rows);
+                let mut flags = 0;
+                for m in 0..n {
+                    let seg = p.fwd_off[m]
+                        ..p.fwd_off[m]
+                            + if m == me {
+                                lens[rank * n + me]
+                            } else {
+                                p.recv_rows[m]
+                            };
+                    for (q, i) in seg.enumerate() {
+                        let want = if m == me {
+                            -1
+                        } else {
+                            (first[m] + q / rows) as i32
+                        };
+                        assert_eq!(of_row[i], want, "{at}: row {i} of node {m}");
+                    }
+                    if m != me {
+                        assert_eq!(first[m], flags, "{at}: node {m}'s first flag");
+                        let c = p.recv_rows[m].div_ceil(rows);
+                        let peer = topo.rail_peer(rank, m) as i32;
+                        assert!(
+                            peers[flags..flags + c].iter().all(|&q| q == peer),
+                            "{at}: the senders of node {m}'s flags"
+                        );
+                        flags += c;
+                        assert!(p.recv_rows[m] <= rounds * rows, "{at}: receive of node {m}");
+                        assert!(p.send_rows[m] <= rounds * rows, "{at}: send to node {m}");
+                    }
+                }
+                assert_eq!(peers.len(), flags, "{at}: flags");
+                assert!(
+                    flags <= (n - 1) * t.max(1).div_ceil(rows),
+                    "{at}: allocation"
+                );
+            }
+            assert!(
+                rounds_seen.windows(2).all(|w| w[0] == w[1]),
+                "{world} x {g}: {rounds_seen:?}"
+            );
+            let longest = (0..world)
+                .flat_map(|r| {
+                    (0..n)
+                        .filter(move |&m| m != topo.node_of(r))
+                        .map(move |m| (r, m))
+                })
+                .map(|(r, m)| lens[r * n + m])
+                .max()
+                .unwrap_or(0);
+            assert_eq!(
+                rounds_seen[0],
+                longest.div_ceil(rows),
+                "{world} x {g}: rounds"
+            );
         }
     }
 
