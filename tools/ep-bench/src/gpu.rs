@@ -481,6 +481,12 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
             check: r.1,
             nccl_ep_check: r.2,
             ranks_per_node: opts.ranks_per_node.unwrap_or(0),
+            hop_chunk_rows: match opts.ranks_per_node {
+                Some(_) => opts
+                    .hop_chunk_rows
+                    .unwrap_or(moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS),
+                None => 0,
+            },
         });
     }
     bar.finish_and_clear();

@@ -255,6 +255,9 @@ pub struct CaseResult {
     /// Ranks per node of the two-level path (`--ranks-per-node`); 0: one
     /// node.
     pub ranks_per_node: usize,
+    /// Rows per chunk of the two-level dispatch's network hop
+    /// (`--hop-chunk-rows`); 0: one node.
+    pub hop_chunk_rows: usize,
 }
 
 impl CaseResult {
@@ -332,7 +335,11 @@ impl CaseResult {
         };
         match self.ranks_per_node {
             0 => ranks,
-            g => format!("{ranks} as {} nodes x {g} (two-level path)", self.world / g),
+            g => format!(
+                "{ranks} as {} nodes x {g} (two-level path, hop chunks of {} rows)",
+                self.world / g,
+                self.hop_chunk_rows
+            ),
         }
     }
 }
@@ -641,7 +648,7 @@ impl<'a> OpRecord<'a> {
 /// All results as one JSON document:
 /// `{"tool", "version", "results": [{"case": {"tokens", "hidden", "topk",
 /// "experts", "layout", "num_sms", "mode", "dtype", "routing"}, "world",
-/// "ranks_per_node", "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
+/// "ranks_per_node", "hop_chunk_rows", "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
 /// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "network_bytes", "logical_bytes",
 /// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
 /// "vs_nccl_ep", "vs_local", "per_rank": [{"rank", "median_us", "min_us", "max_us",
@@ -669,6 +676,7 @@ pub fn json(results: &[CaseResult]) -> String {
         case: CaseRecord,
         world: usize,
         ranks_per_node: usize,
+        hop_chunk_rows: usize,
         ranks: Ranks,
         gpu_name: &'a str,
         check: Option<bool>,
@@ -690,6 +698,7 @@ pub fn json(results: &[CaseResult]) -> String {
                 case: CaseRecord::new(&res.case),
                 world: res.world,
                 ranks_per_node: res.ranks_per_node,
+                hop_chunk_rows: res.hop_chunk_rows,
                 ranks: res.ranks,
                 gpu_name: &res.gpu_name,
                 check: res.check,
@@ -836,6 +845,7 @@ pub(crate) mod tests {
             check,
             nccl_ep_check: None,
             ranks_per_node: 0,
+            hop_chunk_rows: 0,
         }
     }
 
@@ -981,6 +991,23 @@ pub(crate) mod tests {
         for rec in rd.records() {
             assert_eq!(&rec.unwrap()[ranks], "virtual");
         }
+    }
+
+    /// The two-level path's title and JSON say its nodes and hop chunks.
+    #[test]
+    fn two_level_says_its_nodes_and_chunks() {
+        let mut r = virtual_sample(1024);
+        (r.ranks_per_node, r.hop_chunk_rows) = (2, 128);
+        let t = table(std::slice::from_ref(&r));
+        assert!(
+            t.contains("as 4 nodes x 2 (two-level path, hop chunks of 128 rows)"),
+            "{t}"
+        );
+        let doc: serde_json::Value = serde_json::from_str(&json(&[r])).unwrap();
+        assert_eq!(doc["results"][0]["ranks_per_node"], 2);
+        assert_eq!(doc["results"][0]["hop_chunk_rows"], 128);
+        let flat: serde_json::Value = serde_json::from_str(&json(&[virtual_sample(1024)])).unwrap();
+        assert_eq!(flat["results"][0]["hop_chunk_rows"], 0);
     }
 
     #[test]
@@ -1238,6 +1265,7 @@ pub(crate) mod tests {
                 check: Some(true),
                 nccl_ep_check: Some(true),
                 ranks_per_node: 0,
+                hop_chunk_rows: 0,
             }
         };
         let results = [
