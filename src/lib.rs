@@ -38,8 +38,8 @@ pub mod testkit;
 
 pub use error::{Error, NcclVersion, Result};
 pub use ops::{
-    DeviceRegion, DeviceRegionMut, EpGroup, GroupConfig, Handle, Mode, RecvLayout, Topology,
-    TwoLevelGroup, TwoLevelHandle,
+    DeviceRegion, DeviceRegionMut, EpGroup, ExpertParallel, GroupConfig, Handle, Mode, RecvLayout,
+    Topology, TwoLevelGroup, TwoLevelHandle,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

@@ -13,7 +13,8 @@
 //! with the feature `raw`) in `rail_hop.rs`, its chunk rounds for one
 //! dispatch (`hop_rounds`) in `hop_plan.rs`, and the two-level path over
 //! several nodes ([`TwoLevelGroup`], `kernels-cuda/two_level.cu`) in
-//! `two_level.rs`.
+//! `two_level.rs`; [`ExpertParallel`], the ops both groups have, in
+//! `expert_parallel.rs`.
 //!
 //! ```ignore
 //! let group = EpGroup::new(&comm, GroupConfig::new(256, 7168, 4096))?;     // collective
@@ -33,6 +34,7 @@ pub mod abi;
 mod buffers;
 mod combine;
 mod dispatch;
+mod expert_parallel;
 mod group;
 mod handle;
 #[cfg(feature = "raw")]
@@ -54,6 +56,7 @@ mod topology;
 mod two_level;
 
 pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
+pub use expert_parallel::ExpertParallel;
 pub use group::{EpGroup, GroupConfig, Mode};
 pub use handle::{Handle, HostCounts};
 pub use layout::RecvLayout;
