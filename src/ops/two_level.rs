@@ -41,7 +41,8 @@
 //!
 //! Not built yet: the chunked overlap in combine and the backward passes,
 //! and the path through [`EpGroup`] itself (a world of several nodes runs on
-//! this type).
+//! this type; [`ExpertParallel`](super::ExpertParallel) gives both one set
+//! of ops).
 
 use std::sync::Arc;
 
