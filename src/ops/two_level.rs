@@ -1164,6 +1164,28 @@ mod tests {
             .collect()
     }
 
+    /// A world of `world / g` nodes of `g` ranks, `t` tokens per rank routed
+    /// by [`inputs`], and every rank's stream lengths (`lens[r * N + m]`).
+    fn routed(
+        world: usize,
+        g: usize,
+        t: usize,
+        seed: u64,
+    ) -> (Topology, Shape, Vec<RankInput>, Vec<usize>) {
+        let topo = Topology::new(world, g).unwrap();
+        let shape = Shape {
+            num_ranks: world,
+            num_experts: 12 * world,
+            hidden: 8,
+            topk: 4,
+        };
+        let inputs = inputs(&shape, t, seed);
+        let lens = (0..world)
+            .flat_map(|r| node_streams(&shape, &topo, &inputs, r).unwrap().len)
+            .collect();
+        (topo, shape, inputs, lens)
+    }
+
     /// Every rank's plan, from the reference's node streams, puts each
     /// node's rows where the reference's forward batch has them: its own
     /// segment at its node's place, each remote node's rows (what that
@@ -1172,18 +1194,8 @@ mod tests {
     #[test]
     fn plans_match_the_forward_batches_and_the_traffic() {
         for (world, g, t) in [(4, 2, 37), (8, 2, 50), (8, 4, 23), (2, 1, 0), (6, 2, 11)] {
-            let topo = Topology::new(world, g).unwrap();
-            let shape = Shape {
-                num_ranks: world,
-                num_experts: 12 * world,
-                hidden: 8,
-                topk: 4,
-            };
-            let inputs = inputs(&shape, t, world as u64 * 31 + g as u64);
+            let (topo, shape, inputs, lens) = routed(world, g, t, world as u64 * 31 + g as u64);
             let n = topo.nodes();
-            let lens: Vec<usize> = (0..world)
-                .flat_map(|r| node_streams(&shape, &topo, &inputs, r).unwrap().len)
-                .collect();
             let traffic = two_level_traffic(&shape, &topo, &inputs).unwrap();
             for rank in 0..world {
                 let p = Plan::new(&topo, rank, &lens).unwrap();
@@ -1235,18 +1247,8 @@ mod tests {
             (6, 2, 11, 3),
             (8, 2, 64, 16),
         ] {
-            let topo = Topology::new(world, g).unwrap();
-            let shape = Shape {
-                num_ranks: world,
-                num_experts: 12 * world,
-                hidden: 8,
-                topk: 4,
-            };
-            let inputs = inputs(&shape, t, world as u64 * 17 + rows as u64);
+            let (topo, _, _, lens) = routed(world, g, t, world as u64 * 17 + rows as u64);
             let n = topo.nodes();
-            let lens: Vec<usize> = (0..world)
-                .flat_map(|r| node_streams(&shape, &topo, &inputs, r).unwrap().len)
-                .collect();
             let mut rounds_seen = Vec::new();
             for rank in 0..world {
                 let p = Plan::new(&topo, rank, &lens).unwrap();
