@@ -593,6 +593,9 @@ impl EpGroup {
         if e.code == abi::code::OK {
             return Ok(());
         }
+        if e.code == abi::code::TIMEOUT {
+            self.print_peer_state(&e);
+        }
         // Clear the report, the device-side claim word (ErrSink in
         // common.cuh) and the status word that stops the kernels (Ws::status
         // in intranode.cuh), so the next error is recorded and the next op
@@ -620,6 +623,42 @@ impl EpGroup {
             ll.reset();
         }
         Err(self.error_of(e))
+    }
+
+    /// With `MOE_EP_DEBUG_PEERS=1`, a timeout also prints to stderr the
+    /// words of this rank's and the named peer's workspaces that keep the
+    /// ranks in step ([`peer_state_line`]), read while they stand (the
+    /// peer's kernels may still run). Off, it does nothing.
+    fn print_peer_state(&self, e: &ErrorInfo) {
+        if std::env::var_os("MOE_EP_DEBUG_PEERS").is_none_or(|v| v != "1") {
+            return;
+        }
+        let me = self.comm.rank();
+        let mut ranks = vec![me];
+        if (e.peer as usize) < self.comm.world() && e.peer as usize != me {
+            ranks.push(e.peer as usize);
+        }
+        for r in ranks {
+            let mut words = vec![0u64; 4 * MAX_BLOCKS];
+            let base = self.ws_peers[r];
+            // SAFETY: the seq region ([4][MAX_BLOCKS] u64 at seq_off) lies
+            // inside rank r's workspace as mapped here; reading it races only
+            // with its kernels' own updates, which a debug print tolerates.
+            let read = (base != 0)
+                .then(|| unsafe {
+                    cudarc::driver::result::memcpy_dtoh_sync(&mut words, base + self.w.seq_off)
+                })
+                .transpose();
+            match read {
+                Ok(Some(())) => eprintln!(
+                    "moe-ep: rank {me}, after a timeout ({}): {}",
+                    abi::counter_name(e.counter),
+                    peer_state_line(r, &words, self.cfg.num_sms)
+                ),
+                Ok(None) => eprintln!("moe-ep: rank {me}: rank {r}'s workspace is not mapped here"),
+                Err(err) => eprintln!("moe-ep: rank {me}: rank {r}'s workspace unreadable: {err}"),
+            }
+        }
     }
 
     /// The error a device report stands for.
@@ -794,10 +833,56 @@ fn agree(
     Ok(())
 }
 
+/// One rank's step words (`words`: its workspace's `[4][MAX_BLOCKS]` seq
+/// region, `Ws::seq` in intranode.cuh), for a timeout's debug print: the
+/// layout calls (row 0, slot 0), the dispatch-family and combine-family
+/// calls of its `blocks` blocks (rows 1 and 2: the fewest and the most), the
+/// error claim word (row 3, word 0) and the status word that makes every
+/// kernel return at entry (row 3, word 8).
+fn peer_state_line(rank: usize, words: &[u64], blocks: usize) -> String {
+    let blocks = blocks.clamp(1, MAX_BLOCKS);
+    let range = |row: usize| {
+        let s = &words[row * MAX_BLOCKS..row * MAX_BLOCKS + blocks];
+        let (lo, hi) = (s.iter().min().unwrap(), s.iter().max().unwrap());
+        if lo == hi {
+            format!("{lo}")
+        } else {
+            format!("{lo}..{hi}")
+        }
+    };
+    format!(
+        "rank {rank}'s workspace: layout calls {}, dispatch calls {} and combine calls {} over its {blocks} blocks, error word {}, status word {}",
+        words[0],
+        range(1),
+        range(2),
+        words[3 * MAX_BLOCKS],
+        words[3 * MAX_BLOCKS + 8]
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::low_latency::{LL_COMBINE_RECV, LL_COMBINE_SEND, LL_COPY, LL_RECV, LL_SEND};
     use super::*;
+
+    /// The debug line reads each word where the kernels keep it.
+    #[test]
+    fn peer_state_line_reads_the_kernels_words() {
+        let mut w = vec![0u64; 4 * MAX_BLOCKS];
+        w[0] = 3; // layout calls
+        w[MAX_BLOCKS..MAX_BLOCKS + 4].copy_from_slice(&[7, 7, 6, 7]); // dispatch, 4 blocks
+        w[MAX_BLOCKS + 4] = 99; // a block past the grid: not counted
+        w[2 * MAX_BLOCKS..2 * MAX_BLOCKS + 4].fill(5); // combine
+        w[3 * MAX_BLOCKS] = 1; // error claim
+        w[3 * MAX_BLOCKS + 8] = 4; // status
+        assert_eq!(
+            peer_state_line(2, &w, 4),
+            "rank 2's workspace: layout calls 3, dispatch calls 6..7 and combine calls 5 over \
+             its 4 blocks, error word 1, status word 4"
+        );
+        w[3 * MAX_BLOCKS + 8] = 0;
+        assert!(peer_state_line(2, &w, 4).ends_with("error word 1, status word 0"));
+    }
 
     /// Every entry point `Kernels::load` looks up is in its module's PTX
     /// (a misspelt name would otherwise show only on a GPU).
