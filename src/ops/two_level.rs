@@ -119,7 +119,8 @@ fn grid(items: usize, per_block: usize) -> u32 {
 /// not wait on the host (on a virtual world the hop takes two host rounds
 /// of the ranks' threads). The caller's buffers are used on `stream` as
 /// they are: unlike [`EpGroup`]'s ops, these do not order themselves after
-/// a buffer's own stream.
+/// a buffer's own stream. As on [`EpGroup`], the ops of one group are taken
+/// one at a time (threads calling one group are serialised).
 ///
 /// Known defect (2026-12-02): `ep-bench --ranks-per-node` at 8 virtual
 /// ranks sometimes stops on the 10 s timeout of a node peer's call
@@ -145,6 +146,9 @@ pub struct TwoLevelGroup {
     arrive: CudaSlice<u64>,
     /// The last dispatch's epoch.
     epoch: std::sync::atomic::AtomicU64,
+    /// One op at a time: an op's hop rounds are collective steps that the
+    /// ranks pair in order, and its chunks share the hop stream and flags.
+    turn: std::sync::Mutex<()>,
 }
 
 /// Where one rank's rows lie on the two-level path: its forward batch (the
@@ -429,6 +433,7 @@ impl TwoLevelGroup {
             hop_stream,
             arrive,
             epoch: std::sync::atomic::AtomicU64::new(0),
+            turn: std::sync::Mutex::new(()),
         })
     }
 
@@ -613,6 +618,7 @@ impl TwoLevelGroup {
         layout: RecvLayout,
     ) -> Result<TwoLevelHandle> {
         let _range = nvtx::range("moe_ep::two_level::layout");
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
         let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         let elem = match topk_idx {
@@ -766,6 +772,7 @@ impl TwoLevelGroup {
         out: DispatchOut<'a>,
     ) -> Result<Dispatched<'a>> {
         let _range = nvtx::range("moe_ep::two_level::dispatch");
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
         let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
         self.node
@@ -851,6 +858,7 @@ impl TwoLevelGroup {
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
         let _range = nvtx::range("moe_ep::two_level::combine");
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
         let (t, h) = (handle.num_tokens, self.cfg.hidden);
         self.node
@@ -882,6 +890,7 @@ impl TwoLevelGroup {
         grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
     ) -> Result<()> {
         let _range = nvtx::range("moe_ep::two_level::dispatch_backward");
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
         let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
         self.node.check_region(
@@ -950,6 +959,7 @@ impl TwoLevelGroup {
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
     ) -> Result<RecvBuf<'a, bf16>> {
         let _range = nvtx::range("moe_ep::two_level::combine_backward");
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
         let (t, h) = (handle.num_tokens, self.cfg.hidden);
         self.node
