@@ -34,69 +34,11 @@ use moe_ep::testkit::ranks::{ensure, run_ranks, worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{bf16, EpGroup, Error, GroupConfig, Mode, Result};
 
-// ---- helpers (as in gpu_intranode.rs) ----
+#[path = "common/device.rs"]
+mod device;
+use device::{bits, down, drain, f32_bits, first_diff, up};
 
-/// Waits for the stream's work before a copy from or to pageable memory:
-/// the driver moves pageable copies of all threads through shared staging
-/// buffers, so a copy queued behind this rank's kernels (which wait for the
-/// other ranks) would hold up the other virtual ranks' copies and launches.
-fn drain(s: &Arc<CudaStream>) -> Result<()> {
-    s.synchronize().map_err(Error::cuda("sync"))
-}
-
-fn up<T: moe_ep::cuda::DeviceRepr + moe_ep::cuda::ValidAsZeroBits>(
-    s: &Arc<CudaStream>,
-    v: &[T],
-) -> Result<CudaSlice<T>> {
-    if v.is_empty() {
-        return s.alloc_zeros::<T>(1).map_err(Error::cuda("alloc"));
-    }
-    drain(s)?;
-    s.clone_htod(v).map_err(Error::cuda("htod"))
-}
-
-fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
-    s: &Arc<CudaStream>,
-    buf: &dyn DeviceRegion<T>,
-    n: usize,
-) -> Result<Vec<T>> {
-    let mut host = vec![T::default(); n];
-    if n == 0 {
-        return Ok(host);
-    }
-    ensure(buf.len() >= n, || {
-        format!("download of {n} elements from a region of {}", buf.len())
-    })?;
-    drain(s)?;
-    // SAFETY: buf holds at least n elements (checked above).
-    unsafe {
-        moe_ep::cuda::result::memcpy_dtoh_async(&mut host, buf.device_ptr(), s.cu_stream())
-            .map_err(Error::cuda("dtoh"))?;
-    }
-    s.synchronize().map_err(Error::cuda("sync"))?;
-    Ok(host)
-}
-
-fn bits(v: &[bf16]) -> Vec<u16> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn f32_bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<()> {
-    ensure(got.len() == want.len(), || {
-        format!("{what}: {} values, want {}", got.len(), want.len())
-    })?;
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        return Err(Error::InvalidState(format!(
-            "{what}: first difference at {i}: got {:?}, want {:?}",
-            got[i], want[i]
-        )));
-    }
-    Ok(())
-}
+// ---- helpers (uploads, downloads, bits: tests/common/device.rs) ----
 
 /// Compares the counted rows (`per_row` values each) of `got` with `want`.
 fn diff_rows<T: PartialEq + std::fmt::Debug>(

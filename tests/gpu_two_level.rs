@@ -32,7 +32,7 @@ mod cases;
 #[path = "common/device.rs"]
 mod device;
 use cases::{case, Case};
-use device::{bits, down, first_diff, up, weights_per_row};
+use device::{bits, down, f32_bits, first_diff, up, weights_per_row};
 
 /// The case table at virtual nodes: one module per case, a test per layout.
 macro_rules! two_level_table {
@@ -133,10 +133,6 @@ fn inputs_of(run: &Run, topo: &Topology, seed: u64) -> Vec<RankInput> {
         }
     }
     inputs
-}
-
-fn fbits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// For each row of the two-level receive buffer, the flat buffer's row of
@@ -389,8 +385,8 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     )?;
     first_diff(
         "dispatch weights",
-        &fbits(&down(s, &got.topk_weights, rows * wpr)?),
-        &fbits(&want.topk_weights),
+        &f32_bits(&down(s, &got.topk_weights, rows * wpr)?),
+        &f32_bits(&want.topk_weights),
     )?;
     first_diff(
         "dispatch expert ids",
@@ -429,8 +425,8 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
         )?;
         first_diff(
             "zero-copy dispatch weights",
-            &fbits(&down(s, &rw, rows * wpr)?),
-            &fbits(&want.topk_weights),
+            &f32_bits(&down(s, &rw, rows * wpr)?),
+            &f32_bits(&want.topk_weights),
         )?;
     }
 
@@ -492,8 +488,8 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     )?;
     first_diff(
         "dispatch_backward grad weights",
-        &fbits(&down(s, &grad_w, t * k)?),
-        &fbits(&mine.want_gw),
+        &f32_bits(&down(s, &grad_w, t * k)?),
+        &f32_bits(&mine.want_gw),
     )?;
 
     // Combine backward: the output gradient sent to every row of its token

@@ -170,10 +170,17 @@ struct Plan {
     sent_rows: usize,
 }
 
-/// Dispatch's hop in chunks of `rows` rows: round `c` moves rows `c * rows`
-/// on of every stream and segment (an empty piece where one is shorter).
+/// Rows of chunk `c` of a stream or segment of `len` rows, in chunks of
+/// `rows`: empty where the stream is shorter. The hop's pieces and the
+/// arrival flags' rows both come from here.
+fn chunk_range(len: usize, c: usize, rows: usize) -> std::ops::Range<usize> {
+    let lo = c.saturating_mul(rows).min(len);
+    lo..(lo + rows).min(len)
+}
+
+/// Dispatch's hop in chunks of the group's `chunk_rows` rows: round `c`
+/// moves chunk `c` of every stream and segment ([`chunk_range`]).
 struct Chunks {
-    rows: usize,
     /// Rounds: the longest stream between any two rail peers, in chunks
     /// (the same on every rank: every rank makes each round's exchange).
     rounds: usize,
@@ -211,9 +218,7 @@ impl Chunks {
             first[m] = peers.len();
             let peer = topology.rail_peer(rank, m) as i32;
             for c in 0..plan.recv_rows[m].div_ceil(rows) {
-                let lo = c * rows;
-                let hi = (lo + rows).min(plan.recv_rows[m]);
-                for q in lo..hi {
+                for q in chunk_range(plan.recv_rows[m], c, rows) {
                     table[plan.fwd_off[m] + q] = peers.len() as i32;
                 }
                 peers.push(peer);
@@ -510,14 +515,11 @@ impl TwoLevelGroup {
         chunk: Option<usize>,
     ) -> Result<()> {
         let (rank, me) = (self.comm.rank(), self.topology.node_of(self.comm.rank()));
-        // The rows [lo, hi) of a stream or segment of `len` rows: all of
-        // them, or chunk c's.
+        // The rows of a stream or segment of `len` rows: all of them, or
+        // chunk c's.
         let piece = |len: usize| match chunk {
-            None => (0, len),
-            Some(c) => {
-                let lo = (c * self.chunk_rows).min(len);
-                (lo, (lo + self.chunk_rows).min(len))
-            }
+            None => 0..len,
+            Some(c) => chunk_range(len, c, self.chunk_rows),
         };
         let (mut sends, mut recvs) = (Vec::new(), Vec::new());
         for m in (0..self.topology.nodes()).filter(|&m| m != me) {
@@ -525,15 +527,14 @@ impl TwoLevelGroup {
             // This rank's stream to node m in `net`, node m's segment of
             // the forward batch in `own`: dispatch's way out of the first
             // into the second, combine's the other way.
-            let (s_lo, s_hi) = piece(h.send_rows[m]);
-            let (f_lo, f_hi) = piece(h.recv_rows[m]);
+            let (s, f) = (piece(h.send_rows[m]), piece(h.recv_rows[m]));
             let stream_at = (
-                net + ((h.send_off[m] + s_lo) * row_bytes) as u64,
-                (s_hi - s_lo) * row_bytes,
+                net + ((h.send_off[m] + s.start) * row_bytes) as u64,
+                s.len() * row_bytes,
             );
             let segment_at = (
-                own + ((h.fwd_off[m] + f_lo) * row_bytes) as u64,
-                (f_hi - f_lo) * row_bytes,
+                own + ((h.fwd_off[m] + f.start) * row_bytes) as u64,
+                f.len() * row_bytes,
             );
             let ((src, out), (dst, inn)) = match forward {
                 true => (stream_at, segment_at),
@@ -574,7 +575,8 @@ impl TwoLevelGroup {
         let mut p = self.params(handle);
         p.recv_src = out.device_ptr();
         p.src_in = src_in.device_ptr();
-        p.recv_rows = handle.received.min(src_in.len() / 2) as i32;
+        let rows = handle.received.min(src_in.len() / 2);
+        p.recv_rows = rows as i32;
         p.node_world = node_world as i32;
         p.origin_rows = (handle.origin.len() / 2) as i32;
         for (j, peer) in p.origin_peers.iter_mut().enumerate().take(node_world) {
@@ -589,13 +591,9 @@ impl TwoLevelGroup {
         // forwarder's origin buffer origin_rows rows; the kernel reads an
         // origin only at a node rank and row inside those bounds.
         unsafe {
-            self.k.remap_src.launch(
-                stream,
-                grid(handle.received, THREADS as usize),
-                THREADS,
-                0,
-                &p,
-            )?
+            self.k
+                .remap_src
+                .launch(stream, grid(rows, THREADS as usize), THREADS, 0, &p)?
         };
         // src_in is released in stream order, after the kernel that read it.
         drop(src_in);
@@ -737,7 +735,6 @@ impl TwoLevelGroup {
             .clone_htod(&table)
             .map_err(Error::cuda("cuMemcpyHtoD"))?;
         let chunks = Chunks {
-            rows: self.chunk_rows,
             rounds,
             first,
             table,
@@ -808,7 +805,7 @@ impl TwoLevelGroup {
             self.hop(hs, plan, dptr(&fwd_x), dptr(&net_x), 2 * h, true, Some(c))?;
             self.hop(hs, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, true, Some(c))?;
             for m in (0..self.topology.nodes()).filter(|&m| m != me) {
-                if plan.recv_rows[m] > c * ch.rows {
+                if !chunk_range(plan.recv_rows[m], c, self.chunk_rows).is_empty() {
                     let flag = dptr(&self.arrive) + 8 * (ch.first[m] + c) as u64;
                     write_flag(hs, flag, epoch)?;
                 }

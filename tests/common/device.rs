@@ -1,5 +1,5 @@
 //! Host-device helpers of the multi-rank GPU tests (`gpu_intranode.rs`,
-//! `gpu_two_level.rs`): uploads and downloads on a drained stream, bit
+//! `gpu_two_level.rs`, `gpu_low_latency.rs`): uploads and downloads on a drained stream, bit
 //! views and the first difference of two results.
 #![allow(dead_code)]
 
@@ -47,8 +47,11 @@ pub fn down<T: moe_ep::cuda::DeviceRepr + Default + Clone>(
     if n == 0 {
         return Ok(host);
     }
+    ensure(ptr.len() >= n, || {
+        format!("download of {n} elements from a region of {}", ptr.len())
+    })?;
     drain(s)?;
-    // SAFETY: ptr holds at least n elements (checked by callers' sizing).
+    // SAFETY: ptr holds at least n elements (checked above).
     unsafe {
         moe_ep::cuda::result::memcpy_dtoh_async(&mut host, ptr.device_ptr(), s.cu_stream())
             .map_err(Error::cuda("dtoh"))?;
@@ -66,6 +69,10 @@ pub fn drain(s: &Arc<CudaStream>) -> Result<()> {
 }
 
 pub fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+pub fn f32_bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 

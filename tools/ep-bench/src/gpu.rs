@@ -37,7 +37,10 @@ use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::nccl::{exchange_rows, StartGate};
 use moe_ep::testkit::workload::{self, Rng};
-use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, UniqueId};
+use moe_ep::{
+    bf16, Communicator, EpGroup, Error, ExpertParallel, GroupConfig, RecvLayout, SymmBuffer,
+    UniqueId,
+};
 
 use crate::accounting::OpBytes;
 use crate::cli::{Case, Op, Opts, Routing, DEFAULT_NUM_SMS};
@@ -230,6 +233,91 @@ impl Ctx<'_> {
             );
         }
         Ok(out)
+    }
+}
+
+/// The buffers the timed high-throughput ops read and write, on one node
+/// or several: the routing, tokens and weights, the zero-copy receive
+/// buffers (the group's pool), the combine output and the weight gradients.
+struct HtBufs<'b> {
+    idx: &'b dyn DeviceRegion<i64>,
+    x: &'b dyn DeviceRegion<bf16>,
+    w: &'b dyn DeviceRegion<f32>,
+    recv: &'b mut SymmBuffer<bf16>,
+    recv_w: &'b mut SymmBuffer<f32>,
+    out: &'b mut CudaSlice<bf16>,
+    grad_w: &'b mut CudaSlice<f32>,
+}
+
+/// The samples of one op of both paths (layout, dispatch into the receive
+/// buffers, combine of them, both backward passes) on `group`.
+/// `layout_at_host`: the layout is timed from the host barrier (the
+/// two-level layout waits on the host, and behind the start gate its stream
+/// would never drain). Another op is an error.
+#[allow(clippy::too_many_arguments)]
+fn time_ht_op<G: ExpertParallel>(
+    c: &Ctx<'_>,
+    group: &G,
+    handle: &G::Handle,
+    op: Op,
+    k: usize,
+    layout: RecvLayout,
+    b: &mut HtBufs<'_>,
+    layout_at_host: bool,
+) -> R<Vec<f64>> {
+    let s_ = &c.stream;
+    match op {
+        Op::Layout => {
+            let f = || {
+                group
+                    .layout(s_, TopkIdx::I64(b.idx), k, layout)
+                    .map(drop)
+                    .map_err(s)
+            };
+            match layout_at_host {
+                true => c.time_with(op.name(), false, f),
+                false => c.time(op.name(), f),
+            }
+        }
+        Op::Dispatch => c.time(op.name(), || {
+            group
+                .dispatch(
+                    s_,
+                    handle,
+                    b.x,
+                    b.w,
+                    DispatchOut {
+                        recv_tokens: Some(&mut *b.recv),
+                        recv_topk_weights: Some(&mut *b.recv_w),
+                    },
+                )
+                .map(drop)
+                .map_err(s)
+        }),
+        Op::Combine => c.time(op.name(), || {
+            group
+                .combine(s_, handle, &*b.recv, None, &mut *b.out)
+                .map_err(s)
+        }),
+        Op::DispatchBwd => c.time(op.name(), || {
+            group
+                .dispatch_backward(
+                    s_,
+                    handle,
+                    &*b.recv,
+                    Some(&*b.recv_w),
+                    &mut *b.out,
+                    Some(&mut *b.grad_w),
+                )
+                .map_err(s)
+        }),
+        Op::CombineBwd => c.time(op.name(), || {
+            group
+                .combine_backward(s_, handle, &*b.out, None, Some(&mut *b.recv))
+                .map(drop)
+                .map_err(s)
+        }),
+        _ => Err(format!("{} is not timed by time_ht_op", op.name())),
     }
 }
 
@@ -627,60 +715,29 @@ fn run_case(
         None => None,
     };
 
+    let mut bufs = HtBufs {
+        idx: &idxv,
+        x: &xv,
+        w: &wv,
+        recv: &mut recv,
+        recv_w: &mut recv_w,
+        out: &mut out,
+        grad_w: &mut grad_w,
+    };
     for &op in &opts.ops {
         let samples = match op {
-            Op::Layout => c.time(op.name(), || {
-                group
-                    .layout(s_, TopkIdx::I64(&idxv), k, layout)
-                    .map(drop)
-                    .map_err(s)
-            })?,
-            Op::Dispatch => c.time(op.name(), || {
-                group
-                    .dispatch(
-                        s_,
-                        &handle,
-                        &xv,
-                        &wv,
-                        DispatchOut {
-                            recv_tokens: Some(&mut recv),
-                            recv_topk_weights: Some(&mut recv_w),
-                        },
-                    )
-                    .map(drop)
-                    .map_err(s)
-            })?,
-            Op::Combine => c.time(op.name(), || {
-                group.combine(s_, &handle, &recv, None, &mut out).map_err(s)
-            })?,
             Op::CombinePush => {
                 let y = plain.as_ref().expect("allocated when asked for");
+                let out = &mut *bufs.out;
                 c.time(op.name(), || {
-                    group.combine(s_, &handle, y, None, &mut out).map_err(s)
+                    group.combine(s_, &handle, y, None, out).map_err(s)
                 })?
             }
-            Op::DispatchBwd => c.time(op.name(), || {
-                group
-                    .dispatch_backward(
-                        s_,
-                        &handle,
-                        &recv,
-                        Some(&recv_w),
-                        &mut out,
-                        Some(&mut grad_w),
-                    )
-                    .map_err(s)
-            })?,
-            Op::CombineBwd => c.time(op.name(), || {
-                group
-                    .combine_backward(s_, &handle, &out, None, Some(&mut recv))
-                    .map(drop)
-                    .map_err(s)
-            })?,
             // Refused by the command line (`--mode ll` runs them: [`ll`]).
             Op::LlDispatch | Op::LlDispatchFp8 | Op::LlCombine | Op::LlPair => {
                 return Err(format!("{} is an op of --mode ll", op.name()))
             }
+            _ => time_ht_op(c, &group, &handle, op, k, layout, &mut bufs, false)?,
         };
         let b = bytes(op);
         mine.push((op.name().to_string(), samples, b.nvlink, b.logical));

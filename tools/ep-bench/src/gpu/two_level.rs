@@ -26,7 +26,10 @@ use moe_ep::ops::{DeviceRegion, DispatchOut, HopRecv, HopSend, RailHop, TopkIdx,
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::{bf16, GroupConfig, RecvLayout, Topology};
 
-use super::{counts_and_capacity, gather, rank_input, routings, s, upload, Ctx, Measured, R};
+use super::{
+    counts_and_capacity, gather, rank_input, routings, s, time_ht_op, upload, Ctx, HtBufs,
+    Measured, R,
+};
 use crate::cli::{Case, Op};
 use crate::report::{OpResult, RAIL_HOP};
 
@@ -139,53 +142,22 @@ pub(super) fn run_case(
 
     let mut mine: Vec<Measured> = Vec::new();
     let mut net: Vec<u64> = Vec::new();
+    let mut bufs = HtBufs {
+        idx: &idxv,
+        x: &xv,
+        w: &wv,
+        recv: &mut recv,
+        recv_w: &mut recv_w,
+        out: &mut out,
+        grad_w: &mut grad_w,
+    };
     for &op in &opts.ops {
         let samples = match op {
-            // The layout waits on the host (its stream lengths): timed from
-            // the host barrier, not behind the start gate (whose stream
-            // would never drain).
-            Op::Layout => c.time_with(op.name(), false, || {
-                group
-                    .layout(s_, TopkIdx::I64(&idxv), k, layout)
-                    .map(drop)
-                    .map_err(s)
-            })?,
-            Op::Dispatch => c.time(op.name(), || {
-                group
-                    .dispatch(
-                        s_,
-                        &handle,
-                        &xv,
-                        &wv,
-                        DispatchOut {
-                            recv_tokens: Some(&mut recv),
-                            recv_topk_weights: Some(&mut recv_w),
-                        },
-                    )
-                    .map(drop)
-                    .map_err(s)
-            })?,
-            Op::Combine => c.time(op.name(), || {
-                group.combine(s_, &handle, &recv, None, &mut out).map_err(s)
-            })?,
-            Op::DispatchBwd => c.time(op.name(), || {
-                group
-                    .dispatch_backward(
-                        s_,
-                        &handle,
-                        &recv,
-                        Some(&recv_w),
-                        &mut out,
-                        Some(&mut grad_w),
-                    )
-                    .map_err(s)
-            })?,
-            Op::CombineBwd => c.time(op.name(), || {
-                group
-                    .combine_backward(s_, &handle, &out, None, Some(&mut recv))
-                    .map(drop)
-                    .map_err(s)
-            })?,
+            Op::Layout | Op::Dispatch | Op::Combine | Op::DispatchBwd | Op::CombineBwd => {
+                // The layout waits on the host (its stream lengths): timed
+                // from the host barrier.
+                time_ht_op(c, &group, &handle, op, k, layout, &mut bufs, true)?
+            }
             // Refused by the command line.
             _ => return Err(format!("{} is not an op of --ranks-per-node", op.name())),
         };
