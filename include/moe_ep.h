@@ -200,8 +200,8 @@ typedef struct moe_ep_group_config {
   uint32_t timeout_ms;           /* bound on every wait for another GPU; 0: 10000 */
   uint64_t ranks_per_node;       /* (ABI 3) ranks per node, rank r on node r / ranks_per_node: a
                                     divisor of the world, at most 8; 0: the whole world on one
-                                    node. Only one node is built: a value that makes more than
-                                    one node is refused, naming `ranks_per_node` */
+                                    node. Below the world size: several nodes, the two-level
+                                    path (see moe_ep_group_create) */
 } moe_ep_group_config_t;
 #define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
@@ -393,7 +393,20 @@ moe_ep_status_t moe_ep_comm_abort(moe_ep_comm_t *comm);
 /* Checks a config against a world size without a GPU. */
 moe_ep_status_t moe_ep_group_config_validate(const moe_ep_group_config_t *cfg, int world);
 /* Collective: validates the config, compares it between ranks, allocates
- * the symmetric workspace. */
+ * the symmetric workspace.
+ *
+ * A config whose ranks_per_node makes several nodes (2 to 64 nodes,
+ * high-throughput mode) makes a group of the two-level path: a token crosses
+ * the network once per remote node it reaches, to its rail peer there (the
+ * rank with its local index), which forwards it over NVLink; combine sums
+ * inside each node first, then over the nodes at home in a fixed order. The
+ * ops and their arguments are the same; what differs: moe_ep_layout waits
+ * on the host (the node streams' lengths; not capturable in a CUDA graph),
+ * the ops use the caller's buffers on the op's stream as they are (no
+ * ordering after another stream), moe_ep_pool_alloc gives the node's pool,
+ * moe_ep_handle_counts gives this rank's rows of the node's dispatch, and
+ * the moe_ep_ll_* calls refuse the group, naming `group`. A handle works
+ * only with the group whose layout made it. */
 moe_ep_status_t moe_ep_group_create(const moe_ep_comm_t *comm, const moe_ep_group_config_t *cfg,
                                     moe_ep_group_t **out);
 /* Waits for the group's work, then frees it (at once, or, while low-latency

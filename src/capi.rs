@@ -43,11 +43,12 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::ops::{
-    DeviceRegion, DeviceRegionMut, DispatchOut, EpGroup, Fp8Scaling, GroupConfig, Handle,
-    LlCombineSent, LlDispatchSent, LlHandle, LlInput, LlLayout, Mode, RecvBuf, RecvLayout, TopkIdx,
+    DeviceRegion, DeviceRegionMut, DispatchOut, EpGroup, ExpertParallel, Fp8Scaling, GroupConfig,
+    Handle, LlCombineSent, LlDispatchSent, LlHandle, LlInput, LlLayout, Mode, RecvBuf, RecvLayout,
+    TopkIdx, TwoLevelGroup, TwoLevelHandle,
 };
 use crate::runtime::{Communicator, UniqueId};
-use crate::symm::SymmBuffer;
+use crate::symm::{SymmBuffer, SymmPool};
 
 /// The ABI version of this library (`MOE_EP_ABI_VERSION`): one more with
 /// every release that adds to the ABI (the header has the rule). 2: the
@@ -777,10 +778,88 @@ fn disjoint(outs: &[Option<Span>], ins: &[Option<Span>]) -> Result<()> {
 
 /// `moe_ep_comm_t`.
 pub struct CComm(Arc<Communicator>);
-/// `moe_ep_group_t`; shared with the low-latency handles made by it.
-pub struct CGroup(Arc<EpGroup>);
-/// `moe_ep_handle_t`.
-pub struct CHandle(Handle);
+/// `moe_ep_group_t`: a group of one node (the NVLink path; shared with the
+/// low-latency handles made by it) or of several (`ranks_per_node` below
+/// the world: the two-level path); the ops take either.
+pub struct CGroup(GroupOf);
+enum GroupOf {
+    Node(Arc<EpGroup>),
+    Nodes(Box<TwoLevelGroup>),
+}
+/// `moe_ep_handle_t`: a layout of either kind of group.
+pub struct CHandle(HandleOf);
+// (Boxed as a whole: a moe_ep_handle_t is a box.)
+#[allow(clippy::large_enum_variant)]
+enum HandleOf {
+    Node(Handle),
+    Nodes(TwoLevelHandle),
+}
+
+impl CGroup {
+    fn comm(&self) -> &Arc<Communicator> {
+        match &self.0 {
+            GroupOf::Node(g) => g.comm(),
+            GroupOf::Nodes(g) => g.comm(),
+        }
+    }
+    /// The group of one node, which the low-latency mode needs; a group of
+    /// several nodes is refused naming `group`.
+    fn node(&self) -> Result<&Arc<EpGroup>> {
+        match &self.0 {
+            GroupOf::Node(g) => Ok(g),
+            GroupOf::Nodes(g) => Err(Error::arg(
+                "group",
+                "a low-latency group (MOE_EP_MODE_LOW_LATENCY, one node)",
+                format!("a high-throughput group of {} nodes", g.topology().nodes()),
+            )),
+        }
+    }
+    fn pool(&self) -> &SymmPool {
+        match &self.0 {
+            GroupOf::Node(g) => g.pool(),
+            GroupOf::Nodes(g) => ExpertParallel::pool(&**g),
+        }
+    }
+}
+
+impl CHandle {
+    /// The layout of this rank's node group: the rows this rank receives.
+    fn node(&self) -> &Handle {
+        match &self.0 {
+            HandleOf::Node(h) => h,
+            HandleOf::Nodes(h) => h.node_handle(),
+        }
+    }
+    /// This rank's tokens and their top-k, as the layout was given them.
+    fn tokens_topk(&self) -> (usize, usize) {
+        match &self.0 {
+            HandleOf::Node(h) => (h.num_tokens(), h.topk()),
+            HandleOf::Nodes(h) => (h.num_tokens(), h.topk()),
+        }
+    }
+}
+
+/// `$body` with the group and the handle of an op as `$g` and `$h`, both of
+/// one node or both of several; a handle of the other kind is refused
+/// naming `handle` (the groups refuse another group's handle of their kind).
+macro_rules! on_kind {
+    ($group:expr, $handle:expr, |$g:ident, $h:ident| $body:expr) => {
+        match (&$group.0, &$handle.0) {
+            (GroupOf::Node($g), HandleOf::Node($h)) => $body,
+            (GroupOf::Nodes($g), HandleOf::Nodes($h)) => $body,
+            (GroupOf::Node(_), HandleOf::Nodes(_)) => Err(Error::arg(
+                "handle",
+                "a handle made by this group's layout (one node)",
+                "a handle of a group of several nodes",
+            )),
+            (GroupOf::Nodes(_), HandleOf::Node(_)) => Err(Error::arg(
+                "handle",
+                "a handle made by this group's layout (several nodes)",
+                "a handle of a group of one node",
+            )),
+        }
+    };
+}
 /// `moe_ep_buffer_t`: a pool buffer of one element type.
 pub enum CBuffer {
     Bf16(SymmBuffer<bf16>),
@@ -1150,7 +1229,10 @@ pub unsafe extern "C" fn moe_ep_group_config_validate(
     ffi(|| {
         let cfg = group_config(&unsafe { read_in(cfg, "cfg") }?)?;
         let world = usize::try_from(world).map_err(|_| Error::arg("world", ">= 1", world))?;
-        cfg.validate(world)
+        match cfg.topology(world)?.nodes() {
+            1 => cfg.validate(world),
+            _ => TwoLevelGroup::validate(&cfg, world).map(drop),
+        }
     })
 }
 
@@ -1164,8 +1246,12 @@ pub unsafe extern "C" fn moe_ep_group_create(
         let cfg = group_config(&unsafe { read_in(cfg, "cfg") }?)?;
         let c = unsafe { obj(comm, "comm") }?;
         let out = out_ptr(out, "out")?;
-        let g = EpGroup::new(&c.0, cfg)?;
-        unsafe { *out = boxed(CGroup(Arc::new(g))) };
+        // One node: the NVLink path; several: the two-level path.
+        let g = match cfg.topology(c.0.world())?.nodes() {
+            1 => GroupOf::Node(Arc::new(EpGroup::new(&c.0, cfg)?)),
+            _ => GroupOf::Nodes(Box::new(TwoLevelGroup::new(&c.0, cfg)?)),
+        };
+        unsafe { *out = boxed(CGroup(g)) };
         Ok(())
     })
 }
@@ -1182,7 +1268,10 @@ pub unsafe extern "C" fn moe_ep_group_destroy(group: *mut CGroup) -> Status {
 
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_group_check(group: *const CGroup) -> Status {
-    ffi(|| unsafe { obj(group, "group") }?.0.check())
+    ffi(|| match &unsafe { obj(group, "group") }?.0 {
+        GroupOf::Node(g) => g.check(),
+        GroupOf::Nodes(g) => ExpertParallel::check(&**g),
+    })
 }
 
 #[no_mangle]
@@ -1190,7 +1279,11 @@ pub unsafe extern "C" fn moe_ep_group_recv_capacity(group: *const CGroup, out: *
     ffi(|| {
         let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
-        unsafe { *out = g.0.recv_capacity() as u64 };
+        let cap = match &g.0 {
+            GroupOf::Node(g) => g.recv_capacity(),
+            GroupOf::Nodes(g) => g.recv_capacity(),
+        };
+        unsafe { *out = cap as u64 };
         Ok(())
     })
 }
@@ -1207,7 +1300,7 @@ pub unsafe extern "C" fn moe_ep_pool_alloc(
     ffi(|| {
         let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
-        let pool = g.0.pool();
+        let pool = g.pool();
         let b = match dtype {
             MOE_EP_DTYPE_BF16 => CBuffer::Bf16(pool.alloc(len)?),
             MOE_EP_DTYPE_F32 => CBuffer::F32(pool.alloc(len)?),
@@ -1251,7 +1344,7 @@ pub unsafe extern "C" fn moe_ep_is_symm_backed(
     ffi(|| {
         let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
-        let yes = g.0.pool().is_symm_backed(ptr as u64, bytes);
+        let yes = g.pool().is_symm_backed(ptr as u64, bytes);
         unsafe { *out = yes as c_int };
         Ok(())
     })
@@ -1259,16 +1352,16 @@ pub unsafe extern "C" fn moe_ep_is_symm_backed(
 
 // ---- ops ------------------------------------------------------------------
 
-/// The group, its stream and the handle of an op.
+/// The group, its stream and the handle of an op (see `on_kind`).
 unsafe fn op<'a>(
     group: *const CGroup,
     stream: *mut c_void,
     handle: *const CHandle,
-) -> Result<(&'a EpGroup, Arc<CudaStream>, &'a Handle)> {
+) -> Result<(&'a CGroup, Arc<CudaStream>, &'a CHandle)> {
     // SAFETY: the header's contract for handles and streams.
     unsafe {
-        let g = &*obj(group, "group")?.0;
-        let h = &obj(handle, "handle")?.0;
+        let g = obj(group, "group")?;
+        let h = obj(handle, "handle")?;
         let s = stream_of(g.comm().context(), stream)?;
         Ok((g, s, h))
     }
@@ -1301,10 +1394,15 @@ pub unsafe extern "C" fn moe_ep_layout(
             }
         };
         layout.validate()?;
-        let g = &unsafe { obj(group, "group") }?.0;
+        let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
         let s = unsafe { stream_of(g.comm().context(), stream) }?;
-        let h = g.layout(&s, idx.get(), a.topk as usize, layout)?;
+        let h = match &g.0 {
+            GroupOf::Node(g) => HandleOf::Node(g.layout(&s, idx.get(), a.topk as usize, layout)?),
+            GroupOf::Nodes(g) => {
+                HandleOf::Nodes(g.layout(&s, idx.get(), a.topk as usize, layout)?)
+            }
+        };
         unsafe { *out = boxed(CHandle(h)) };
         Ok(())
     })
@@ -1328,12 +1426,14 @@ pub unsafe extern "C" fn moe_ep_handle_counts(
 ) -> Status {
     ffi(|| {
         unsafe { head(out, "out") }?;
-        let h = &unsafe { obj(handle, "handle") }?.0;
+        let handle = unsafe { obj(handle, "handle") }?;
+        let h = handle.node();
         let s = unsafe { stream_of(h.arena.stream().context(), stream) }?;
         let c = h.host_counts(&s)?;
+        let (num_tokens, topk) = handle.tokens_topk();
         let v = CHandleCounts {
-            num_tokens: h.num_tokens() as u64,
-            topk: h.topk() as u64,
+            num_tokens: num_tokens as u64,
+            topk: topk as u64,
             recv_rows: c.recv_rows as u64,
             recv_tokens: c.recv_tokens as u64,
             num_local_experts: c.tokens_per_local_expert.len() as u64,
@@ -1349,7 +1449,7 @@ pub unsafe extern "C" fn moe_ep_handle_tokens_per_local_expert(
     out: *mut CBuf,
 ) -> Status {
     ffi(|| {
-        let h = &unsafe { obj(handle, "handle") }?.0;
+        let h = unsafe { obj(handle, "handle") }?.node();
         let out = out_ptr(out, "out")?;
         let v = h.tokens_per_local_expert();
         let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
@@ -1390,7 +1490,7 @@ pub unsafe extern "C" fn moe_ep_dispatch(
         )?;
         let (g, s, h) = unsafe { op(group, stream, handle) }?;
         let out = out_ptr(out, "out")?;
-        let d = g.dispatch(
+        let d = on_kind!(g, h, |g, h| g.dispatch(
             &s,
             h,
             &x,
@@ -1399,7 +1499,7 @@ pub unsafe extern "C" fn moe_ep_dispatch(
                 recv_tokens: rt.as_mut().map(|r| r as &mut dyn DeviceRegionMut<bf16>),
                 recv_topk_weights: rw.as_mut().map(|r| r as &mut dyn DeviceRegionMut<f32>),
             },
-        )?;
+        ))?;
         let kept = CDispatched {
             tokens: Kept::of(d.tokens),
             topk_weights: Kept::of(d.topk_weights),
@@ -1456,13 +1556,13 @@ pub unsafe extern "C" fn moe_ep_combine(
             &[Some(y.span("expert_out")), span_of("weights", &w)],
         )?;
         let (g, s, h) = unsafe { op(group, stream, handle) }?;
-        g.combine(
+        on_kind!(g, h, |g, h| g.combine(
             &s,
             h,
             &y,
             w.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
             &mut o,
-        )
+        ))
     })
 }
 
@@ -1491,13 +1591,13 @@ pub unsafe extern "C" fn moe_ep_combine_backward(
             out_ptr(out, "out")?;
         }
         let (g, s, h) = unsafe { op(group, stream, handle) }?;
-        let r = g.combine_backward(
+        let r = on_kind!(g, h, |g, h| g.combine_backward(
             &s,
             h,
             &go,
             w.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
             ge.as_mut().map(|r| r as &mut dyn DeviceRegionMut<bf16>),
-        )?;
+        ))?;
         let pool = match r {
             RecvBuf::Pool(b) => boxed(CBuffer::Bf16(b)),
             RecvBuf::Caller(_) => std::ptr::null_mut(),
@@ -1549,14 +1649,14 @@ pub unsafe extern "C" fn moe_ep_dispatch_backward(
             ],
         )?;
         let (g, s, h) = unsafe { op(group, stream, handle) }?;
-        g.dispatch_backward(
+        on_kind!(g, h, |g, h| g.dispatch_backward(
             &s,
             h,
             &gr,
             grw.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
             &mut gt,
             gtw.as_mut().map(|w| w as &mut dyn DeviceRegionMut<f32>),
-        )
+        ))
     })
 }
 
@@ -1616,7 +1716,7 @@ impl CLlHandle {
     }
     /// Refuses a handle of another group than `group`.
     fn check_group(&self, group: &CGroup) -> Result<()> {
-        if Arc::ptr_eq(&self.group, &group.0) {
+        if group.node().is_ok_and(|g| Arc::ptr_eq(&self.group, g)) {
             return Ok(());
         }
         Err(Error::arg(
@@ -1655,7 +1755,7 @@ unsafe fn ll_op<'a>(
         let g = obj(group, "group")?;
         let h = obj(handle, "handle")?;
         h.check_group(g)?;
-        let s = stream_of(g.0.comm().context(), stream)?;
+        let s = stream_of(g.comm().context(), stream)?;
         Ok((g, s, h))
     }
 }
@@ -1732,11 +1832,11 @@ unsafe fn ll_dispatch_impl(
     with_ll_args(&a, |x, idx, w, layout, cast| {
         let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
-        let s = unsafe { stream_of(g.0.comm().context(), stream) }?;
+        let s = unsafe { stream_of(g.comm().context(), stream) }?;
         let topk = a.topk as usize;
         let num_tokens = idx.ptr_len().1.checked_div(topk).unwrap_or(0);
         // The handle's own reference to the group, which its batch borrows.
-        let group = g.0.clone();
+        let group = g.node()?.clone();
         let mut batch = LlBatchState::default();
         let buffer_set = if wait {
             let h = group.ll_dispatch(&s, x, idx, topk, w, layout, cast)?;
@@ -1872,7 +1972,7 @@ pub unsafe extern "C" fn moe_ep_ll_combine(
         CLlHandle::expect_state("moe_ep_ll_combine", &st, MOE_EP_LL_RECEIVED)?;
         let lh = st.views.as_ref().expect("a received batch");
         let w = b.w.as_ref().map(|w| w as &dyn DeviceRegion<f32>);
-        g.0.ll_combine(&s, lh, &b.y, w, &mut b.out)?;
+        g.node()?.ll_combine(&s, lh, &b.y, w, &mut b.out)?;
         st.combined = true;
         Ok(())
     })
@@ -1892,7 +1992,7 @@ pub unsafe extern "C" fn moe_ep_ll_combine_send(
         let mut st = h.lock();
         CLlHandle::expect_state("moe_ep_ll_combine_send", &st, MOE_EP_LL_RECEIVED)?;
         let lh = st.views.as_ref().expect("a received batch");
-        let sent = g.0.ll_combine_send(&s, lh, &b.y)?;
+        let sent = g.node()?.ll_combine_send(&s, lh, &b.y)?;
         st.combine = Some(sent);
         Ok(())
     })
@@ -1913,7 +2013,8 @@ pub unsafe extern "C" fn moe_ep_ll_combine_wait(
         CLlHandle::expect_state("moe_ep_ll_combine_wait", &st, MOE_EP_LL_COMBINE_SENT)?;
         let sent = st.combine.as_ref().map(LlCombineSent::again);
         let w = b.w.as_ref().map(|w| w as &dyn DeviceRegion<f32>);
-        g.0.ll_combine_wait(&s, sent.expect("a sent combine"), w, &mut b.out)?;
+        g.node()?
+            .ll_combine_wait(&s, sent.expect("a sent combine"), w, &mut b.out)?;
         st.combine = None;
         st.combined = true;
         Ok(())

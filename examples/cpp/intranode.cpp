@@ -10,6 +10,7 @@
 //   examples/cpp/intranode --gpus 2       # 2 GPUs, one NCCL rank each (--gpus 1 too)
 //   examples/cpp/intranode                # every local GPU (a power of two), or 2 virtual ranks
 //   examples/cpp/intranode --gpus 2 --ll  # and the low-latency round trips
+//   examples/cpp/intranode --virtual 4 --ranks-per-node 2  # 2 nodes of 2: the two-level path
 //
 // One thread per rank. Exit status 0 when every rank's checks pass.
 #include "moe_ep.h"
@@ -37,6 +38,9 @@ constexpr size_t kExperts = 64, kHidden = 2048, kTokens = 256, kTopk = 8;
 constexpr size_t kLlTokens = 128;
 // Timed iterations (INTRANODE_ITERS overrides; one warm-up before them).
 int kIters = 20;
+// Ranks per node (--ranks-per-node; 0: the whole world on one node). Below
+// the world size the group runs the two-level path over several nodes.
+int kRanksPerNode = 0;
 
 // Throws the library's message on an error.
 void ok(moe_ep_status_t s, const char *what) {
@@ -148,6 +152,7 @@ RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *ho
   cfg.num_experts = kExperts;
   cfg.hidden = kHidden;
   cfg.max_tokens_per_rank = kTokens;
+  cfg.ranks_per_node = uint64_t(kRanksPerNode);
   uint32_t fit = 0;  // ranks that share a GPU must all fit on it at once
   ok(moe_ep_comm_max_sms(comm, kExperts, &fit), "moe_ep_comm_max_sms");
   cfg.num_sms = std::min<uint32_t>(24, fit);
@@ -261,7 +266,12 @@ RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *ho
   for (auto &e : ev) cudaEventDestroy(e);
   cudaFree(d_idx), cudaFree(d_w), cudaFree(d_x), cudaFree(d_out), cudaFree(d_grad);
 
-  // Each output row is its input row times the number of ranks it reached.
+  // Each output row is its input row times the number of ranks it reached:
+  // on one node one sum of those rows, rounded once; on several, each
+  // node's sum rounded (the node's combine), then the nodes' in ascending
+  // order, rounded once.
+  const int per_node = kRanksPerNode > 0 ? kRanksPerNode : world;
+  const uint32_t node_mask = (1u << per_node) - 1u;
   RankResult res;
   for (size_t t = 0; t < kTokens; t++) {
     uint32_t hit = 0;
@@ -269,10 +279,14 @@ RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *ho
       int64_t e = r.idx[t * kTopk + j];
       if (e >= 0) hit |= 1u << (size_t(e) / (kExperts / size_t(world)));
     }
-    float n = float(__builtin_popcount(hit));
     for (size_t c = 0; c < kHidden; c++) {
       size_t i = t * kHidden + c;
-      uint16_t want = to_bf16(from_bf16(r.x[i]) * n);
+      float x = from_bf16(r.x[i]), acc = 0.0f;
+      for (int m = 0; m < world / per_node; m++) {
+        float n = float(__builtin_popcount((hit >> (m * per_node)) & node_mask));
+        if (n > 0.0f) acc += per_node == world ? x * n : from_bf16(to_bf16(x * n));
+      }
+      uint16_t want = to_bf16(acc);
       if (got[i] != want || grad[i] != want) {
         char buf[160];
         std::snprintf(buf, sizeof buf, "FAILED: token %zu, column %zu: combine %g, backward %g, want %g",
@@ -284,9 +298,10 @@ RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *ho
   }
   char buf[400];
   std::snprintf(buf, sizeof buf,
-                "%llu tokens received (capacity %llu), %u SMs; out = x * ranks reached, bit for bit "
+                "%s%llu tokens received (capacity %llu), %u SMs; out = x * ranks reached, bit for bit "
                 "(combine and dispatch backward), combine backward = dispatch; %s; median of %d: "
                 "layout %.1f us, dispatch %.1f us, combine %.1f us",
+                per_node == world ? "" : ("nodes of " + std::to_string(per_node) + " ranks: ").c_str(),
                 (unsigned long long)counts.recv_tokens, (unsigned long long)cap, cfg.num_sms,
                 refused.c_str(), kIters, median(t_layout), median(t_dispatch), median(t_combine));
   res.line = buf;
@@ -577,7 +592,9 @@ std::string run_ll(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *hos
 
 int usage() {
   std::fprintf(stderr,
-               "usage: intranode [--virtual W | --gpus N] [--ll]   (W, N in 1, 2, 4, 8)\n");
+               "usage: intranode [--virtual W | --gpus N] [--ranks-per-node P] [--ll]\n"
+               "  W, N in 1, 2, 4, 8; P a divisor of the world below it: the two-level path over\n"
+               "  world / P nodes (not with --ll)\n");
   return 2;
 }
 
@@ -602,11 +619,16 @@ int main(int argc, char **argv) {
       virt = true, world = std::atoi(argv[++a]);
     } else if (a + 1 < argc && std::strcmp(argv[a], "--gpus") == 0) {
       virt = false, world = std::atoi(argv[++a]);
+    } else if (a + 1 < argc && std::strcmp(argv[a], "--ranks-per-node") == 0) {
+      kRanksPerNode = std::atoi(argv[++a]);
     } else {
       return usage();
     }
   }
   if (world < 1 || world > 8 || (world & (world - 1)) || (!virt && world > gpus)) return usage();
+  if (kRanksPerNode < 0 || (kRanksPerNode > 0 && world % kRanksPerNode != 0) ||
+      (kRanksPerNode > 0 && ll))
+    return usage();
 
   const size_t n = size_t(world);
   std::vector<moe_ep_comm_t *> comms(n, nullptr);

@@ -109,7 +109,8 @@ impl GroupConfig {
                 "ranks_per_node",
                 format!(
                     "the world size {world} or 0: EpGroup runs one node (a world of \
-                     several nodes runs on TwoLevelGroup, which the C ABI does not have yet)"
+                     several nodes runs on TwoLevelGroup; the C ABI's moe_ep_group_create \
+                     makes either)"
                 ),
                 format!("{} ({} nodes)", self.ranks_per_node, topology.nodes()),
             ));

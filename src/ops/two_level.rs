@@ -39,10 +39,11 @@
 //! rows and weights have landed (a stream-ordered memset, after the
 //! chunk's receive). The other ops send everything, then go on.
 //!
-//! Not built yet: the chunked overlap in combine and the backward passes,
-//! and the path through [`EpGroup`] itself (a world of several nodes runs on
-//! this type; [`ExpertParallel`](super::ExpertParallel) gives both one set
-//! of ops).
+//! A world of several nodes runs on this type;
+//! [`ExpertParallel`](super::ExpertParallel) gives it and [`EpGroup`] one
+//! set of ops, and the C ABI's `moe_ep_group_create` makes either from the
+//! config (src/capi.rs).
+//! Not built yet: the chunked overlap in combine and the backward passes.
 
 use std::sync::Arc;
 
@@ -121,11 +122,6 @@ fn grid(items: usize, per_block: usize) -> u32 {
 /// they are: unlike [`EpGroup`]'s ops, these do not order themselves after
 /// a buffer's own stream. As on [`EpGroup`], the ops of one group are taken
 /// one at a time (threads calling one group are serialised).
-///
-/// Known defect (2026-12-02): `ep-bench --ranks-per-node` at 8 virtual
-/// ranks sometimes stops on the 10 s timeout of a node peer's call
-/// descriptor, the named peer already past the op; the GPU tests pass at
-/// the same worlds (BENCHMARKS.md, "Open gaps").
 pub struct TwoLevelGroup {
     comm: Arc<Communicator>,
     cfg: GroupConfig,
@@ -295,6 +291,10 @@ impl TwoLevelHandle {
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
     }
+    /// The top-k of the routing the layout was given.
+    pub fn topk(&self) -> usize {
+        self.topk
+    }
     /// Rows dispatch delivers here (expert-major: padded).
     pub fn recv_rows(&self) -> usize {
         self.received
@@ -340,29 +340,8 @@ impl TwoLevelGroup {
         if hop_chunk_rows == 0 {
             return Err(Error::arg("hop_chunk_rows", "at least 1 row", 0));
         }
-        let topology = cfg.validate_fields(world)?;
+        let topology = nodes_of(&cfg, world)?;
         let nodes = topology.nodes();
-        if nodes < 2 {
-            return Err(Error::arg(
-                "ranks_per_node",
-                format!("fewer than the world size {world} (one node runs on EpGroup)"),
-                cfg.ranks_per_node,
-            ));
-        }
-        if nodes > MAX_NODES {
-            return Err(Error::arg(
-                "ranks_per_node",
-                format!("at most {MAX_NODES} nodes"),
-                format!("{} ({nodes} nodes)", cfg.ranks_per_node),
-            ));
-        }
-        if cfg.mode != Mode::HighThroughput {
-            return Err(Error::arg(
-                "mode",
-                "Mode::HighThroughput (the two-level path has no low-latency kernels)",
-                format!("{:?}", cfg.mode),
-            ));
-        }
         let ctx = comm.context().clone();
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
@@ -398,15 +377,8 @@ impl TwoLevelGroup {
         }
         let mut node_cfg = cfg.clone();
         node_cfg.num_experts = cfg.num_experts / nodes;
-        node_cfg.max_tokens_per_rank = cfg.max_tokens_per_rank * nodes;
+        node_cfg.max_tokens_per_rank = forward_tokens(&cfg, nodes)?;
         node_cfg.ranks_per_node = 0;
-        if node_cfg.max_tokens_per_rank > (1 << 20) {
-            return Err(Error::arg(
-                "max_tokens_per_rank",
-                format!("at most 2^20 / {nodes} nodes (a forward batch holds a row per node)"),
-                cfg.max_tokens_per_rank,
-            ));
-        }
         if node_cfg.recv_capacity == 0 {
             node_cfg.recv_capacity = world * cfg.max_tokens_per_rank;
         }
@@ -440,6 +412,17 @@ impl TwoLevelGroup {
             epoch: std::sync::atomic::AtomicU64::new(0),
             turn: std::sync::Mutex::new(()),
         })
+    }
+
+    /// Checks `cfg` for a world of `world` ranks without a GPU, naming the
+    /// bad field: every check of [`TwoLevelGroup::new`] that needs no peer
+    /// (those of [`GroupConfig::validate`] but the one-node rule, at least
+    /// two and at most [`MAX_NODES`] nodes, high-throughput mode, the forward
+    /// batch's size). Returns the world's nodes.
+    pub fn validate(cfg: &GroupConfig, world: usize) -> Result<Topology> {
+        let topology = nodes_of(cfg, world)?;
+        forward_tokens(cfg, topology.nodes())?;
+        Ok(topology)
     }
 
     /// The world's configuration.
@@ -1072,6 +1055,51 @@ impl TwoLevelGroup {
 
 /// A device address of a slice (no event bookkeeping: the two-level ops
 /// enqueue everything on the stream the slice was allocated on).
+/// The nodes of a two-level world: `cfg`'s fields good for `world`
+/// ([`GroupConfig::validate_fields`]), at least two and at most
+/// [`MAX_NODES`] nodes, high-throughput mode; errors name the field.
+fn nodes_of(cfg: &GroupConfig, world: usize) -> Result<Topology> {
+    let topology = cfg.validate_fields(world)?;
+    let nodes = topology.nodes();
+    if nodes < 2 {
+        return Err(Error::arg(
+            "ranks_per_node",
+            format!("fewer than the world size {world} (one node runs on EpGroup)"),
+            cfg.ranks_per_node,
+        ));
+    }
+    if nodes > MAX_NODES {
+        return Err(Error::arg(
+            "ranks_per_node",
+            format!("at most {MAX_NODES} nodes"),
+            format!("{} ({nodes} nodes)", cfg.ranks_per_node),
+        ));
+    }
+    if cfg.mode != Mode::HighThroughput {
+        return Err(Error::arg(
+            "mode",
+            "Mode::HighThroughput (the two-level path has no low-latency kernels)",
+            format!("{:?}", cfg.mode),
+        ));
+    }
+    Ok(topology)
+}
+
+/// The node group's tokens per rank: a forward batch holds a row per node
+/// for each of `max_tokens_per_rank` tokens, at most 2^20 (the error names
+/// `max_tokens_per_rank`).
+fn forward_tokens(cfg: &GroupConfig, nodes: usize) -> Result<usize> {
+    let t = cfg.max_tokens_per_rank * nodes;
+    if t > (1 << 20) {
+        return Err(Error::arg(
+            "max_tokens_per_rank",
+            format!("at most 2^20 / {nodes} nodes (a forward batch holds a row per node)"),
+            cfg.max_tokens_per_rank,
+        ));
+    }
+    Ok(t)
+}
+
 fn dptr<T>(s: &CudaSlice<T>) -> u64 {
     DeviceRegion::device_ptr(s)
 }

@@ -199,11 +199,11 @@ static void structs(void) {
   c = good_config();
   c.mode = 2;
   expect("mode 2", moe_ep_group_config_validate(&c, 2), BAD, "`mode`", NULL);
-  /* ranks_per_node (ABI 3): 0 and the world size are one node; a
-   * non-divisor, more than 8 per node and (a world the C ABI cannot run
-   * yet: TwoLevelGroup has no C entry points) more than one node
-   * are refused by name, each with its own reason. An ABI 2 caller's struct
-   * lacks the field: one node. */
+  /* ranks_per_node (ABI 3): 0 and the world size are one node, a smaller
+   * divisor several (the two-level path); a non-divisor and more than 8 per
+   * node are refused by name, and so are what several nodes cannot take
+   * (more than 64 nodes, the low-latency mode, a forward batch past 2^20
+   * tokens). An ABI 2 caller's struct lacks the field: one node. */
   c = good_config();
   c.ranks_per_node = 2;
   expect("2 ranks per node at world 2", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL,
@@ -216,11 +216,24 @@ static void structs(void) {
   expect("16 ranks per node at world 32", moe_ep_group_config_validate(&c, 32), BAD,
          "`ranks_per_node`", "at most 8");
   c.ranks_per_node = 1;
-  expect("1 rank per node at world 2", moe_ep_group_config_validate(&c, 2), BAD,
-         "`ranks_per_node`", "runs one node");
+  expect("2 nodes of 1 rank", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL, NULL);
   c.ranks_per_node = 8;
-  expect("2 nodes of 8 ranks", moe_ep_group_config_validate(&c, 16), BAD, "`ranks_per_node`",
-         "runs one node");
+  expect("2 nodes of 8 ranks", moe_ep_group_config_validate(&c, 16), MOE_EP_OK, NULL, NULL);
+  c.num_experts = 1024;
+  c.ranks_per_node = 1;
+  expect("128 nodes of 1 rank", moe_ep_group_config_validate(&c, 128), BAD, "`ranks_per_node`",
+         "at most 64 nodes");
+  c.num_experts = 256;
+  c.ranks_per_node = 4;
+  c.mode = MOE_EP_MODE_LOW_LATENCY;
+  expect("low latency over 2 nodes", moe_ep_group_config_validate(&c, 8), BAD, "`mode`",
+         "two-level");
+  c.mode = MOE_EP_MODE_HIGH_THROUGHPUT;
+  c.max_tokens_per_rank = 1 << 19;
+  expect("2^19 tokens over 4 nodes", moe_ep_group_config_validate(&c, 16), BAD,
+         "`max_tokens_per_rank`", "2^20");
+  c = good_config();
+  c.num_experts = 256;
   c.ranks_per_node = 0;
   expect("16 ranks on one node", moe_ep_group_config_validate(&c, 16), BAD, "`world`", NULL);
   c = good_config();
