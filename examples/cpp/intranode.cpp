@@ -199,7 +199,23 @@ RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *ho
     st = moe_ep_dispatch(group, s, h, &bad, &d);
     named = named && st == MOE_EP_ERR_INVALID_ARGUMENT &&
             std::strstr(moe_ep_last_error(), "`topk_weights`");
-    refused = named ? "short `x` and host `topk_weights` refused by name" : "FAILED: bad arguments accepted";
+    if (kRanksPerNode > 0 && kRanksPerNode < world) {
+      // A group of several nodes has no low-latency mode.
+      moe_ep_ll_dispatch_args_t lla = MOE_EP_LL_DISPATCH_ARGS_INIT;
+      lla.x = {d_x, kTokens * kHidden};
+      lla.topk_idx = {d_idx, kTokens * kTopk};
+      lla.topk_weights = {d_w, kTokens * kTopk};
+      lla.topk_idx_dtype = MOE_EP_DTYPE_I64;
+      lla.topk = kTopk;
+      moe_ep_ll_handle_t *lh = nullptr;
+      st = moe_ep_ll_dispatch(group, s, &lla, &lh);
+      named = named && st == MOE_EP_ERR_INVALID_ARGUMENT &&
+              std::strstr(moe_ep_last_error(), "`group`");
+    }
+    refused = !named ? "FAILED: bad arguments accepted"
+              : kRanksPerNode > 0 && kRanksPerNode < world
+                  ? "short `x`, host `topk_weights` and a low-latency dispatch refused by name"
+                  : "short `x` and host `topk_weights` refused by name";
     ok(moe_ep_handle_destroy(h), "moe_ep_handle_destroy");
     ok(moe_ep_group_check(group), "moe_ep_group_check");
   }
