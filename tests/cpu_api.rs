@@ -121,6 +121,69 @@ fn ranks_per_node_is_checked_by_name() {
     assert_eq!(arg_of(c.validate(8).unwrap_err()), "num_experts");
 }
 
+/// `TwoLevelGroup::validate`, the config checks of a world of several
+/// nodes that need no peer (what the C ABI's config check uses there): the
+/// world's nodes when good; one node, more than 64 nodes, the low-latency
+/// mode and a forward batch past 2^20 tokens refused by name, each with its
+/// own message, and every one-node field check still made.
+#[test]
+fn two_level_config_is_checked_by_name() {
+    use moe_ep::TwoLevelGroup;
+    let ok = GroupConfig::new(1024, 7168, 4096);
+    let with = |g: usize, f: &dyn Fn(&mut GroupConfig)| {
+        let mut c = ok.clone();
+        c.ranks_per_node = g;
+        f(&mut c);
+        c
+    };
+    for (g, world, nodes) in [
+        (1, 2, 2),
+        (2, 4, 2),
+        (4, 8, 2),
+        (2, 8, 4),
+        (8, 64, 8),
+        (8, 512, 64),
+    ] {
+        let t = TwoLevelGroup::validate(&with(g, &|_| {}), world).expect("a good world of nodes");
+        assert_eq!((t.nodes(), t.ranks_per_node()), (nodes, g), "{g} x {nodes}");
+    }
+    let refused = |c: GroupConfig, world: usize| {
+        let e = TwoLevelGroup::validate(&c, world).unwrap_err();
+        let msg = e.to_string();
+        (arg_of(e), msg)
+    };
+    let (arg, one) = refused(with(0, &|_| {}), 8);
+    assert_eq!(arg, "ranks_per_node");
+    assert!(one.contains("one node runs on EpGroup"), "{one}");
+    let (arg, many) = refused(with(1, &|_| {}), 128);
+    assert_eq!(arg, "ranks_per_node");
+    assert!(
+        many.contains("at most 64 nodes") && many.contains("128 nodes"),
+        "{many}"
+    );
+    let low_latency = |c: &mut GroupConfig| {
+        c.mode = Mode::LowLatency;
+        c.max_tokens_per_rank = 128; // within the mode's own bound
+    };
+    let (arg, ll) = refused(with(4, &low_latency), 8);
+    assert_eq!(arg, "mode");
+    assert!(ll.contains("no low-latency kernels"), "{ll}");
+    let (arg, big) = refused(with(4, &|c| c.max_tokens_per_rank = 1 << 19), 16);
+    assert_eq!(arg, "max_tokens_per_rank");
+    assert!(big.contains("2^20 / 4 nodes"), "{big}");
+    // 2^18 tokens over 4 nodes is exactly 2^20: accepted.
+    TwoLevelGroup::validate(&with(4, &|c| c.max_tokens_per_rank = 1 << 18), 16)
+        .expect("a forward batch of 2^20 tokens");
+    // The one-node checks come first, the same as EpGroup's.
+    assert_eq!(refused(with(3, &|_| {}), 8).0, "ranks_per_node");
+    assert_eq!(refused(with(4, &|c| c.hidden = 7170), 8).0, "hidden");
+    assert_eq!(
+        refused(with(4, &|c| c.num_experts = 12), 8).0,
+        "num_experts"
+    );
+    assert_eq!(refused(with(16, &|_| {}), 32).0, "ranks_per_node");
+}
+
 /// The low-latency mode is accepted with up to 1024 tokens per rank (any
 /// hidden a multiple of 8: fp8 needs a multiple of 128 only per call), and
 /// refuses the same bad fields as the high-throughput one; its buffers
