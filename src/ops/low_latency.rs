@@ -106,6 +106,7 @@ use super::abi::{
 };
 use super::buffers::{DeviceRegion, DeviceRegionMut, TopkIdx, ROW_ALIGN};
 use super::group::{EpGroup, GroupConfig};
+use super::layout::tokens_of_routing;
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, Module};
 use crate::symm::{SymmBuffer, SymmPool};
@@ -715,34 +716,10 @@ impl EpGroup {
         topk_weights: &dyn DeviceRegion<f32>,
         cast_fp8: Option<Fp8Scaling>,
     ) -> Result<(usize, SendCall)> {
-        let (h, m, e) = (
-            self.cfg.hidden,
-            self.cfg.max_tokens_per_rank,
-            self.cfg.num_experts,
-        );
-        if topk == 0 || topk > MAX_TOPK || topk > e {
-            return Err(Error::arg(
-                "topk",
-                format!("1..={MAX_TOPK} (and at most num_experts)"),
-                topk,
-            ));
-        }
+        let h = self.cfg.hidden;
+        // topk, then topk_idx's shape and tokens: the layout's checks.
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
-        if !idx_len.is_multiple_of(topk) {
-            return Err(Error::arg(
-                "topk_idx",
-                format!("[T, {topk}] (a multiple of {topk} elements)"),
-                format!("{idx_len} elements"),
-            ));
-        }
-        let t = idx_len / topk;
-        if t > m {
-            return Err(Error::arg(
-                "topk_idx",
-                format!("at most max_tokens_per_rank = {m} tokens"),
-                format!("{t} tokens"),
-            ));
-        }
+        let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         let idx_i64 = match topk_idx {
             TopkIdx::I32(b) => {
                 self.check_region("topk_idx", *b, t * topk, "[T, K] i32", 4)?;

@@ -322,6 +322,14 @@ fn time_ht_op<G: ExpertParallel>(
 }
 
 /// Every rank's top-k routing of a case (cheap: no token data).
+/// `--check`'s verdict of every rank (`None`: not checked): ok only if
+/// this rank's `ok` and every other rank's are (collective).
+fn all_ranks_ok(c: &Ctx<'_>, ok: Option<bool>) -> R<Option<bool>> {
+    let Some(ok) = ok else { return Ok(None) };
+    let all = c.comm.all_gather_host(&c.stream, &[ok as u8]).map_err(s)?;
+    Ok(Some(all.iter().all(|&v| v == 1)))
+}
+
 fn routings(case: &Case, shape: &Shape, seed: u64, world: usize) -> R<Vec<Vec<i64>>> {
     (0..world)
         .map(|r| match &case.routing {
@@ -707,13 +715,7 @@ fn run_case(
     } else {
         None
     };
-    let check = match &checked {
-        Some(ch) => {
-            let all = c.comm.all_gather_host(s_, &[ch.ok as u8]).map_err(s)?;
-            Some(all.iter().all(|&v| v == 1))
-        }
-        None => None,
-    };
+    let check = all_ranks_ok(c, checked.as_ref().map(|ch| ch.ok))?;
 
     let mut bufs = HtBufs {
         idx: &idxv,

@@ -27,8 +27,8 @@ use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::{bf16, GroupConfig, RecvLayout, Topology};
 
 use super::{
-    counts_and_capacity, gather, rank_input, routings, s, time_ht_op, upload, Ctx, HtBufs,
-    Measured, R,
+    all_ranks_ok, counts_and_capacity, gather, rank_input, routings, s, time_ht_op, upload, Ctx,
+    HtBufs, Measured, R,
 };
 use crate::cli::{Case, Op};
 use crate::report::{OpResult, RAIL_HOP};
@@ -132,13 +132,7 @@ pub(super) fn run_case(
     } else {
         None
     };
-    let check = match check {
-        Some(ok) => {
-            let all = c.comm.all_gather_host(s_, &[ok as u8]).map_err(s)?;
-            Some(all.iter().all(|&v| v == 1))
-        }
-        None => None,
-    };
+    let check = all_ranks_ok(c, check)?;
 
     let mut mine: Vec<Measured> = Vec::new();
     let mut net: Vec<u64> = Vec::new();
