@@ -12,7 +12,8 @@
 // token's experts there: the dispatch writes that beside the rows.)
 //
 // The layout runs cold between a model's other kernels, so its code is kept
-// small (error reports out of unrolled loops, the slot search rolled).
+// small (error reports out of unrolled loops, the slot search rolled but
+// for top-k rows of at most 8 ids in 16-byte vectors, MOE_EP_SCAN_VEC).
 //
 // Rust launcher: src/ops/layout.rs. Tests: tests/gpu_intranode.rs (every
 // case runs the layout; host_counts against the CPU reference), and the
@@ -35,6 +36,60 @@ __device__ __forceinline__ int expert_groups(int E) {
 constexpr int kRounds = 4096 / MOE_EP_SCAN_THREADS;
 static_assert(kRounds >= 1 && kRounds * MOE_EP_SCAN_THREADS == 4096, "scan threads");
 
+// MOE_EP_SCAN_VEC=1: where a token's K ids fill whole 16-byte vectors (K *
+// sizeof(Idx) a multiple of 16, at most kVecIds ids, topk_idx 16-byte
+// aligned), scan_bins loads them with 16-byte loads issued together, the
+// next round's before this round's ballots, instead of one scalar load per
+// slot in turn (the scan waits on each of those loads). The same slots
+// either way; the unrolled search over 8 ids makes the scan kernels' code
+// about 1.2x. 0: the scalar loop everywhere, today's code, kept to measure
+// one against the other (MOE_EP_KERNEL_DEFINES="MOE_EP_SCAN_VEC=0", see
+// build.rs).
+#ifndef MOE_EP_SCAN_VEC
+#define MOE_EP_SCAN_VEC 1
+#endif
+#if MOE_EP_SCAN_VEC
+// Ids held per token: top-8 in int64 (4 vectors) or int32 (2 vectors); the
+// slot search over them is unrolled, so more would grow the code.
+constexpr int kVecIds = 8;
+template <typename Idx>
+struct Vec16;  // 16 bytes of ids
+// in(v, c, lo, lim, off): is id c of v in [lo, lo + lim), its offset there
+// in off. 0 <= lo, lo + lim <= E < 2^31: 32-bit compares only.
+template <>
+struct Vec16<int> {
+  using T = int4;
+  MOE_EP_DEVICE static int4 none() { return make_int4(-1, -1, -1, -1); }
+  MOE_EP_DEVICE static bool in(const int4& v, int c, int lo, uint32_t lim, uint32_t& off) {
+    off = (uint32_t)(c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w) - (uint32_t)lo;
+    return off < lim;
+  }
+};
+template <>
+struct Vec16<long long> {
+  using T = longlong2;
+  MOE_EP_DEVICE static longlong2 none() { return make_longlong2(-1, -1); }
+  MOE_EP_DEVICE static bool in(const longlong2& v, int c, int lo, uint32_t lim, uint32_t& off) {
+    const unsigned long long x = (unsigned long long)(c == 0 ? v.x : v.y);
+    off = (uint32_t)x - (uint32_t)lo;
+    return (uint32_t)(x >> 32) == 0u && off < lim;
+  }
+};
+#endif
+
+// Slot k's value v (an id less lo) into sl: byte g = k when v is in bin g.
+// Called for k from K - 1 down to 0, so the lowest matching slot stays.
+template <int kBins>
+MOE_EP_DEVICE uint32_t take_slot(uint32_t sl, long v, int k, long width, int nbins) {
+  if (v >= 0 && v < width * nbins) {
+    // 0 <= v < width * nbins <= E: 32-bit arithmetic (a 64-bit
+    // division is a long software routine).
+    const int g = kBins == 1 ? 0 : (width == 1 ? (int)v : (int)v / (int)width);
+    sl = (sl & ~(0xffu << (8 * g))) | ((uint32_t)k << (8 * g));
+  }
+  return sl;
+}
+
 // Positions in token order of the tokens that hit each of kBins bins: bin g
 // holds the values [lo + g * width, lo + (g + 1) * width), g < nbins; a
 // token's slot in bin g is its first slot k with a value there. For every
@@ -50,28 +105,66 @@ __device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int
   __shared__ uint64_t scratch[33];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned below = (1u << lane) - 1u;
+#if MOE_EP_SCAN_VEC
+  using V = typename Vec16<Idx>::T;
+  constexpr int kPer = 16 / (int)sizeof(Idx), kVec = kVecIds / kPer;
+  const int nvec = K / kPer;
+  const uint32_t lim = (uint32_t)(width * nbins);
+  const bool vec = K * (int)sizeof(Idx) % 16 == 0 && K <= kVecIds &&
+                   (reinterpret_cast<uintptr_t>(idx) & 15) == 0;
+  // Token t's vectors into b (rows end on a vector: t * K * sizeof(Idx) is a
+  // multiple of 16); nothing read past the row or for t >= T. Round j's
+  // token is row j * 32 * nvec (vectors) from the chunk's first.
+  auto load = [&](V (&b)[kVec], const V* row, int t) {
+    if (t < T) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        if (i < nvec) b[i] = row[i];
+      }
+    }
+  };
+  // This round's and the next round's tokens; vectors past the row stay -1.
+  V buf[2][kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) buf[0][i] = buf[1][i] = Vec16<Idx>::none();
+#endif
   for (int t0 = 0; t0 < T; t0 += blockDim.x * kRounds) {
     const int tw = t0 + warp * 32 * kRounds;
     uint32_t slots[kRounds];  // byte g: the token's slot in bin g (0xff: none)
     uint32_t hits[kRounds][kBins];
     uint64_t mine = 0;        // the warp's hits per bin, lane 0's copy counted
+#if MOE_EP_SCAN_VEC
+    const V* row0 = reinterpret_cast<const V*>(idx + (size_t)(tw + lane) * K);
+    if (vec) load(buf[0], row0, tw + lane);
+#endif
 #pragma unroll
     for (int j = 0; j < kRounds; ++j) {
       const int t = tw + j * 32 + lane;
       uint32_t sl = 0xffffffffu;
+#if MOE_EP_SCAN_VEC
+      if (vec) {
+        if (j + 1 < kRounds) load(buf[(j + 1) & 1], row0 + (j + 1) * 32 * nvec, t + 32);
+        if (t < T) {
+          // Slots past K hold -1 (never loaded), in no bin: no k < K test.
+#pragma unroll
+          for (int k = kVecIds - 1; k >= 0; --k) {  // first matching slot wins
+            uint32_t v;
+            if (Vec16<Idx>::in(buf[j & 1][k / kPer], k % kPer, (int)lo, lim, v)) {
+              const int g = kBins == 1 ? 0 : (width == 1 ? (int)v : (int)(v / (uint32_t)width));
+              // Byte g of sl := k (take_slot's update, one 3-input logic op).
+              sl ^= (sl ^ (uint32_t)k * 0x01010101u) & (0xffu << (8 * g));
+            }
+          }
+        }
+      } else
+#endif
       if (t < T) {
         // Kept rolled: unrolled, this loop made the scan kernel's code 182 KB
         // instead of 104 KB, and cold code (other work fills the L2 between
         // layouts) costs more than the rolled loop.
 #pragma unroll 1
         for (int k = K - 1; k >= 0; --k) {  // first matching slot wins
-          const long v = (long)idx[(size_t)t * K + k] - lo;
-          if (v >= 0 && v < width * nbins) {
-            // 0 <= v < width * nbins <= E: 32-bit arithmetic (a 64-bit
-            // division is a long software routine).
-            const int g = kBins == 1 ? 0 : (width == 1 ? (int)v : (int)v / (int)width);
-            sl = (sl & ~(0xffu << (8 * g))) | ((uint32_t)k << (8 * g));
-          }
+          sl = take_slot<kBins>(sl, (long)idx[(size_t)t * K + k] - lo, k, width, nbins);
         }
       }
       slots[j] = sl;
