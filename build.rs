@@ -9,8 +9,10 @@
 //! `NCCL_HOME/include`, then `.toolchain/`, then `/usr/include`.
 //! `MOE_EP_KERNEL_DEFINES="NAME=VALUE ..."` passes macros to every kernel
 //! (the compile-time switches: `MOE_EP_PREFETCH`, documented in
-//! kernels-cuda/common.cuh, and `MOE_EP_EM_MIN_STAGES`, the expert-major
-//! combine's stage count, in kernels-cuda/combine_push.cu).
+//! kernels-cuda/common.cuh, `MOE_EP_EM_MIN_STAGES`, the expert-major
+//! combine's stage count, in kernels-cuda/combine_push.cu, and
+//! `MOE_EP_SCAN_VEC`, the layout scan's vector loads, in
+//! kernels-cuda/layout.cu).
 
 use std::env;
 use std::fmt::Write as _;

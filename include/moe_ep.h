@@ -382,7 +382,9 @@ moe_ep_status_t moe_ep_comm_destroy(moe_ep_comm_t *comm);
 moe_ep_status_t moe_ep_comm_rank(const moe_ep_comm_t *comm, int *out);
 moe_ep_status_t moe_ep_comm_world(const moe_ep_comm_t *comm, int *out);
 /* The most SMs a group of `num_experts` may ask for on this communicator
- * (virtual ranks share one GPU's SMs). */
+ * (virtual ranks share one GPU's SMs). A group of several nodes
+ * (`ranks_per_node`) whose ranks share a GPU takes one fewer: its combine's
+ * network hop waits with one block per rank beside the node combine. */
 moe_ep_status_t moe_ep_comm_max_sms(const moe_ep_comm_t *comm, uint64_t num_experts, uint32_t *out);
 /* Unblocks pending NCCL calls; groups on it then refuse work. Never aborts a
  * borrowed NCCL communicator. */

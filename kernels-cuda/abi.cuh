@@ -94,6 +94,7 @@
 #define MOE_EP_CTR_LL_DISPATCH 7   // low-latency dispatch: a sender block's rows (LlSignal)
 #define MOE_EP_CTR_LL_COMBINE 8    // low-latency combine: an expert rank block's rows home
 #define MOE_EP_CTR_HOP_ARRIVAL 9   // two-level dispatch: a chunk of the network hop (peer: its sender)
+#define MOE_EP_CTR_HOP_DEPARTURE 10  // two-level combine: a chunk of the node combine's rows before the hop (peer: where it goes)
 
 // Written by kernels into host-mapped pinned memory; read by the host at the
 // next call. 64 bytes.
@@ -275,6 +276,13 @@ struct CombineParams {
   // (MOE_EP_DESC_PUSHED: pushed, 0: none). Checked before any peer's rows
   // are read or awaited, so ranks that disagree stop with an error.
   uint64_t desc[MOE_EP_DESC_WORDS];
+  // Progress of the home rows (the two-level combine's network hop starts
+  // on a chunk of them while the rest are summed; null: not counted): once
+  // a warp has stored vectors of home row t, it adds how many to
+  // done[done_of[t]] (done_of[t] < 0: not counted), after a GPU-scope
+  // fence. A chunk of n rows is complete at n * hidden / 8.
+  unsigned long long* done;
+  const int32_t* done_of;
 };
 
 // ---- low-latency mode (low_latency.cu, src/ops/low_latency.rs) ----
@@ -371,7 +379,7 @@ static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
 static_assert(sizeof(OpCommon) == 240, "OpCommon");
 static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
 static_assert(sizeof(DispatchParams) == 672, "DispatchParams");
-static_assert(sizeof(CombineParams) == 472, "CombineParams");
+static_assert(sizeof(CombineParams) == 488, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 248, "LlBufs");
 static_assert(sizeof(LlParams) == 568, "LlParams");
@@ -425,6 +433,26 @@ static_assert(offsetof(TwoLevelParams, src_in) == 128 &&
                   offsetof(TwoLevelParams, origin_rows) == 492,
               "TwoLevelParams offsets");
 
+// moe_ep_two_level_wait_chunks (two_level.cu): the two-level combine's hop
+// stream waits, before one round of its hop, until every chunk it sends in
+// that round is complete: done[chunk[i]] >= need[i] for i < count (the
+// counters CombineParams::done of the node combine running beside it).
+// op: the node group's (its error sink, timeout and rank); a chunk not
+// complete within the timeout is MOE_EP_CTR_HOP_DEPARTURE, naming peer[i],
+// the rail peer it goes to.
+struct ChunkWaitParams {
+  OpCommon op;
+  const unsigned long long* done;
+  int32_t count, _pad;
+  int32_t chunk[MOE_EP_MAX_NODES];
+  int32_t peer[MOE_EP_MAX_NODES];
+  uint64_t need[MOE_EP_MAX_NODES];
+};
+static_assert(sizeof(ChunkWaitParams) == 1280, "ChunkWaitParams");
+static_assert(offsetof(ChunkWaitParams, done) == 240 && offsetof(ChunkWaitParams, chunk) == 256 &&
+                  offsetof(ChunkWaitParams, need) == 768,
+              "ChunkWaitParams offsets");
+
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&
@@ -443,5 +471,5 @@ static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, sca
 static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
                   offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&
                   offsetof(CombineParams, num_chunks) == 408 &&
-                  offsetof(CombineParams, desc) == 416,
+                  offsetof(CombineParams, desc) == 416 && offsetof(CombineParams, done) == 472,
               "CombineParams offsets");

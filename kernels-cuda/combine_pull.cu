@@ -88,6 +88,7 @@ __device__ void combine_pull(const CombineParams& p) {
   int it = claimed ? claims.next(lane) : gw;
   int row = row_of(it);  // looked up while the handshake waits
   if (!handshake(2 * seq + 1, true)) return;
+  unsigned long long done = 0;  // the warp's pending progress (done_add)
   while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
     const int it_next = claimed ? claims.next(lane) : it + nw;
@@ -118,9 +119,11 @@ __device__ void combine_pull(const CombineParams& p) {
       }
     }
     sum_ranks_store<kMaxR, kV>(v, rows, R, out, t, n16, first, lim, lane);
+    done_add(p, done, t, lim - first);
     it = it_next;
     row = row_next;
   }
+  done_flush(p, done);
   handshake(2 * seq + 2, false);
 }
 

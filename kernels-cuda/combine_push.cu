@@ -125,6 +125,10 @@ __device__ void combine_push(const CombineParams& p) {
   // Expert-major stages: copies landed (one arrival: the producer's), and
   // read (one arrival per consumer warp).
   __shared__ uint64_t s_em_full[kExpertMajor ? kEmStages : 1], s_em_empty[kExpertMajor ? kEmStages : 1];
+  // Each warp's pending progress (done_add), in shared memory: in registers
+  // it made some of these kernels spill.
+  __shared__ unsigned long long s_done[kWarps];
+  if (threadIdx.x < kWarps) s_done[threadIdx.x] = 0ull;
   if (!kExpertMajor && threadIdx.x < MOE_EP_BULK_BUFS) {
     mbar_init(&s_bar[threadIdx.x], 1);
     fence_mbar_init();
@@ -406,7 +410,8 @@ __device__ void combine_push(const CombineParams& p) {
         int st;
         if (!take(&st)) return;
         const EmItem& h = s_hdr[st];
-        for (int x = h.first + ct; x < h.lim; x += kNC * 32) {
+        int stored = 0;  // this thread's vectors of the item (done_add)
+        for (int x = h.first + ct; x < h.lim; x += kNC * 32, ++stored) {
           float own[8];
           stage_sum(st, h, x, own);
           float acc[8];
@@ -420,6 +425,7 @@ __device__ void combine_push(const CombineParams& p) {
           }
           st_na_v4(out + (size_t)h.t * n16 + x, pack_v4(acc));
         }
+        if (p.done != nullptr) done_add(p, s_done[warp], h.t, __reduce_add_sync(0xffffffffu, stored));
         // Weight gradients: what the header holds is read now, the loads
         // wait until the stage is given back.
         const bool g_mine = grad_turn(h);
@@ -443,6 +449,7 @@ __device__ void combine_push(const CombineParams& p) {
           p.grad_w_out[(size_t)g_t * K + lane] = g;
         }
       }
+      done_flush(p, s_done[warp]);
     }
     return;
   }
@@ -518,6 +525,7 @@ __device__ void combine_push(const CombineParams& p) {
           }
           sum_ranks_store<kMaxR, kHome>(v, slots, R, out, t, n16, base, lim, lane);
         }
+        done_add<true>(p, s_done[warp], t, lim - first);
         if (kGradW && piece == 0 && lane < K) {
           const int e = p.op.bufs.topk[(size_t)t * K + lane];
           float g = 0.f;
@@ -531,6 +539,7 @@ __device__ void combine_push(const CombineParams& p) {
         }
         pos = pos_next;
       }
+      done_flush(p, s_done[warp]);
     };
 
     // Rank-major without weight gradients: pusher + summers. With them (the

@@ -55,8 +55,8 @@ MOE_EP_DEVICE void st_na_v4(int4* p, int4 v) {
 
 // Asks L2 to fetch [p, p + bytes) now (bytes: a multiple of 16, p 16-byte
 // aligned); no registers held, no completion to wait for.
-// MOE_EP_PREFETCH=0 turns every such hint off: the one compile-time switch
-// kept (MOE_EP_KERNEL_DEFINES="MOE_EP_PREFETCH=0", see build.rs), because
+// MOE_EP_PREFETCH=0 turns every such hint off: a compile-time switch kept
+// (MOE_EP_KERNEL_DEFINES="MOE_EP_PREFETCH=0", see build.rs), because
 // its measurements disagree (docs/perf-log/2026-11-30.md: no clear change
 // up to a9cf28f; at d9131bf, dispatch without it 204 / 214 / 199 µs against
 // 190 / 221 / 205 at 16 / 24 / 32 SMs), so the variant is still worth

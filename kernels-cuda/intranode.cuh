@@ -236,6 +236,60 @@ __device__ __forceinline__ int4 pack_v4(const float (&acc)[8]) {
   return v;
 }
 
+// The two-level combine's progress (CombineParams::done), per warp:
+// done_add(st, t, n) once the warp has stored n vectors of home row t (t
+// and n warp-uniform; every lane calls), done_flush(st) when the warp is
+// done with its items (every lane calls). st is the warp's pending count,
+// lane 0's: (chunk + 1) << 32 | vectors, 0 for none (a register, or a
+// shared word where registers are short). A warp's count for a chunk goes
+// out when its rows move to another chunk or at the flush, not per row:
+// the rows of a chunk are the same few counters for every warp, and an
+// atomic per item there cost the expert-major combine 17% at 4096 tokens
+// (2026-12-02, BENCHMARKS.md). Before the count, the warp's stores (ordered
+// by the warp barrier) are made visible at GPU scope: what reads them is on
+// this GPU (the hop stream's wait kernel acquires the count; the hop after
+// it in stream order reads the rows). A chunk holds at most 2^30 vectors
+// (the launcher's bound), so the count fits the low word.
+__device__ __forceinline__ void done_flush_body(const CombineParams& p, unsigned long long& st) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0 && st != 0ull) {
+    __threadfence();
+    atomicAdd(p.done + ((int)(st >> 32) - 1), st & 0xffffffffull);
+    st = 0ull;
+  }
+}
+__device__ __forceinline__ void done_add_body(const CombineParams& p, unsigned long long& st, int t,
+                                              int vecs) {
+  const int c = p.done_of[t];
+  // Lane 0's state decides for the warp (the flush syncs the warp).
+  const bool moved = (threadIdx.x & 31) == 0 && st != 0ull && (int)(st >> 32) - 1 != c;
+  if (__shfl_sync(0xffffffffu, (int)moved, 0) != 0) done_flush_body(p, st);
+  if ((threadIdx.x & 31) == 0 && c >= 0) {
+    st = ((unsigned long long)(c + 1) << 32) | ((st & 0xffffffffull) + (unsigned long long)vecs);
+  }
+}
+__device__ __noinline__ void done_add_call(const CombineParams& p, unsigned long long& st, int t,
+                                           int vecs) {
+  done_add_body(p, st, t, vecs);
+}
+// kCall: out of line. Inlined, the hook made the pushed rank-major combine
+// at 4 ranks spill; out of line, the expert-major ones (which run at the
+// 64-register bound) spilled around the call. Each kernel takes the form
+// that costs it no spill (ptxas -v, 2026-12-02).
+template <bool kCall = false>
+__device__ __forceinline__ void done_add(const CombineParams& p, unsigned long long& st, int t,
+                                         int vecs) {
+  if (p.done == nullptr) return;
+  if (kCall) {
+    done_add_call(p, st, t, vecs);
+  } else {
+    done_add_body(p, st, t, vecs);
+  }
+}
+__device__ __forceinline__ void done_flush(const CombineParams& p, unsigned long long& st) {
+  if (p.done != nullptr) done_flush_body(p, st);
+}
+
 // Row t's vectors base + j * 32 + lane (< lim): every present rank's vector
 // j of v (rank d present when have[d] >= 0) summed in f32 in ascending rank
 // order, stored as bf16. The one reduction order of every combine path

@@ -1,7 +1,8 @@
 // The two-level (inter-node) path's own kernels: the node streams of a home
 // rank's tokens, the packing of its rows into its forward batch and its send
 // range, the home's sum over nodes and the weight gradients' gather in
-// combine's direction, and the received rows' sources. The forwarding inside
+// combine's direction, the received rows' sources, and the wait of the
+// combine's hop for each chunk of the node combine's rows. The forwarding inside
 // a node is the NVLink path's kernels on the node's group; the network hop
 // between rail peers is src/ops/rail_hop.rs.
 //
@@ -187,6 +188,21 @@ extern "C" __global__ void moe_ep_two_level_gather_w(const __grid_constant__ Two
     }
     p.out_w[i] = g;
   }
+}
+
+// One round of the combine's network hop waits here, on the hop stream,
+// while the node group's combine runs on the op stream: thread i < count
+// until chunk chunk[i] of the combine's rows is complete (its counter at
+// need[i], ChunkWaitParams). Bounded: the node group's timeout, or its
+// error word once any of its kernels reported (the launcher also sets
+// every counter past any need once the combine kernel has ended, so a
+// combine that stopped early never holds the hop until the timeout).
+extern "C" __global__ void moe_ep_two_level_wait_chunks(const __grid_constant__ ChunkWaitParams p) {
+  const int i = threadIdx.x;
+  if (i >= p.count) return;
+  const ErrSink err = ws_of(p.op).err(p.op.error, p.op.rank);
+  wait_at_least(reinterpret_cast<const uint64_t*>(p.done) + p.chunk[i], p.need[i], p.op.timeout_ns,
+                err, p.op.rank, p.peer[i], MOE_EP_CTR_HOP_DEPARTURE);
 }
 
 // The received rows' sources: the node group's dispatch gives (forwarding

@@ -73,7 +73,7 @@ enum Route {
 struct Run {
     case: Case,
     route: Route,
-    /// Rows per chunk of dispatch's hop (`TwoLevelGroup::with_hop_chunk_rows`).
+    /// Rows per chunk of the hop (`TwoLevelGroup::with_hop_chunk_rows`).
     chunk_rows: usize,
 }
 
@@ -679,13 +679,14 @@ fn bad_expert_id_is_refused_on_every_rank() {
     }
 }
 
-/// Dispatch's hop one row per chunk (every row its own arrival flag, the
-/// most rounds) and in one chunk per stream (one flag per rail peer), in
-/// both layouts: the same results as the table's default chunks.
+/// Every op's hop one row per chunk (every row its own arrival flag and
+/// progress counter, the most rounds), in chunks of 16 rows, and in one
+/// chunk per stream (one flag and counter per rail peer), in both layouts:
+/// the same results as the table's default chunks.
 #[test]
 fn hop_in_single_rows_and_in_one_chunk() {
     let c = case(127, 2048, 8, 64, Routing::Uniform);
-    for chunk_rows in [1, 4096] {
+    for chunk_rows in [1, 16, 4096] {
         for layout in LAYOUTS {
             run_at_nodes(
                 &format!("hop_in_single_rows_and_in_one_chunk::{chunk_rows}::{layout:?}"),
@@ -701,8 +702,9 @@ fn hop_in_single_rows_and_in_one_chunk() {
     }
 }
 
-/// A hop chunk of 0 rows, and chunk rows that differ between ranks, are
-/// refused by name on every rank.
+/// A hop chunk of 0 rows, one past the progress counters' 2^30 vectors,
+/// and chunk rows that differ between ranks, are refused by name on every
+/// rank.
 #[test]
 fn bad_hop_chunk_rows_are_refused_by_name() {
     let test = "bad_hop_chunk_rows_are_refused_by_name";
@@ -719,6 +721,20 @@ fn bad_hop_chunk_rows_are_refused_by_name() {
                 other => {
                     return Err(Error::InvalidState(format!(
                         "hop_chunk_rows 0: expected an error naming hop_chunk_rows, got {:?}",
+                        other.err()
+                    )))
+                }
+            }
+            // Hidden 512: 64 vectors a row, so 2^24 rows fill 2^30.
+            match TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg.clone(), (1 << 24) + 1) {
+                Err(Error::InvalidArgument {
+                    arg: "hop_chunk_rows",
+                    ..
+                }) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "hop_chunk_rows 2^24 + 1 at hidden 512: expected an error naming \
+                         hop_chunk_rows, got {:?}",
                         other.err()
                     )))
                 }
@@ -740,9 +756,10 @@ fn bad_hop_chunk_rows_are_refused_by_name() {
     }
 }
 
-/// Bad configurations are refused by name before any collective step: one
-/// node (EpGroup's), a world that is not a multiple of `ranks_per_node`,
-/// low-latency mode. (More than 8 ranks per node needs a world of 16; the
+/// Bad configurations are refused by name on every rank: one node
+/// (EpGroup's), a world that is not a multiple of `ranks_per_node`,
+/// low-latency mode (these before any collective step), and (ranks sharing
+/// a GPU) a `num_sms` that leaves no block for combine's hop. (More than 8 ranks per node needs a world of 16; the
 /// check is `GroupConfig`'s, tested on the CPU in `tests/cpu_api.rs`.)
 #[test]
 fn bad_configurations_are_refused_by_name() {
@@ -772,6 +789,22 @@ fn bad_configurations_are_refused_by_name() {
             refused(r.world, false, "ranks_per_node", "one node runs on EpGroup")?;
             refused(r.world + 1, false, "ranks_per_node", "divisor")?;
             refused(1, true, "mode", "HighThroughput")?;
+            // Ranks on one GPU: combine's hop needs one block per rank
+            // beside the node combine's, so the most that fit is refused.
+            if r.comm.ranks_per_gpu() > 1 {
+                let mut cfg = base.clone();
+                cfg.ranks_per_node = 1;
+                cfg.num_sms = moe_ep::ops::residency(&r.comm, 64 / r.world)?.max_blocks_per_rank();
+                match TwoLevelGroup::new(&r.comm, cfg) {
+                    Err(Error::InvalidArgument { arg: "num_sms", .. }) => {}
+                    other => {
+                        return Err(Error::InvalidState(format!(
+                            "num_sms at the residency limit: expected an error naming num_sms, got {:?}",
+                            other.err()
+                        )))
+                    }
+                }
+            }
             Ok(())
         });
     }

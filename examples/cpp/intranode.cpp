@@ -155,6 +155,8 @@ RankResult run_rank(moe_ep_comm_t *comm, int device, cudaStream_t s, Barrier *ho
   cfg.ranks_per_node = uint64_t(kRanksPerNode);
   uint32_t fit = 0;  // ranks that share a GPU must all fit on it at once
   ok(moe_ep_comm_max_sms(comm, kExperts, &fit), "moe_ep_comm_max_sms");
+  // Several nodes on one GPU: one block per rank is combine's hop's.
+  if (kRanksPerNode > 0 && kRanksPerNode < world && fit <= 24 && fit > 1) fit -= 1;
   cfg.num_sms = std::min<uint32_t>(24, fit);
 
   // Every allocation before the group exists (the group's barrier orders the

@@ -119,6 +119,7 @@ pub fn counter_name(c: i32) -> &'static str {
         7 => "low-latency dispatch",
         8 => "low-latency combine",
         9 => "network hop arrival",
+        10 => "network hop departure (the node combine's chunk)",
         _ => "unknown",
     }
 }
@@ -266,6 +267,11 @@ pub struct CombineParams {
     /// pushed), where `grad_w_in` lies when read in place
     /// ([`desc::PUSHED`]: pushed, 0: none).
     pub desc: [u64; DESC_WORDS],
+    /// The two-level combine's progress counters (0: not counted): a warp
+    /// that stored vectors of home row `t` adds how many to
+    /// `done[done_of[t]]` (`done_of[t] < 0`: not counted).
+    pub done: u64,
+    pub done_of: u64,
 }
 
 /// Buffer sets of a low-latency group (`MOE_EP_LL_SETS`).
@@ -492,6 +498,22 @@ impl Default for TwoLevelParams {
     }
 }
 
+/// `moe_ep_two_level_wait_chunks`: one round of the two-level combine's
+/// hop waits until `done[chunk[i]] >= need[i]` for `i < count` (the node
+/// combine's [`CombineParams::done`]); `op` is the node group's (error
+/// sink, timeout, rank), `peer[i]` the rail peer chunk `i` goes to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkWaitParams {
+    pub op: OpCommon,
+    pub done: u64,
+    pub count: i32,
+    pub _pad: i32,
+    pub chunk: [i32; MAX_NODES],
+    pub peer: [i32; MAX_NODES],
+    pub need: [u64; MAX_NODES],
+}
+
 // The same numbers abi.cuh static_asserts.
 const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
@@ -500,11 +522,12 @@ const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
 const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 672);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 472);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 488);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
 const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
 const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 496);
+const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1280);
 
 #[cfg(test)]
 mod tests {
@@ -536,6 +559,10 @@ mod tests {
         assert_eq!(offset_of!(CombineParams, gw_peers), 344);
         assert_eq!(offset_of!(CombineParams, num_chunks), 408);
         assert_eq!(offset_of!(CombineParams, desc), 416);
+        assert_eq!(offset_of!(CombineParams, done), 472);
+        assert_eq!(offset_of!(ChunkWaitParams, done), 240);
+        assert_eq!(offset_of!(ChunkWaitParams, chunk), 256);
+        assert_eq!(offset_of!(ChunkWaitParams, need), 768);
         assert_eq!(offset_of!(LlBufs, local), 64);
         assert_eq!(offset_of!(LlBufs, sig_dispatch), 88);
         assert_eq!(offset_of!(LlBufs, em_x), 152);
@@ -594,6 +621,11 @@ mod tests {
         assert_eq!(counter_name(8), "low-latency combine");
         assert_eq!(define("MOE_EP_CTR_HOP_ARRIVAL"), "9");
         assert_eq!(counter_name(9), "network hop arrival");
+        assert_eq!(define("MOE_EP_CTR_HOP_DEPARTURE"), "10");
+        assert_eq!(
+            counter_name(10),
+            "network hop departure (the node combine's chunk)"
+        );
         assert_eq!(define("MOE_EP_FIELD_PAYLOAD"), FIELD_PAYLOAD.to_string());
         assert_eq!(define("MOE_EP_FIELD_OP"), desc::FIELD_OP.to_string());
         assert_eq!(define("MOE_EP_DESC_WORDS"), DESC_WORDS.to_string());

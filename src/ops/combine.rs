@@ -31,6 +31,18 @@ struct PullPeers {
     grad_w: Option<(Peers, u64)>,
 }
 
+/// Where a combine counts its finished home rows (device addresses; the
+/// two-level path's node combine, whose network hop sends each chunk of
+/// them as soon as it is complete): a warp that stored `n` vectors of home
+/// row `t` adds `n` to the `u64` at `done + 8 * done_of[t]` (`done_of`:
+/// `[T]` i32, -1 for rows not counted). A chunk of `r` rows is complete at
+/// `r * hidden / 8`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Progress {
+    pub done: u64,
+    pub done_of: u64,
+}
+
 /// One combine-kernel launch: device addresses, local.
 struct CombineCall {
     /// `[recv_capacity, H]` bf16 partial rows in the handle's layout.
@@ -47,6 +59,8 @@ struct CombineCall {
     pull: Option<PullPeers>,
     /// The dispatch backward (a combine of the gradient).
     dispatch_bwd: bool,
+    /// Counting of the finished home rows, when asked for.
+    progress: Option<Progress>,
 }
 
 impl EpGroup {
@@ -139,6 +153,8 @@ impl EpGroup {
             num_chunks: self.cfg.combine_chunks as i32,
             _pad: 0,
             desc: d,
+            done: call.progress.map_or(0, |q| q.done),
+            done_of: call.progress.map_or(0, |q| q.done_of),
         };
         // NOTE: every combine kernel launches with the pushed rank-major
         // ring's shared memory, as the one combine kernel did before the
@@ -175,6 +191,21 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
+        self.combine_counting(stream, handle, expert_out, weights, out, None)
+    }
+
+    /// [`EpGroup::combine`] that counts its finished home rows into
+    /// `progress` (the two-level path's node combine); `None` is a plain
+    /// combine.
+    pub(crate) fn combine_counting(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        expert_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &mut dyn DeviceRegionMut<bf16>,
+        progress: Option<Progress>,
+    ) -> Result<()> {
         let _turn = self.enter("moe_ep::combine", stream, handle)?;
         Self::check_meta(handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
@@ -207,6 +238,7 @@ impl EpGroup {
                 grad_w: None,
                 pull,
                 dispatch_bwd: false,
+                progress,
             },
         )
     }
@@ -225,6 +257,30 @@ impl EpGroup {
         grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
         grad_tokens: &mut dyn DeviceRegionMut<bf16>,
         grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+    ) -> Result<()> {
+        self.dispatch_backward_counting(
+            stream,
+            handle,
+            grad_recv_tokens,
+            grad_recv_topk_weights,
+            grad_tokens,
+            grad_topk_weights,
+            None,
+        )
+    }
+
+    /// [`EpGroup::dispatch_backward`] that counts its finished home rows
+    /// (of `grad_tokens`) into `progress`, as [`EpGroup::combine_counting`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dispatch_backward_counting(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_recv_tokens: &dyn DeviceRegion<bf16>,
+        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
+        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
+        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        progress: Option<Progress>,
     ) -> Result<()> {
         let _turn = self.enter("moe_ep::dispatch_backward", stream, handle)?;
         Self::check_meta(handle)?;
@@ -281,6 +337,7 @@ impl EpGroup {
                 grad_w,
                 pull,
                 dispatch_bwd: true,
+                progress,
             },
         )
     }

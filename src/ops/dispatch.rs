@@ -208,6 +208,21 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
     ) -> Result<RecvBuf<'a, bf16>> {
+        self.combine_backward_arriving(stream, handle, grad_out, weights, grad_expert_out, None)
+    }
+
+    /// [`EpGroup::combine_backward`] of a gradient whose rows land in
+    /// `grad_out` while the kernel runs (`arrival`, as for
+    /// [`EpGroup::dispatch_arriving`]); `None` is a plain combine backward.
+    pub(crate) fn combine_backward_arriving<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
+        arrival: Option<&Arrival>,
+    ) -> Result<RecvBuf<'a, bf16>> {
         let _turn = self.enter("moe_ep::combine_backward", stream, handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         self.check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
@@ -239,7 +254,7 @@ impl EpGroup {
             grad_out.device_ptr(),
             recv_x,
             Rows::Gradient { scale_w },
-            None,
+            arrival,
         )?;
         Ok(out)
     }

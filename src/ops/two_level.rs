@@ -32,18 +32,23 @@
 //! and the unit tests below (each rank's rows against the reference's
 //! forward batches and traffic, on the CPU).
 //!
-//! Dispatch's hop runs in chunks of [`TwoLevelGroup::hop_chunk_rows`] rows
-//! on a stream of its own, overlapped with the forwarding: the node group's
-//! dispatch starts at once and each of its warps waits (bounded) for the
-//! chunk of the row it takes, which the hop stream flags once the chunk's
-//! rows and weights have landed (a stream-ordered memset, after the
-//! chunk's receive). The other ops send everything, then go on.
+//! Every op's hop runs in chunks of [`TwoLevelGroup::hop_chunk_rows`] rows
+//! on a stream of its own, overlapped with the node's NVLink work:
+//! - dispatch and combine backward (towards the experts): the node group's
+//!   op starts at once and each of its warps waits (bounded) for the chunk
+//!   of the row it takes, which the hop stream flags once the chunk has
+//!   landed (a stream-ordered memset, after the chunk's receive);
+//! - combine and dispatch backward (home): the node group's combine counts
+//!   the vectors it has written of each chunk of its rows, and each round
+//!   of the hop waits on the hop stream (`moe_ep_two_level_wait_chunks`,
+//!   one block, bounded) until its chunks are complete, then sends them.
+//!   So that every rank's blocks stay resident together where ranks share
+//!   a GPU, `num_sms` leaves room for that one block per rank.
 //!
 //! A world of several nodes runs on this type;
 //! [`ExpertParallel`](super::ExpertParallel) gives it and [`EpGroup`] one
 //! set of ops, and the C ABI's `moe_ep_group_create` makes either from the
 //! config (src/capi.rs).
-//! Not built yet: the chunked overlap in combine and the backward passes.
 
 use std::sync::Arc;
 
@@ -51,10 +56,11 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use half::bf16;
 
-use super::abi::{TwoLevelParams, MAX_NODES};
+use super::abi::{ChunkWaitParams, TwoLevelParams, MAX_NODES};
 use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx, ROW_ALIGN,
 };
+use super::combine::Progress;
 use super::dispatch::Arrival;
 use super::group::{EpGroup, GroupConfig, Mode};
 use super::handle::Handle;
@@ -76,6 +82,7 @@ struct Kernels {
     node_sum: Function,
     gather_w: Function,
     remap_src: Function,
+    wait_chunks: Function,
 }
 
 impl Kernels {
@@ -90,6 +97,7 @@ impl Kernels {
             node_sum: m.function("moe_ep_two_level_node_sum")?,
             gather_w: m.function("moe_ep_two_level_gather_w")?,
             remap_src: m.function("moe_ep_two_level_remap_src")?,
+            wait_chunks: m.function("moe_ep_two_level_wait_chunks")?,
         })
     }
 }
@@ -99,10 +107,14 @@ const STREAM_THREADS: u32 = 1024;
 /// Threads of every other two-level kernel.
 const THREADS: u32 = 256;
 
-/// Rows per chunk of dispatch's network hop unless
-/// [`TwoLevelGroup::with_hop_chunk_rows`] says otherwise: 128 rows of hidden
-/// 7168 are 1.8 MB of bf16 per chunk and rail peer.
-pub const DEFAULT_HOP_CHUNK_ROWS: usize = 128;
+/// Rows per chunk of the network hop unless
+/// [`TwoLevelGroup::with_hop_chunk_rows`] says otherwise. 512 rows of hidden
+/// 7168 are 7.3 MB of bf16 per chunk and rail peer, 147 µs at a 400 Gb/s
+/// NIC's line rate, against a fixed cost per round of the hop: on one H200
+/// at 2 virtual nodes x 2 ranks, 4096 tokens (2026-12-02, BENCHMARKS.md),
+/// 17-22 µs per round (host rounds of the virtual hop; dispatch 1483 µs in
+/// chunks of 128 rows, 921 in chunks of 512, 797 in one chunk).
+pub const DEFAULT_HOP_CHUNK_ROWS: usize = 512;
 
 /// A grid of `THREADS`-thread blocks for `items` items of `per_block` each.
 fn grid(items: usize, per_block: usize) -> u32 {
@@ -131,17 +143,20 @@ pub struct TwoLevelGroup {
     k: Kernels,
     /// This group's number in the process (handles remember it).
     id: u64,
-    /// Rows per chunk of dispatch's hop.
+    /// Rows per chunk of the hop.
     chunk_rows: usize,
-    /// Dispatch's hop, chunk by chunk (the op stream's node dispatch runs
-    /// beside it).
+    /// The hop, chunk by chunk (the op stream's node op runs beside it).
     hop_stream: Arc<CudaStream>,
-    /// One arrival flag per chunk a dispatch can receive (its remote
-    /// segments in node order, each in chunks): the call's epoch once the
-    /// chunk has landed.
+    /// One arrival flag per chunk a dispatch (or combine backward) can
+    /// receive (its remote segments in node order, each in chunks): the
+    /// call's epoch once the chunk has landed.
     arrive: CudaSlice<u64>,
-    /// The last dispatch's epoch.
+    /// The last epoch of the arrival flags (dispatch, combine backward).
     epoch: std::sync::atomic::AtomicU64,
+    /// One counter per chunk a combine sends (its remote segments in node
+    /// order, each in chunks, as `arrive`): the vectors of the chunk's rows
+    /// the node combine has written (`Progress`), zeroed per call.
+    done: CudaSlice<u64>,
     /// One op at a time: an op's hop rounds are collective steps that the
     /// ranks pair in order, and its chunks share the hop stream and flags.
     turn: std::sync::Mutex<()>,
@@ -174,8 +189,9 @@ fn chunk_range(len: usize, c: usize, rows: usize) -> std::ops::Range<usize> {
     lo..(lo + rows).min(len)
 }
 
-/// Dispatch's hop in chunks of the group's `chunk_rows` rows: round `c`
-/// moves chunk `c` of every stream and segment ([`chunk_range`]).
+/// The hop in chunks of the group's `chunk_rows` rows: round `c` moves
+/// chunk `c` of every stream and segment ([`chunk_range`]), in either
+/// direction.
 struct Chunks {
     /// Rounds: the longest stream between any two rail peers, in chunks
     /// (the same on every rank: every rank makes each round's exchange).
@@ -183,8 +199,9 @@ struct Chunks {
     /// First arrival flag of each node's segment here (remote nodes; its
     /// chunk `c` is flag `first[m] + c`).
     first: Vec<usize>,
-    /// `[fwd_rows]` each forward row's flag (-1: this rank's own rows),
-    /// then `[flags]` each flag's sending rank.
+    /// `[fwd_rows]` each forward row's chunk (its arrival flag and its
+    /// combine progress counter; -1: this rank's own rows), then `[flags]`
+    /// each chunk's rail peer.
     table: CudaSlice<i32>,
 }
 
@@ -271,7 +288,7 @@ pub struct TwoLevelHandle {
     origin: SymmBuffer<i32>,
     /// Rows the node group's dispatch delivers here.
     received: usize,
-    /// Dispatch's hop in chunks.
+    /// The hop in chunks (every op).
     chunks: Chunks,
     group: u64,
 }
@@ -326,11 +343,16 @@ impl TwoLevelGroup {
         Self::with_hop_chunk_rows(comm, cfg, DEFAULT_HOP_CHUNK_ROWS)
     }
 
-    /// [`TwoLevelGroup::new`] with dispatch's network hop in chunks of
+    /// [`TwoLevelGroup::new`] with every op's network hop in chunks of
     /// `hop_chunk_rows` rows (at least 1, the same on every rank: an error
     /// names `hop_chunk_rows` otherwise). Smaller chunks start the
-    /// forwarding sooner and cost more transfers (and, on a virtual world,
-    /// more host rounds).
+    /// forwarding (and the return of combine's partials) sooner and cost
+    /// more transfers (and, on a virtual world, more host rounds).
+    ///
+    /// Where the ranks share one GPU (a virtual world), `num_sms` must
+    /// leave one block per rank for combine's hop: at most
+    /// [`residency`](super::residency)'s `max_blocks_per_rank() - 1`;
+    /// an error names `num_sms` otherwise.
     pub fn with_hop_chunk_rows(
         comm: &Arc<Communicator>,
         cfg: GroupConfig,
@@ -339,6 +361,18 @@ impl TwoLevelGroup {
         let world = comm.world();
         if hop_chunk_rows == 0 {
             return Err(Error::arg("hop_chunk_rows", "at least 1 row", 0));
+        }
+        // A chunk's progress count (CombineParams::done) is 32-bit per warp.
+        if hop_chunk_rows.saturating_mul(cfg.hidden / 8) > 1 << 30 {
+            return Err(Error::arg(
+                "hop_chunk_rows",
+                format!(
+                    "at most 2^30 16-byte vectors per chunk ({} rows at hidden {})",
+                    (1usize << 30) / (cfg.hidden / 8).max(1),
+                    cfg.hidden
+                ),
+                hop_chunk_rows,
+            ));
         }
         let topology = nodes_of(&cfg, world)?;
         let nodes = topology.nodes();
@@ -382,6 +416,24 @@ impl TwoLevelGroup {
         if node_cfg.recv_capacity == 0 {
             node_cfg.recv_capacity = world * cfg.max_tokens_per_rank;
         }
+        // Where ranks share a GPU, every block of every rank must be
+        // resident at once (`residency`); combine's hop adds one block per
+        // rank beside the node combine (moe_ep_two_level_wait_chunks).
+        let r = super::residency::residency(comm, node_cfg.num_experts)?;
+        if r.ranks_per_gpu > 1 && node_cfg.num_sms + 1 > r.max_blocks_per_rank() {
+            return Err(Error::arg(
+                "num_sms",
+                format!(
+                    "at most {} blocks per rank on a two-level world whose {} ranks share one GPU \
+                     (every rank's blocks must be resident together, {} per rank in all, and \
+                     combine's network hop waits with one block per rank beside the node combine's)",
+                    r.max_blocks_per_rank().saturating_sub(1),
+                    r.ranks_per_gpu,
+                    r.max_blocks_per_rank()
+                ),
+                node_cfg.num_sms,
+            ));
+        }
         let hop = RailHop::new(comm, topology)?;
         // Allocated before the node group, whose creation ends in a barrier
         // (after it, a sibling's kernels may wait for this rank).
@@ -390,6 +442,9 @@ impl TwoLevelGroup {
         // On the hop stream, which every dispatch leaves ordered after its
         // node dispatch (the flags' last reader): freed after them.
         let arrive = hop_stream
+            .alloc_zeros::<u64>(flags.max(1))
+            .map_err(Error::cuda("cuMemAlloc"))?;
+        let done = hop_stream
             .alloc_zeros::<u64>(flags.max(1))
             .map_err(Error::cuda("cuMemAlloc"))?;
         let k = Kernels::load(comm)?;
@@ -410,6 +465,7 @@ impl TwoLevelGroup {
             hop_stream,
             arrive,
             epoch: std::sync::atomic::AtomicU64::new(0),
+            done,
             turn: std::sync::Mutex::new(()),
         })
     }
@@ -447,7 +503,7 @@ impl TwoLevelGroup {
     pub fn comm(&self) -> &Arc<Communicator> {
         &self.comm
     }
-    /// Rows per chunk of dispatch's network hop.
+    /// Rows per chunk of the network hop.
     pub fn hop_chunk_rows(&self) -> usize {
         self.chunk_rows
     }
@@ -773,52 +829,24 @@ impl TwoLevelGroup {
             &net_x,
             Some((&fwd_w, &net_w)),
         )?;
-        // The hop in rounds of one chunk per stream on the hop stream, each
-        // round's landed chunks flagged there; the node dispatch, enqueued
-        // after them on `stream`, waits for each row's flag.
-        let ch = &handle.chunks;
-        let epoch = self
-            .epoch
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            + 1;
-        let hs = &self.hop_stream;
-        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
-        let me = self.topology.node_of(self.comm.rank());
-        let sent = (0..ch.rounds).try_for_each(|c| {
-            self.hop(hs, plan, dptr(&fwd_x), dptr(&net_x), 2 * h, true, Some(c))?;
-            self.hop(hs, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, true, Some(c))?;
-            for m in (0..self.topology.nodes()).filter(|&m| m != me) {
-                if !chunk_range(plan.recv_rows[m], c, self.chunk_rows).is_empty() {
-                    let flag = dptr(&self.arrive) + 8 * (ch.first[m] + c) as u64;
-                    write_flag(hs, flag, epoch)?;
-                }
-            }
-            Ok(())
-        });
-        if let Err(e) = sent {
-            // Rounds already enqueued still use the buffers: they are freed
-            // after them.
-            stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
-            return Err(e);
-        }
+        // The hop in rounds on the hop stream; the node dispatch, enqueued
+        // after them on `stream`, waits for each row's chunk.
+        let arrival = self.hop_forward_in_chunks(
+            stream,
+            handle,
+            &[
+                (dptr(&fwd_x), dptr(&net_x), 2 * h),
+                (dptr(&fwd_w), dptr(&net_w), 4 * k),
+            ],
+        )?;
         let (xs, ws) = (
             fwd_x.slice(0..plan.fwd_rows * h),
             fwd_w.slice(0..plan.fwd_rows * k),
         );
-        let arrival = Arrival {
-            flags: dptr(&self.arrive),
-            row_chunk: dptr(&ch.table),
-            chunk_peer: dptr(&ch.table) + 4 * plan.fwd_rows as u64,
-            epoch: flag_value(epoch),
-        };
         let got = self
             .node
             .dispatch_arriving(stream, &handle.node, &xs, &ws, out, Some(&arrival));
-        // The buffers: freed or reused after the hop, whatever the dispatch
-        // returned; the flags: written again (and freed) after this node
-        // dispatch has read them.
-        stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
-        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        self.rejoin(stream)?;
         let mut got = got?;
         got.src = self.remap_src(stream, handle, got.src)?;
         Ok(got)
@@ -845,14 +873,22 @@ impl TwoLevelGroup {
             .check_region("out", &*out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let plan = &handle.plan;
         let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
-        {
-            let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
-            self.node
-                .combine(stream, &handle.node, expert_out, weights, &mut view)?;
-        }
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
-        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false, None)?;
-        self.node_sum(stream, handle, &fwd, &net, out.device_ptr())
+        let (own, home) = (dptr(&fwd), dptr(&net));
+        self.hop_home_in_chunks(stream, handle, own, home, |progress| {
+            let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
+            self.node.combine_counting(
+                stream,
+                &handle.node,
+                expert_out,
+                weights,
+                &mut view,
+                Some(progress),
+            )
+        })?;
+        let summed = self.node_sum(stream, handle, &fwd, &net, out.device_ptr());
+        self.rejoin(stream)?;
+        summed
     }
 
     /// Backward of dispatch: the gradient of the received tokens combined
@@ -891,22 +927,25 @@ impl TwoLevelGroup {
             Some(_) => Some(alloc::<f32>(stream, plan.fwd_rows * k)?),
             None => None,
         };
-        {
+        let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
+        let (own, home) = (dptr(&fwd), dptr(&net));
+        self.hop_home_in_chunks(stream, handle, own, home, |progress| {
             let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
             let mut view_w = fwd_w.as_mut().map(|w| w.slice_mut(0..plan.fwd_rows * k));
             let gw = view_w.as_mut().map(|v| v as &mut dyn DeviceRegionMut<f32>);
-            self.node.dispatch_backward(
+            self.node.dispatch_backward_counting(
                 stream,
                 &handle.node,
                 grad_recv_tokens,
                 grad_recv_topk_weights,
                 &mut view,
                 gw,
-            )?;
-        }
-        let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
-        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, false, None)?;
-        self.node_sum(stream, handle, &fwd, &net, grad_tokens.device_ptr())?;
+                Some(progress),
+            )
+        })?;
+        let summed = self.node_sum(stream, handle, &fwd, &net, grad_tokens.device_ptr());
+        self.rejoin(stream)?;
+        summed?;
         if let (Some(g), Some(fwd_w)) = (grad_topk_weights, fwd_w) {
             let net_w = alloc::<f32>(stream, plan.sent_rows * k)?;
             self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, false, None)?;
@@ -948,10 +987,142 @@ impl TwoLevelGroup {
         let fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
         self.pack_rows(stream, handle, grad_out.device_ptr(), 0, &fwd, &net, None)?;
-        self.hop(stream, plan, dptr(&fwd), dptr(&net), 2 * h, true, None)?;
+        let arrival =
+            self.hop_forward_in_chunks(stream, handle, &[(dptr(&fwd), dptr(&net), 2 * h)])?;
         let view = fwd.slice(0..plan.fwd_rows * h);
-        self.node
-            .combine_backward(stream, &handle.node, &view, weights, grad_expert_out)
+        let got = self.node.combine_backward_arriving(
+            stream,
+            &handle.node,
+            &view,
+            weights,
+            grad_expert_out,
+            Some(&arrival),
+        );
+        self.rejoin(stream)?;
+        got
+    }
+
+    /// The network hop in dispatch's direction in rounds on the hop stream
+    /// (round `c`: chunk `c` of every stream, for each of `pieces`, each a
+    /// forward batch, the send range and the bytes of a row), each round's
+    /// landed chunks flagged with a new epoch there. Returns where the node
+    /// op enqueued next on `stream` finds the flags; [`Self::rejoin`] after
+    /// it.
+    fn hop_forward_in_chunks(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        pieces: &[(u64, u64, usize)],
+    ) -> Result<Arrival> {
+        let (plan, ch) = (&handle.plan, &handle.chunks);
+        let epoch = self
+            .epoch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let hs = &self.hop_stream;
+        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        let me = self.topology.node_of(self.comm.rank());
+        let sent = (0..ch.rounds).try_for_each(|c| {
+            for &(own, net, row_bytes) in pieces {
+                self.hop(hs, plan, own, net, row_bytes, true, Some(c))?;
+            }
+            for m in (0..self.topology.nodes()).filter(|&m| m != me) {
+                if !chunk_range(plan.recv_rows[m], c, self.chunk_rows).is_empty() {
+                    let flag = dptr(&self.arrive) + 8 * (ch.first[m] + c) as u64;
+                    write_flag(hs, flag, epoch)?;
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = sent {
+            // Rounds already enqueued still use the buffers: they are freed
+            // after them.
+            stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
+            return Err(e);
+        }
+        Ok(Arrival {
+            flags: dptr(&self.arrive),
+            row_chunk: dptr(&ch.table),
+            chunk_peer: dptr(&ch.table) + 4 * plan.fwd_rows as u64,
+            epoch: flag_value(epoch),
+        })
+    }
+
+    /// The network hop in combine's direction, each chunk as soon as the
+    /// node op has written it: `run` enqueues, on `stream`, the node op
+    /// that writes the forward batch `own` and counts its rows into the
+    /// progress it is given; round `c` of the hop, on the hop stream, waits
+    /// (`moe_ep_two_level_wait_chunks`) until chunk `c` of every remote
+    /// segment is complete, then sends it home into `home` (the landing
+    /// range). `stream`'s later work comes after the hop; [`Self::rejoin`]
+    /// after the op.
+    fn hop_home_in_chunks(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &TwoLevelHandle,
+        own: u64,
+        home: u64,
+        run: impl FnOnce(Progress) -> Result<()>,
+    ) -> Result<()> {
+        let (plan, ch) = (&handle.plan, &handle.chunks);
+        let (hs, h) = (&self.hop_stream, self.cfg.hidden);
+        let (done, words) = (dptr(&self.done), 2 * self.done.len());
+        // The counters from 0, after every earlier use of them (the hop
+        // stream's waits) and before this node op.
+        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        memset_u32(hs, done, 0, words, "combine progress counters")?;
+        stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        run(Progress {
+            done,
+            done_of: dptr(&ch.table),
+        })?;
+        // Once the node op has ended, every counter past any chunk's need
+        // (2^62 + 2^30 each; a need is at most 2^30), so that an op that
+        // stopped early (its error is the node group's) holds no round of
+        // the hop until the timeout.
+        memset_u32(stream, done, 1 << 30, words, "combine progress counters")?;
+        let op = self.node.op_common(&handle.node);
+        let me = self.topology.node_of(self.comm.rank());
+        let sent = (0..ch.rounds).try_for_each(|c| {
+            let mut w = ChunkWaitParams {
+                op,
+                done,
+                count: 0,
+                _pad: 0,
+                chunk: [0; MAX_NODES],
+                peer: [0; MAX_NODES],
+                need: [0; MAX_NODES],
+            };
+            for m in (0..self.topology.nodes()).filter(|&m| m != me) {
+                let rows = chunk_range(plan.recv_rows[m], c, self.chunk_rows).len();
+                if rows > 0 {
+                    let i = w.count as usize;
+                    w.chunk[i] = (ch.first[m] + c) as i32;
+                    w.peer[i] = self.topology.rail_peer(self.comm.rank(), m) as i32;
+                    w.need[i] = (rows * h / 8) as u64;
+                    w.count += 1;
+                }
+            }
+            if w.count > 0 {
+                // SAFETY: w mirrors ChunkWaitParams; its chunks index `done`
+                // (sized for every chunk a combine sends).
+                unsafe { self.k.wait_chunks.launch(hs, 1, MAX_NODES as u32, 0, &w)? };
+            }
+            self.hop(hs, plan, own, home, 2 * h, false, Some(c))
+        });
+        // The hop's rounds, whatever happened, before `stream`'s later work
+        // (the home's sum, the buffers' release).
+        stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        sent
+    }
+
+    /// Orders the hop stream after `stream`'s work so far (the node op that
+    /// read the arrival flags, the release of the op's buffers), and
+    /// `stream` after the hop stream: the next op may take either.
+    fn rejoin(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        let hs = &self.hop_stream;
+        stream.join(hs).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        hs.join(stream).map_err(Error::cuda("cuStreamWaitEvent"))
     }
 
     /// Copies each token's row of `x` (and, with `w`, its weights masked
@@ -1131,6 +1302,27 @@ fn write_flag(stream: &CudaStream, addr: u64, epoch: u64) -> Result<()> {
     if rc != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
         return Err(Error::Cuda {
             context: "cuMemsetD32Async (hop arrival flag)",
+            source: cudarc::driver::DriverError(rc),
+        });
+    }
+    Ok(())
+}
+
+/// Sets `words` u32 at `addr` to `value` in `stream`'s order.
+fn memset_u32(
+    stream: &CudaStream,
+    addr: u64,
+    value: u32,
+    words: usize,
+    what: &'static str,
+) -> Result<()> {
+    // SAFETY: the callers' addr holds `words` u32 of the group's own memory,
+    // ordered after its earlier users on `stream`.
+    let rc =
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(addr, value, words, stream.cu_stream()) };
+    if rc != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Cuda {
+            context: what,
             source: cudarc::driver::DriverError(rc),
         });
     }

@@ -553,6 +553,12 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
             let fit = moe_ep::ops::residency(&c.comm, case.experts)
                 .map_err(s)?
                 .max_blocks_per_rank();
+            // The two-level combine's hop waits with one more block per
+            // rank (TwoLevelGroup::with_hop_chunk_rows).
+            let fit = match opts.ranks_per_node {
+                Some(_) => fit.saturating_sub(1).max(1),
+                None => fit,
+            };
             case.num_sms = DEFAULT_NUM_SMS.min(fit);
             if root && said != Some(case.num_sms) {
                 said = Some(case.num_sms);
