@@ -11,7 +11,8 @@
 #      of 1 to 256 tokens;
 #   4. the two-level path as 2 nodes x 1 GPU over NCCL's socket transport:
 #      gpu_two_level on the real GPUs, ep-bench --ranks-per-node 1 beside
-#      NCCL's own send / receive of the same bytes (the rail-hop row), and
+#      NCCL's own send / receive of the same bytes (the rail-hop row), the
+#      ops in 512-row chunks against one chunk (the overlap's gain), and
 #      the C++ example if .gpu/ex/ holds it (examples/cpp/intranode and
 #      target/release/libmoe_ep.so beside it).
 # Logs land in $OUT (or /tmp), one file per step; the summary is printed last.
@@ -65,6 +66,14 @@ timeout 300 "${sockets[@]}" $bench --gpus 2 --ranks-per-node 1 --tokens 4096 --h
   --ops layout,dispatch,combine,dispatch-bwd,combine-bwd --json "$out/two-level.json" \
   > "$out/two-level.txt" 2>&1
 step two-level-bench $?
+# The overlap itself: the default 512-row chunks against one chunk per
+# stream (no overlap), over the same transport.
+for rows in 512 4096; do
+  timeout 300 "${sockets[@]}" $bench --gpus 2 --ranks-per-node 1 --tokens 4096 --hidden 7168 --topk 8 \
+    --experts 256 --num-sms 24 --layout rank,expert:128 --hop-chunk-rows $rows \
+    --ops dispatch,combine,dispatch-bwd,combine-bwd > "$out/two-level-chunks-$rows.txt" 2>&1
+  step two-level-chunks-$rows $?
+done
 if [ -x .gpu/ex/intranode ]; then
   timeout 120 "${sockets[@]}" .gpu/ex/intranode --gpus 2 --ranks-per-node 1 > "$out/example-sockets.txt" 2>&1
   step example-sockets $?
