@@ -112,7 +112,7 @@ const THREADS: u32 = 256;
 /// 7168 are 7.3 MB of bf16 per chunk and rail peer, 147 µs at a 400 Gb/s
 /// NIC's line rate, against a fixed cost per round of the hop: on one H200
 /// at 2 virtual nodes x 2 ranks, 4096 tokens (2026-12-02, BENCHMARKS.md),
-/// 17-22 µs per round (host rounds of the virtual hop; dispatch 1483 µs in
+/// 17-23 µs per round (host rounds of the virtual hop; dispatch 1483 µs in
 /// chunks of 128 rows, 921 in chunks of 512, 797 in one chunk).
 pub const DEFAULT_HOP_CHUNK_ROWS: usize = 512;
 
