@@ -92,7 +92,10 @@ typedef enum moe_ep_status {
   MOE_EP_ERR_MODULE = 13,            /* no kernel image for this GPU */
   MOE_EP_ERR_INVALID_STATE = 14,     /* e.g. an aborted communicator */
   MOE_EP_ERR_IO = 15,
-  MOE_EP_ERR_INTERNAL = 16           /* a bug in the library (a caught panic) */
+  MOE_EP_ERR_INTERNAL = 16,          /* a bug in the library (a caught panic) */
+  MOE_EP_ERR_PEER_FAILED = 17        /* another rank refused its part of the op (a bad argument
+                                        there) or skipped it after an error: call
+                                        moe_ep_group_check on every rank */
 } moe_ep_status_t;
 
 /* Element types (0 is no type, so that a zeroed field is refused). */

@@ -54,6 +54,17 @@
 // rank reports it, from the exchanged count rows.)
 #define MOE_EP_ERR_MISMATCH 5       // counter = MOE_EP_FIELD_*, peer = the rank that differs,
                                     // expected = this rank's value, seen = the peer's
+// (TIMEOUT: needed = 1 when `peer` had not arrived at the call at all (its
+// descriptor of the call was not here: the rank that did not come), 0 when
+// it had and the wait was for its progress; capacity = the call number.)
+#define MOE_EP_ERR_REFUSED 6        // peer refused its part of the call on its host: counter =
+                                    // the argument (src/ops/abi.rs arg_name), seen = its op
+#define MOE_EP_ERR_PEER_STOPPED 7   // peer skipped the call after an error of its own (its
+                                    // status word): seen = that error's code
+#define MOE_EP_ERR_BAD_PEER_DATA 8  // a value a peer wrote is out of range here: counter =
+                                    // MOE_EP_FIELD_*, seen = the value, expected = the bound
+                                    // (exclusive), needed = where (row or token)
+#define MOE_EP_ERR_ABORTED 9        // the communicator was aborted (written by the host)
 
 // What a count row's tail carries that every rank must agree on.
 #define MOE_EP_FIELD_TOPK 1
@@ -74,11 +85,24 @@
 #define MOE_EP_FIELD_RECV_SRC 8
 #define MOE_EP_FIELD_EXPERT_OUT 9
 #define MOE_EP_FIELD_GRAD_W 10
+#define MOE_EP_FIELD_HANDLE 12     // descriptor word 6: the handle (its layout's call number)
+#define MOE_EP_FIELD_COUNTS 13     // a peer's count row (bad-peer-data checks)
+#define MOE_EP_FIELD_META 14       // expert-major meta rows written by a sender
+#define MOE_EP_FIELD_NUM_TOKENS 15 // a low-latency sender's token count
 #define MOE_EP_DESC_WORDS 7
+// Descriptor word 6 of every data op: the handle's id (MOE_EP_FIELD_HANDLE).
+#define MOE_EP_DESC_HANDLE 6
 #define MOE_EP_OP_DISPATCH 1
 #define MOE_EP_OP_COMBINE_BWD 2
 #define MOE_EP_OP_COMBINE 3
 #define MOE_EP_OP_DISPATCH_BWD 4
+#define MOE_EP_OP_LAYOUT 5
+// Word 0 of a descriptor that is not an op: a refusal (the host refused
+// its part, op << 8 | argument << 16) or a rank that skipped the call
+// after an error (status code << 8). Every peer that waits for such a rank
+// stops with MOE_EP_ERR_REFUSED / MOE_EP_ERR_PEER_STOPPED.
+#define MOE_EP_OP_REFUSED 6
+#define MOE_EP_OP_STOPPED 7
 // Descriptor word of a pushed buffer that travels (combine family word 2:
 // weight gradients given, pushed).
 #define MOE_EP_DESC_PUSHED (1ull << 63)
@@ -193,7 +217,7 @@ struct Workspace {
   uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status, [3][10] layout arrivals
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
   uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
-  uint64_t desc_off;       // uint64 [2 family][2 parity][MAX_RANKS src][8] op call descriptors, by peers
+  uint64_t desc_off;       // uint64 [2 parity][MAX_RANKS src][8] op call descriptors, by peers
 };
 
 // How received rows are laid out (RecvLayout on the Rust side).
@@ -216,12 +240,25 @@ struct OpCommon {
   int32_t alignment;            // expert-major padding (1 for rank-major)
   int32_t recv_capacity;        // rows on every rank
   int32_t num_blocks;           // grid of the data kernels (dispatch, combine), the same on every rank
+  // The call's number on the group (1, 2, ...; the host's count of the
+  // group's ops, the same on every rank): what every cross-rank flag and
+  // descriptor of the call carries.
+  uint64_t call;
 };
 
 // layout: moe_ep_layout_scan_{i32,i64}, _exchange (layout.cu).
 struct LayoutParams {
   OpCommon op;
   const void* topk_idx;    // [T][K] int32 (scan_i32) or int64 (scan_i64)
+};
+
+// moe_ep_publish_refusal (layout.cu): a rank whose host refused its part of
+// call op.call publishes `desc` (word 0 MOE_EP_OP_REFUSED) to every peer,
+// so that they stop at once instead of waiting for it.
+struct RefusalParams {
+  OpCommon op;
+  uint64_t desc[MOE_EP_DESC_WORDS];
+  uint64_t _pad;
 };
 
 // dispatch, and combine backward, which is a dispatch of the gradient
@@ -306,10 +343,19 @@ struct CombineParams {
 // after the block's rows, `seq` (the batch's sequence number) last, with
 // release. The rest lets every receiver check the batch (the same on every
 // block of a sender).
+// A sender that sends no rows says why in num_tokens: MOE_EP_LL_STOPPED (it
+// skipped the batch after an error of its own) or MOE_EP_LL_REFUSED_BASE -
+// argument (its host refused the call); every receiver then stops with that
+// error. A combine send's signal (a plain sequence number) carries the same
+// as MOE_EP_LL_SIG_NOT_SENT | argument << 48 | seq (argument 0xffff:
+// stopped).
+#define MOE_EP_LL_STOPPED (-2147483647 - 1)
+#define MOE_EP_LL_REFUSED_BASE (-1)
+#define MOE_EP_LL_SIG_NOT_SENT (1ull << 63)
 struct LlSignal {
   uint64_t seq;
   uint64_t bad;        // the block's first bad topk_idx entry (bad_entry_word), 0 = none
-  int32_t num_tokens;  // T of the sender
+  int32_t num_tokens;  // T of the sender (< 0: no rows, see above)
   int32_t topk;
   int32_t payload;     // MOE_EP_LL_BF16 / _FP8
   int32_t layout;      // LayoutKind
@@ -369,27 +415,29 @@ struct LlParams {
   int32_t in_place;       // combine: rows whose home is this rank stay in y (read there
                           // by the home's sum, so y must be intact until it; the one-call
                           // combine only)
-  int32_t _pad;
+  int32_t refuse;         // sends: 0, or 1 + the argument this rank's host refused (the
+                          // send then moves no rows and tells every peer, see LlSignal)
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
 static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
-static_assert(sizeof(OpCommon) == 240, "OpCommon");
-static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
-static_assert(sizeof(DispatchParams) == 672, "DispatchParams");
-static_assert(sizeof(CombineParams) == 488, "CombineParams");
+static_assert(sizeof(OpCommon) == 248, "OpCommon");
+static_assert(sizeof(LayoutParams) == 256, "LayoutParams");
+static_assert(sizeof(RefusalParams) == 312, "RefusalParams");
+static_assert(sizeof(DispatchParams) == 680, "DispatchParams");
+static_assert(sizeof(CombineParams) == 496, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 248, "LlBufs");
-static_assert(sizeof(LlParams) == 568, "LlParams");
+static_assert(sizeof(LlParams) == 576, "LlParams");
 static_assert(offsetof(LlBufs, local) == 64 && offsetof(LlBufs, sig_dispatch) == 88 &&
                   offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 208 &&
                   offsetof(LlBufs, ticket) == 232,
               "LlBufs offsets");
-static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 488 &&
-                  offsetof(LlParams, out) == 536 && offsetof(LlParams, set) == 544 &&
-                  offsetof(LlParams, in_place) == 560,
+static_assert(offsetof(LlParams, b) == 248 && offsetof(LlParams, x) == 496 &&
+                  offsetof(LlParams, out) == 544 && offsetof(LlParams, set) == 552 &&
+                  offsetof(LlParams, in_place) == 568,
               "LlParams offsets");
 // ---- the two-level (inter-node) path (two_level.cu) ----
 // Most nodes of a two-level world (rail peers of one rank, plus its own node).
@@ -448,28 +496,28 @@ struct ChunkWaitParams {
   int32_t peer[MOE_EP_MAX_NODES];
   uint64_t need[MOE_EP_MAX_NODES];
 };
-static_assert(sizeof(ChunkWaitParams) == 1280, "ChunkWaitParams");
-static_assert(offsetof(ChunkWaitParams, done) == 240 && offsetof(ChunkWaitParams, chunk) == 256 &&
-                  offsetof(ChunkWaitParams, need) == 768,
+static_assert(sizeof(ChunkWaitParams) == 1288, "ChunkWaitParams");
+static_assert(offsetof(ChunkWaitParams, done) == 248 && offsetof(ChunkWaitParams, chunk) == 264 &&
+                  offsetof(ChunkWaitParams, need) == 776,
               "ChunkWaitParams offsets");
 
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&
                   offsetof(OpCommon, rank) == 200 && offsetof(OpCommon, layout) == 224 &&
-                  offsetof(OpCommon, num_blocks) == 236,
+                  offsetof(OpCommon, num_blocks) == 236 && offsetof(OpCommon, call) == 240,
               "OpCommon offsets");
-static_assert(offsetof(LayoutParams, topk_idx) == 240,
+static_assert(offsetof(LayoutParams, topk_idx) == 248 && offsetof(RefusalParams, desc) == 248,
               "LayoutParams offsets");
-static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, scale_w) == 256 &&
-                  offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456 &&
-                  offsetof(DispatchParams, desc) == 520 &&
-                  offsetof(DispatchParams, meta) == 576 &&
-                  offsetof(DispatchParams, arrive) == 640 &&
-                  offsetof(DispatchParams, arrive_epoch) == 664,
+static_assert(offsetof(DispatchParams, x) == 248 && offsetof(DispatchParams, scale_w) == 264 &&
+                  offsetof(DispatchParams, recv_x) == 272 && offsetof(DispatchParams, recv_src) == 464 &&
+                  offsetof(DispatchParams, desc) == 528 &&
+                  offsetof(DispatchParams, meta) == 584 &&
+                  offsetof(DispatchParams, arrive) == 648 &&
+                  offsetof(DispatchParams, arrive_epoch) == 672,
               "DispatchParams offsets");
-static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
-                  offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&
-                  offsetof(CombineParams, num_chunks) == 408 &&
-                  offsetof(CombineParams, desc) == 416 && offsetof(CombineParams, done) == 472,
+static_assert(offsetof(CombineParams, y) == 248 && offsetof(CombineParams, out) == 272 &&
+                  offsetof(CombineParams, y_peers) == 288 && offsetof(CombineParams, gw_peers) == 352 &&
+                  offsetof(CombineParams, num_chunks) == 416 &&
+                  offsetof(CombineParams, desc) == 424 && offsetof(CombineParams, done) == 480,
               "CombineParams offsets");

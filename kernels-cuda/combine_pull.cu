@@ -13,7 +13,7 @@
 // (_rN: the bound on the world; the launcher picks the smallest that fits.)
 // Each block shakes hands with the same block of every other rank twice
 // through pull_flag: "my expert outputs are ready" before its loads
-// (2 seq + 1) and "I have read yours" before it may end (2 seq + 2), since a
+// (2 call + 1) and "I have read yours" before it may end (2 call + 2), since a
 // rank may overwrite its expert outputs once its combine is done. Before the
 // first, each compares the peer's descriptor of the call with its own
 // (intranode.cuh): the same op, outputs in the same place, pulled.
@@ -37,14 +37,10 @@ __device__ void combine_pull(const CombineParams& p) {
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
   const int lane = threadIdx.x & 31;
-  if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
-  const uint64_t seq = next_seq(ws, 2, me);
-  const ErrSink err = ws.err(p.op.error, me);
-  publish_desc(ws, 1, seq, p.desc, me);
-  // NOTE: as in dispatch, every rank sees the same overflow and skips together.
-  for (int d = 0; d < R; ++d) {
-    if (info[o.rows_needed + d] > p.op.recv_capacity) return;
-  }
+  if (!running(p.op)) return;  // an earlier error: skip, telling every peer
+  const uint64_t seq = next_seq(ws, 2, me);  // this rank's item counters (ItemClaims)
+  const Call call = call_of(p.op, p.desc);
+  publish_desc(call);
   // Thread d < R (d != me) shakes hands with block blockIdx.x of rank d.
   const int d_hs = threadIdx.x;
   const bool shakes = d_hs < R && d_hs != me;
@@ -53,12 +49,12 @@ __device__ void combine_pull(const CombineParams& p) {
     // Before the first: rank d's outputs must lie where mine do, and d must
     // pull too (a rank that pushes never shakes hands: without this, its
     // peers would wait for it until the timeout).
-    if (shakes && first) ok = desc_agrees(ws, 1, seq, p.desc, me, d_hs, p.op.timeout_ns, err);
+    if (shakes && first) ok = desc_agrees(call, d_hs);
     if (shakes && ok) {
       fence_acq_rel_sys();
       st_release_sys_u64(ws.pull_flag(d_hs) + me * MOE_EP_MAX_BLOCKS + blockIdx.x, value);
-      ok = wait_at_least(ws.pull_flag(me) + d_hs * MOE_EP_MAX_BLOCKS + blockIdx.x, value,
-                         p.op.timeout_ns, err, me, d_hs, MOE_EP_CTR_COMBINE_PULL);
+      ok = wait_peer(call, ws.pull_flag(me) + d_hs * MOE_EP_MAX_BLOCKS + blockIdx.x, value, d_hs,
+                     MOE_EP_CTR_COMBINE_PULL);
     }
     return __syncthreads_and(ok) != 0;
   };
@@ -87,7 +83,7 @@ __device__ void combine_pull(const CombineParams& p) {
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   int it = claimed ? claims.next(lane) : gw;
   int row = row_of(it);  // looked up while the handshake waits
-  if (!handshake(2 * seq + 1, true)) return;
+  if (!handshake(2 * call.call + 1, true)) return;
   unsigned long long done = 0;  // the warp's pending progress (done_add)
   while (it < n_items) {
     const int t = it / pc.n, piece = it % pc.n;
@@ -124,7 +120,7 @@ __device__ void combine_pull(const CombineParams& p) {
     row = row_next;
   }
   done_flush(p, done);
-  handshake(2 * seq + 2, false);
+  handshake(2 * call.call + 2, false);
 }
 
 MOE_EP_ENTRIES_BY_WORLD(moe_ep_combine_pull, CombineParams, combine_pull, false)

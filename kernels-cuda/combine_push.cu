@@ -91,7 +91,7 @@ __device__ void combine_push(const CombineParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
   const int n16 = p.op.hidden / 8, T = p.op.num_tokens, nb = p.op.num_blocks;
   const Ws ws = ws_of(p.op);
-  if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
+  if (!running(p.op)) return;  // an earlier error: skip, telling every peer
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
   const int n = count_row(R, E);
@@ -141,16 +141,18 @@ __device__ void combine_push(const CombineParams& p) {
     }
     fence_mbar_init();
   }
-  const uint64_t seq = next_seq(ws, 2, me);  // also the barrier for the shared arrays
-  const ErrSink err = ws.err(p.op.error, me);
-  publish_desc(ws, 1, seq, p.desc, me);
-  const int parity = (int)(seq & 1);
+  next_seq(ws, 2, me);  // the barrier for the shared arrays (and this rank's item counters)
+  const Call call = call_of(p.op, p.desc);
+  const ErrSink& err = call.err;
+  publish_desc(call);
+  const int parity = (int)(call.call & 1);
+  const int cap = p.op.recv_capacity;
   const int4* y = reinterpret_cast<const int4*>(p.y);
   int4* stage_here = ws.stage(me, parity, p.op.hidden);
   const float* stage_w_here = ws.stage_w(me, parity);
   int4* out = reinterpret_cast<int4*>(p.out);
-  // Flag value meaning "chunk c of combine `seq` is pushed": grows over chunks and calls.
-  auto chunk_flag = [&](int c) { return seq * (MOE_EP_SUBCHUNKS + 1) + (uint64_t)c + 1; };
+  // Flag value meaning "chunk c of this call is pushed": grows over chunks and calls.
+  auto chunk_flag = [&](int c) { return call.call * (MOE_EP_SUBCHUNKS + 1) + (uint64_t)c + 1; };
   auto release_chunk = [&](int c) {
     fence_acq_rel_sys();
     for (int d = 0; d < R; ++d) {
@@ -170,22 +172,17 @@ __device__ void combine_push(const CombineParams& p) {
       // Before any peer's chunk is awaited: every peer runs this op and
       // pushes (a rank that pulls never pushes: without this, its peers
       // would wait for it until the timeout).
-      if (lane < R && lane != me) ok = desc_agrees(ws, 1, seq, p.desc, me, lane, p.op.timeout_ns, err);
+      if (lane < R && lane != me) ok = desc_agrees(call, lane);
       if (!__all_sync(0xffffffffu, ok)) return false;
     }
     const uint64_t* flags = ws.combine_done(me);
     for (int i = lane; i < R * nb; i += 32) {
       const int s = i / nb, b = i % nb;
-      if (s == me) continue;
-      ok &= wait_at_least(flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(c), p.op.timeout_ns, err, me,
-                          s, MOE_EP_CTR_COMBINE_DONE);
+      if (s == me || !ok) continue;
+      ok = wait_peer(call, flags + s * MOE_EP_MAX_BLOCKS + b, chunk_flag(c), s, MOE_EP_CTR_COMBINE_DONE);
     }
     return __all_sync(0xffffffffu, ok) != 0;
   };
-  // NOTE: as in dispatch, every rank sees the same overflow and skips together.
-  for (int d = 0; d < R; ++d) {
-    if (info[o.rows_needed + d] > p.op.recv_capacity) return;
-  }
 
   // Expert-major: the block streams its items through stages of shared
   // memory. Warp 0 works out 32 items at a time (one per lane: the rows here
@@ -233,10 +230,20 @@ __device__ void combine_push(const CombineParams& p) {
       uint32_t seqn = 0;
       bool ok = true;
       // The lane's item of a batch: rows (of u, ascending), weights, target.
+      // A row a sender wrote (meta) is trusted only inside this rank's
+      // capacity: one outside is reported (the item then sums no rows, and
+      // the kernel stops at its next wait).
       auto fill_rows = [&](EmItem& e, int u) {
         int raw[MOE_EP_MAX_TOPK];
 #pragma unroll
-        for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) raw[k] = k < K ? p.op.bufs.meta[(size_t)u * K + k] : -1;
+        for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+          raw[k] = k < K ? p.op.bufs.meta[(size_t)u * K + k] : -1;
+          if (raw[k] >= cap || raw[k] < -1) {
+            report_error(err, MOE_EP_ERR_BAD_PEER_DATA, me, -1, MOE_EP_FIELD_META, (uint64_t)cap,
+                         (uint64_t)(int64_t)raw[k], (uint64_t)u, 0);
+            raw[k] = -1;
+          }
+        }
         int cnt = 0;
 #pragma unroll
         for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {

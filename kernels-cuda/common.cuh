@@ -143,16 +143,21 @@ MOE_EP_DEVICE uint64_t globaltimer_ns() {
 // Where kernels report: a claim word in device memory (first error wins, by
 // an atomic there) and the report itself in host-mapped memory, written with
 // plain stores by the one winning thread (no atomics on host memory, which
-// not every platform supports). The host clears both.
+// not every platform supports). The host clears both. Every error also sets
+// the rank's status word (`status`, when given): the rank's later kernels
+// then skip at entry, telling their peers so (MOE_EP_OP_STOPPED), until the
+// host clears it (EpGroup::check).
 struct ErrSink {
   ErrorInfo* host;
   unsigned long long* claim;
+  unsigned long long* status;
 };
 MOE_EP_DEVICE void report_error(const ErrSink& e, int code, int rank, int peer, int counter,
                                 uint64_t expected, uint64_t seen, uint64_t needed,
                                 uint64_t capacity) {
   if (e.host == nullptr || e.claim == nullptr) return;
   if (atomicCAS(e.claim, 0ull, (unsigned long long)code) != 0ull) return;
+  if (e.status != nullptr) atomicCAS(e.status, 0ull, (unsigned long long)code);
   volatile ErrorInfo* h = e.host;
   h->rank = rank;
   h->peer = peer;
@@ -165,8 +170,14 @@ MOE_EP_DEVICE void report_error(const ErrSink& e, int code, int rank, int peer, 
   h->code = code;
   __threadfence_system();
 }
+// An error was recorded here, or the host aborted the communicator (it
+// writes MOE_EP_ERR_ABORTED into the host-mapped report, read here over
+// PCIe; the waits below look only every kCheckEvery polls).
 MOE_EP_DEVICE bool has_error(const ErrSink& e) {
-  return e.claim != nullptr && *reinterpret_cast<volatile unsigned long long*>(e.claim) != 0ull;
+  if (e.claim != nullptr && *reinterpret_cast<volatile unsigned long long*>(e.claim) != 0ull) {
+    return true;
+  }
+  return e.host != nullptr && reinterpret_cast<volatile ErrorInfo*>(e.host)->code != 0;
 }
 
 // The waits below look at the error word and the clock only every
@@ -203,6 +214,9 @@ MOE_EP_DEVICE bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t
 
 // Bounded wait for the phase `parity` of a local mbarrier (bulk copies in
 // flight): a copy that never lands is reported as a timeout on `counter`.
+// NOTE: its bound is twice the group's timeout: such a wait is often behind
+// a wait for a peer in another warp (a stage that warp was to fill), which
+// names the rank that did not come first.
 MOE_EP_DEVICE bool mbar_wait(uint64_t* bar, uint32_t parity, uint64_t timeout_ns,
                              const ErrSink& err, int rank, int counter) {
   uint64_t start = 0;
@@ -210,7 +224,7 @@ MOE_EP_DEVICE bool mbar_wait(uint64_t* bar, uint32_t parity, uint64_t timeout_ns
     if (mbar_try_wait(bar, parity)) return true;
     if (i % kCheckEvery == 0) {
       if (has_error(err)) return false;
-      if (timed_out(&start, timeout_ns)) {
+      if (timed_out(&start, 2 * timeout_ns)) {
         report_error(err, MOE_EP_ERR_TIMEOUT, rank, rank, counter, parity, 0, 0, 0);
         return false;
       }

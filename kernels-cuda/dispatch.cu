@@ -30,27 +30,26 @@ namespace {
 
 constexpr int kUnroll = 8;  // receiver: 16-byte vectors in flight per lane per row chunk
 
-// Signals every rank that this block's stores are done, then waits until
-// every (rank, block) has signalled this op. Returns false on timeout/error.
-__device__ bool signal_and_wait(uint64_t* (*flags_of)(const Ws&, int), const Ws& ws, int rank,
-                                int world, int num_blocks, uint64_t seq, uint64_t timeout_ns,
-                                const ErrSink& err, int counter) {
+// Signals every rank that this block's stores of the call are done, then
+// waits until every (rank, block) has signalled it. Returns false on
+// timeout/error (reported).
+__device__ bool signal_and_wait(const Call& c, int num_blocks) {
+  const Ws& ws = c.ws;
   __syncthreads();
   if (threadIdx.x == 0) {
     fence_acq_rel_sys();
-    for (int d = 0; d < world; ++d) {
-      st_release_sys_u64(flags_of(ws, d) + rank * MOE_EP_MAX_BLOCKS + blockIdx.x, seq);
+    for (int d = 0; d < ws.R; ++d) {
+      st_release_sys_u64(ws.dispatch_done(d) + c.me * MOE_EP_MAX_BLOCKS + blockIdx.x, c.call);
     }
   }
   bool ok = true;
-  const uint64_t* mine = flags_of(ws, rank);
-  for (int i = threadIdx.x; i < world * num_blocks; i += blockDim.x) {
+  const uint64_t* mine = ws.dispatch_done(c.me);
+  for (int i = threadIdx.x; i < ws.R * num_blocks; i += blockDim.x) {
     const int s = i / num_blocks, b = i % num_blocks;
-    ok &= wait_at_least(mine + s * MOE_EP_MAX_BLOCKS + b, seq, timeout_ns, err, rank, s, counter);
+    if (ok) ok = wait_peer(c, mine + s * MOE_EP_MAX_BLOCKS + b, c.call, s, MOE_EP_CTR_DISPATCH_DONE);
   }
   return __syncthreads_and(ok) != 0;
 }
-__device__ uint64_t* dispatch_flags(const Ws& ws, int r) { return ws.dispatch_done(r); }
 
 // 8 bf16 values times w, in f32, rounded back to bf16 (the expert-major
 // combine backward's scaled rows).
@@ -156,10 +155,11 @@ __device__ void dispatch_body(const DispatchParams& p) {
   const bool scaled = p.scale_w != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  if (ws.stopped(me)) return;  // a layout exchange found an error: skip, in step with every rank
-  const uint64_t seq = next_seq(ws, 1, me);
-  const ErrSink err = ws.err(p.op.error, me);
-  publish_desc(ws, 0, seq, p.desc, me);
+  if (!running(p.op)) return;  // an earlier error: skip, telling every peer
+  const uint64_t seq = next_seq(ws, 1, me);  // this rank's item counters (ItemClaims)
+  const Call call = call_of(p.op, p.desc);
+  const ErrSink& err = call.err;
+  publish_desc(call);
 
   // NOTE: every rank derived rows_needed from the same matrix: if one rank
   // would overflow, every rank skips the data and only keeps the flags in step.
@@ -236,8 +236,7 @@ __device__ void dispatch_body(const DispatchParams& p) {
     unsigned dmask = __ballot_sync(0xffffffffu, u >= 0);
     if (const unsigned ask = dmask & ~agreed) {
       // First rows for these ranks: their buffers must lie where mine do.
-      const bool bad = ((ask >> lane) & 1u) &&
-                       !desc_agrees(ws, 0, seq, p.desc, me, lane, p.op.timeout_ns, err);
+      const bool bad = ((ask >> lane) & 1u) && !desc_agrees(call, lane);
       if (__any_sync(0xffffffffu, bad)) break;  // reported; no row goes anywhere
       agreed |= ask;
     }
@@ -311,24 +310,31 @@ __device__ void dispatch_body(const DispatchParams& p) {
     t = t_next;
   }
 
-  if (!signal_and_wait(dispatch_flags, ws, me, R, p.op.num_blocks, seq, p.op.timeout_ns, err,
-                       MOE_EP_CTR_DISPATCH_DONE)) {
-    return;
-  }
+  if (!signal_and_wait(call, p.op.num_blocks)) return;
   // Every rank has published (its block 0 signalled after): each block
   // compares all descriptors, so every rank of a call whose ranks disagree
   // reports it, also ranks that sent nothing to the one that differs.
-  const bool agree =
-      threadIdx.x >= R || threadIdx.x == me ||
-      desc_agrees(ws, 0, seq, p.desc, me, threadIdx.x, p.op.timeout_ns, err);
+  const bool agree = threadIdx.x >= R || threadIdx.x == me || desc_agrees(call, threadIdx.x);
   if (!__syncthreads_and(agree) || overflow || !expert_major) return;
 
   // ---- receiver (expert-major): extra copies of each token from other ranks ----
   const int self_lo = info[o.src_u_off + me], self_hi = info[o.src_u_off + me + 1];
   const int u_count = info[o.src_u_off + R] - (self_hi - self_lo);
+  const int cap = p.op.recv_capacity;
   for (int i = gw; i < u_count; i += nw) {
     const int u = i < self_lo ? i : i + (self_hi - self_lo);
     const int row_k = lane < K ? p.op.bufs.meta[(size_t)u * K + lane] : -1;
+    // A row a sender wrote is trusted only inside this rank's capacity.
+    const bool bad_row = row_k >= cap || row_k < -1;
+    if (__any_sync(0xffffffffu, bad_row)) {
+      if (bad_row) {
+        int s = 0;  // the sender of received token u
+        while (s + 1 < R && info[o.src_u_off + s + 1] <= u) ++s;
+        report_error(err, MOE_EP_ERR_BAD_PEER_DATA, me, s, MOE_EP_FIELD_META, (uint64_t)cap,
+                     (uint64_t)(int64_t)row_k, (uint64_t)u, 0);
+      }
+      break;
+    }
     int primary = row_k >= 0 ? row_k : 0x7fffffff;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) primary = min(primary, __shfl_xor_sync(0xffffffffu, primary, off));

@@ -67,12 +67,12 @@ struct Ws {
   __device__ uint64_t* pull_flag(int r) const {
     return reinterpret_cast<uint64_t*>(base[r] + w.pull_flag_off);
   }
-  // On rank r: the descriptor rank `src` published for the call of op
-  // family `fam` (0 dispatch, 1 combine) with this parity: 8 words, the
-  // last the call's sequence number (written last, released).
-  __device__ uint64_t* desc(int r, int fam, int parity, int src) const {
+  // On rank r: the descriptor rank `src` published for the call of this
+  // parity (the call number's low bit; every op of the group counts): 8
+  // words, the last the call's number (written last, released).
+  __device__ uint64_t* desc(int r, int parity, int src) const {
     return reinterpret_cast<uint64_t*>(base[r] + w.desc_off) +
-           ((size_t)((fam * 2 + parity) * MOE_EP_MAX_RANKS + src) * 8);
+           ((size_t)(parity * MOE_EP_MAX_RANKS + src) * 8);
   }
   __device__ int4* stage(int r, int parity, int hidden) const {
     return reinterpret_cast<int4*>(base[r] + w.stage_off) +
@@ -90,7 +90,7 @@ struct Ws {
     return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
   }
   __device__ ErrSink err(ErrorInfo* host, int me) const {
-    return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me))};
+    return ErrSink{host, reinterpret_cast<unsigned long long*>(seq(3, me)), status(me)};
   }
   // The rank's status: 0, or the code of an error that every rank found in
   // the same layout exchange (bad routing on some rank, ranks that disagree,
@@ -120,46 +120,181 @@ __device__ __forceinline__ Ws ws_of(const OpCommon& op) {
   return Ws{op.w, op.ws, op.world, op.num_experts};
 }
 
-// Op call descriptors (MOE_EP_FIELD_OP in abi.cuh). A peer's address of a
-// caller's buffer is this rank's offset in the same window (the collective
-// allocation contract): before any rank writes to or reads from a peer's
-// buffer it compares the peer's descriptor with its own, so ranks whose
-// buffers lie in different places (or that run different ops, or pull
-// where others push) stop with MOE_EP_ERR_MISMATCH instead of touching the
-// wrong memory or waiting for flags that never come. Two parities: a rank
-// is at most one call of a family ahead of any peer that still reads its
-// descriptor.
-//
-// Block 0, threads d < R: publish mine to every other rank d.
-__device__ __forceinline__ void publish_desc(const Ws& ws, int fam, uint64_t seq,
-                                             const uint64_t (&mine)[MOE_EP_DESC_WORDS], int me) {
-  const int d = threadIdx.x;
-  if (blockIdx.x != 0 || d >= ws.R || d == me) return;
-  uint64_t* slot = ws.desc(d, fam, (int)(seq & 1), me);
-#pragma unroll
-  for (int i = 0; i < MOE_EP_DESC_WORDS; ++i) slot[i] = mine[i];
-  st_release_sys_u64(slot + 7, seq);
+// Op call descriptors (MOE_EP_FIELD_OP in abi.cuh). Every op of the group
+// is one call, numbered by the host (OpCommon::call: the same on every
+// rank, whatever the op), and every flag a peer raises for a call carries
+// that number. At its start each rank publishes to every other rank its
+// descriptor of the call: which op, where each buffer its peers write or
+// read in place lies (the collective allocation contract makes a peer's
+// address this rank's offset in the same window), and the handle. Before a
+// rank writes to or reads from a peer's buffer it compares the peer's
+// descriptor with its own, and every wait for a peer looks at the peer's
+// descriptor of the call too, so ranks that run different ops (or other
+// handles, or buffers in other places), a rank whose host refused the call
+// (MOE_EP_OP_REFUSED) and a rank that skips it after an error
+// (MOE_EP_OP_STOPPED) stop every peer at once, with an error naming them,
+// instead of leaving them waiting for the timeout. A wait that does time
+// out names the lowest rank whose descriptor of the call never came (the
+// rank that did not arrive), else the peer it waited for. Two parities: a
+// rank is at most one call ahead of any peer that still reads its
+// descriptor (every call waits for every peer).
+
+// One call as a kernel sees it: what its waits need.
+struct Call {
+  Ws ws;
+  const uint64_t* mine;  // this rank's descriptor (MOE_EP_DESC_WORDS words)
+  uint64_t call, timeout_ns;
+  ErrSink err;
+  int me;
+};
+__device__ __forceinline__ Call call_of(const OpCommon& op, const uint64_t* mine) {
+  const Ws ws = ws_of(op);
+  return Call{ws, mine, op.call, op.timeout_ns, ws.err(op.error, op.rank), op.rank};
 }
-// One thread: waits (bounded) for rank s's descriptor of call `seq`, then
-// compares it with mine word by word; reports the first difference (field,
-// peer s, mine as expected, s's as seen) and returns false on a mismatch or
-// a timeout.
-__device__ __forceinline__ bool desc_agrees(const Ws& ws, int fam, uint64_t seq,
-                                            const uint64_t (&mine)[MOE_EP_DESC_WORDS], int me,
-                                            int s, uint64_t timeout_ns, const ErrSink& err) {
-  const uint64_t* slot = ws.desc(me, fam, (int)(seq & 1), s);
-  if (!wait_at_least(slot + 7, seq, timeout_ns, err, me, s, MOE_EP_CTR_DESCRIPTOR)) return false;
+
+// Threads d < R of the calling block: publish `words` as this rank's
+// descriptor of the call to every other rank d.
+__device__ __forceinline__ void publish_words(const Ws& ws, uint64_t call, const uint64_t* words,
+                                              int me) {
+  const int d = threadIdx.x;
+  if (d >= ws.R || d == me) return;
+  uint64_t* slot = ws.desc(d, (int)(call & 1), me);
+#pragma unroll
+  for (int i = 0; i < MOE_EP_DESC_WORDS; ++i) slot[i] = words[i];
+  st_release_sys_u64(slot + 7, call);
+}
+// Block 0: publish this rank's descriptor of the call.
+__device__ __forceinline__ void publish_desc(const Call& c) {
+  if (blockIdx.x == 0) publish_words(c.ws, c.call, c.mine, c.me);
+}
+// Threads d < R of the calling block: tell every peer that this rank skips
+// the call after an error (MOE_EP_OP_STOPPED, with its status code).
+__device__ __forceinline__ void publish_stopped(const Ws& ws, uint64_t call, int me) {
+  uint64_t w[MOE_EP_DESC_WORDS] = {};
+  w[0] = MOE_EP_OP_STOPPED | (*reinterpret_cast<volatile unsigned long long*>(ws.status(me)) << 8);
+  publish_words(ws, call, w, me);
+}
+// The start of every op kernel: false when an earlier error stopped this
+// rank (its status word). Then block 0 tells every peer that it skips
+// the call (MOE_EP_OP_STOPPED), so that none waits for it, and the kernel
+// returns at once, writing nothing.
+__device__ __forceinline__ bool running(const OpCommon& op) {
+  const Ws ws = ws_of(op);
+  if (!ws.stopped(op.rank)) return true;
+  if (blockIdx.x == 0) publish_stopped(ws, op.call, op.rank);
+  return false;
+}
+
+// What peer s's descriptor of the call says, seen here.
+enum PeerSays { kNotYet = 0, kAgrees = 1, kDiffers = 2, kMovedOn = 3 };
+// One thread. kDiffers has been reported (the first word that differs;
+// a refusal or a stop as such). kMovedOn: s published a later call.
+__device__ __forceinline__ int peer_says(const Call& c, int s) {
+  const uint64_t* slot = c.ws.desc(c.me, (int)(c.call & 1), s);
+  const uint64_t at = ld_acquire_sys_u64(slot + 7);
+  if (at < c.call) return kNotYet;
+  if (at > c.call) return kMovedOn;
 #pragma unroll
   for (int i = 0; i < MOE_EP_DESC_WORDS; ++i) {
     const uint64_t theirs = ld_acquire_sys_u64(slot + i);
-    if (theirs != mine[i]) {
+    if (theirs == c.mine[i]) continue;
+    const uint64_t kind = theirs & 0xffull;
+    if (i == 0 && kind == MOE_EP_OP_REFUSED) {
+      report_error(c.err, MOE_EP_ERR_REFUSED, c.me, s, (int)((theirs >> 16) & 0xffffull), c.mine[0],
+                   (theirs >> 8) & 0xffull, 0, c.call);
+    } else if (i == 0 && kind == MOE_EP_OP_STOPPED) {
+      report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, s, 0, c.mine[0], theirs >> 8, 0, c.call);
+    } else {
       const int field = i == 0 ? MOE_EP_FIELD_OP
-                               : (fam == 0 ? MOE_EP_FIELD_OP : MOE_EP_FIELD_RECV_SRC) + i;
-      report_error(err, MOE_EP_ERR_MISMATCH, me, s, field, mine[i], theirs, 0, 0);
-      return false;
+                        : i == MOE_EP_DESC_HANDLE
+                            ? MOE_EP_FIELD_HANDLE
+                            : ((c.mine[0] & 0xffull) == MOE_EP_OP_DISPATCH ||
+                                       (c.mine[0] & 0xffull) == MOE_EP_OP_COMBINE_BWD
+                                   ? MOE_EP_FIELD_OP
+                                   : MOE_EP_FIELD_RECV_SRC) +
+                                  i;
+      report_error(c.err, MOE_EP_ERR_MISMATCH, c.me, s, field, c.mine[i], theirs, 0, c.call);
+    }
+    return kDiffers;
+  }
+  return kAgrees;
+}
+
+// A wait that ran out of time: names the lowest rank whose descriptor of
+// the call is not here (it never arrived: needed = 1), else `peer`.
+__device__ __noinline__ void report_timeout(const Call& c, int peer, int counter, uint64_t expected,
+                                            uint64_t seen) {
+  int who = peer, absent = 0;
+  for (int r = 0; r < c.ws.R; ++r) {
+    if (r == c.me) continue;
+    if (ld_acquire_sys_u64(c.ws.desc(c.me, (int)(c.call & 1), r) + 7) < c.call) {
+      who = r;
+      absent = 1;
+      break;
     }
   }
-  return true;
+  report_error(c.err, MOE_EP_ERR_TIMEOUT, c.me, who, counter, expected, seen, (uint64_t)absent,
+               c.call);
+}
+
+// Bounded wait of one thread until *flag >= target, a flag peer `peer`
+// raises in this call. Every kCheckEvery polls it also looks at the error
+// word and at the peer's descriptor of the call: a peer that runs
+// something else, refused or stopped ends the wait at once (reported).
+// false: the wait failed (reported here or elsewhere).
+__device__ __noinline__ bool wait_peer(const Call& c, const uint64_t* flag, uint64_t target,
+                                       int peer, int counter) {
+  uint64_t start = 0;
+  bool agreed = peer == c.me;
+  for (uint32_t i = 1;; ++i) {
+    uint64_t v = ld_acquire_sys_u64(flag);
+    if (v >= target) return true;
+    if (i % kCheckEvery == 0) {
+      if (has_error(c.err)) return false;
+      if (!agreed) {
+        const int says = peer_says(c, peer);
+        if (says == kDiffers) return false;
+        agreed = says == kAgrees;
+        if (says == kMovedOn) {
+          // It went on to a later call: it raised its flags of this one
+          // first, unless it skipped the call.
+          v = ld_acquire_sys_u64(flag);
+          if (v >= target) return true;
+          report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, peer, 0, c.mine[0], 0, 0, c.call);
+          return false;
+        }
+      }
+      if (timed_out(&start, c.timeout_ns)) {
+        report_timeout(c, peer, counter, target, v);
+        return false;
+      }
+    }
+    __nanosleep(32);
+  }
+}
+
+// One thread: waits (bounded) for peer s's descriptor of the call; true
+// when it equals mine (false: it differs, or the wait failed; reported).
+__device__ __noinline__ bool desc_agrees(const Call& c, int s) {
+  uint64_t start = 0;
+  for (uint32_t i = 1;; ++i) {
+    const int says = peer_says(c, s);
+    if (says == kAgrees) return true;
+    if (says == kDiffers) return false;
+    if (says == kMovedOn) {
+      report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, s, 0, c.mine[0], 0, 0, c.call);
+      return false;
+    }
+    if (i % kCheckEvery == 0) {
+      if (has_error(c.err)) return false;
+      if (timed_out(&start, c.timeout_ns)) {
+        report_timeout(c, s, MOE_EP_CTR_DESCRIPTOR, c.call,
+                       ld_acquire_sys_u64(c.ws.desc(c.me, (int)(c.call & 1), s) + 7));
+        return false;
+      }
+    }
+    __nanosleep(32);
+  }
 }
 
 // Work items handed to warps one at a time from a counter, so a warp that

@@ -341,10 +341,19 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
   const Ws ws = ws_of(p.op);
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.op.bufs.info;
-  if (ws.stopped(me)) return;  // an earlier exchange found an error: nothing runs until cleared
-  const uint64_t seq = next_seq(ws, 0, me, 0);
+  if (ws.stopped(me)) {  // an earlier error: nothing runs until cleared; every peer is told
+    publish_stopped(ws, p.op.call, me);
+    return;
+  }
+  next_seq(ws, 0, me, 0);  // this rank's layout calls (MOE_EP_DEBUG_PEERS)
+  const uint64_t seq = p.op.call;
   const int parity = (int)(seq & 1);
-  const ErrSink err = ws.err(p.op.error, me);
+  // The layout's descriptor: the op alone (topk, layout and alignment travel
+  // in the count rows' tails).
+  const uint64_t mine[MOE_EP_DESC_WORDS] = {MOE_EP_OP_LAYOUT, 0, 0, 0, 0, 0, 0};
+  const Call call = call_of(p.op, mine);
+  const ErrSink& err = call.err;
+  publish_words(ws, seq, mine, me);
 
   // Phase 1: my row (its tail: what the receivers check) to every rank,
   // then one release flag each. The tail's bad entry: the highest word of
@@ -381,12 +390,23 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
   // Phase 2: wait for every row.
   bool ok = true;
   if (threadIdx.x < R) {
-    ok = wait_at_least(ws.count_flag(me) + threadIdx.x, seq, p.op.timeout_ns, err, me,
-                       threadIdx.x, MOE_EP_CTR_LAYOUT_COUNTS);
+    ok = wait_peer(call, ws.count_flag(me) + threadIdx.x, seq, threadIdx.x, MOE_EP_CTR_LAYOUT_COUNTS);
   }
   if (!__syncthreads_and(ok)) return;
+  // The rows, each count checked against what a rank can send (its
+  // max_tokens_per_rank, stage_rows / R): a row out of range (memory a
+  // peer did not write as it should) stops every rank below, before any
+  // offset is derived from it. Tails are checked in phase 4.
+  __shared__ int s_bad_at;  // the first (rank, word) out of range, or INT_MAX
+  if (threadIdx.x == 0) s_bad_at = 0x7fffffff;
+  __syncthreads();
+  const int32_t max_count = (int32_t)(p.op.w.stage_rows / (uint64_t)R);
   const int32_t* all = ws.counts(me, parity);
-  for (int i = threadIdx.x; i < R * n; i += blockDim.x) info[o.counts + i] = ld_relaxed_sys_s32(all + i);
+  for (int i = threadIdx.x; i < R * n; i += blockDim.x) {
+    const int32_t v = ld_relaxed_sys_s32(all + i);
+    info[o.counts + i] = v;
+    if (i % n < row_tail(R, E) && (v < 0 || v > max_count)) atomicMin(&s_bad_at, i);
+  }
   __syncthreads();
 
   // Phase 3: offsets. C(s, e) expert counts, N(s, d) rank counts.
@@ -468,6 +488,11 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
   // capacity. Any of them stops every rank's kernels from here on.
   if (threadIdx.x == 0) {
     int code = 0;
+    if (s_bad_at != 0x7fffffff) {
+      code = MOE_EP_ERR_BAD_PEER_DATA;
+      report_error(err, code, me, s_bad_at / n, MOE_EP_FIELD_COUNTS, (uint64_t)max_count + 1,
+                   (uint64_t)(int64_t)C[s_bad_at], (uint64_t)(s_bad_at % n), 0);
+    }
     for (int s = 0; s < R && code == 0; ++s) {
       const int32_t* tail = C + s * n + row_tail(R, E);
       const int32_t mine[3] = {p.op.topk, (int32_t)p.op.layout, p.op.alignment};
@@ -500,4 +525,17 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     }
     if (code != 0) *ws.status(me) = (unsigned long long)code;
   }
+}
+
+// ============================================================================
+// A call this rank's host refused (a bad argument on this rank only): its
+// descriptor, word 0 MOE_EP_OP_REFUSED with the op and the argument, to
+// every peer, whose waits for this rank then stop at once naming both
+// (intranode.cuh). One block. Launcher: EpGroup's op entry (src/ops/group.rs).
+// ============================================================================
+extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
+    moe_ep_publish_refusal(const __grid_constant__ RefusalParams p) {
+  if (threadIdx.x == 0) __threadfence_system();  // the slot's earlier readers are done (stream order)
+  __syncthreads();
+  publish_words(ws_of(p.op), p.op.call, p.desc, p.op.rank);
 }

@@ -293,9 +293,15 @@ __device__ __forceinline__ EmRow em_locate(const LlParams& p, const int32_t* off
 template <typename Idx>
 __device__ void ll_dispatch_send(const LlParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
-  const int T = p.op.num_tokens, M = p.max_tokens;
   const Ws ws = ws_of(p.op);
-  if (ws.stopped(me)) return;  // an error every rank found: skip, in step with every rank
+  // A send that moves no rows: this rank skips the batch after an error
+  // (its status word) or its host refused the call. It still counts the
+  // batch and tells every receiver why (LlSignal::num_tokens), so that no
+  // peer waits for it and every rank's counters stay in step.
+  const bool stopped = ws.stopped(me);
+  const int why = stopped ? MOE_EP_LL_STOPPED
+                          : (p.refuse > 0 ? MOE_EP_LL_REFUSED_BASE - (p.refuse - 1) : 0);
+  const int T = why != 0 ? 0 : p.op.num_tokens, M = p.max_tokens;
   __shared__ unsigned long long s_bad;
   if (threadIdx.x == 0) s_bad = 0ull;
   const uint64_t seq = ll_next_seq(p);  // (its barrier publishes s_bad)
@@ -369,7 +375,7 @@ __device__ void ll_dispatch_send(const LlParams& p) {
       LlSignal* g = at<LlSignal>(sym_set(p, d), p.b.sig_dispatch) + me * MOE_EP_MAX_BLOCKS + blockIdx.x;
       volatile LlSignal* vg = g;
       vg->bad = s_bad;
-      vg->num_tokens = T;
+      vg->num_tokens = why != 0 ? why : T;
       vg->topk = K;
       vg->payload = p.payload;
       vg->layout = (int32_t)p.op.layout;
@@ -426,7 +432,23 @@ __device__ void ll_dispatch_recv(const LlParams& p) {
   if (__syncthreads_and(ok) == 0) return;
   if (threadIdx.x == 0) {
     int code = 0;
-    if (s_mismatch != 0x7fffffff) {
+    // Senders that moved no rows (stopped, refused), then a count no
+    // sender could have (a peer's word is trusted only inside [0, M]).
+    for (int s = 0; s < R && code == 0; ++s) {
+      const int n = s_tokens[s];
+      if (n == MOE_EP_LL_STOPPED) {
+        code = MOE_EP_ERR_PEER_STOPPED;
+        report_error(err, code, me, s, 0, 0, 0, 0, seq);
+      } else if (n < 0) {
+        code = MOE_EP_ERR_REFUSED;
+        report_error(err, code, me, s, MOE_EP_LL_REFUSED_BASE - n, 0, 0, 0, seq);
+      } else if (n > M) {
+        code = MOE_EP_ERR_BAD_PEER_DATA;
+        report_error(err, code, me, s, MOE_EP_FIELD_NUM_TOKENS, (uint64_t)M + 1, (uint64_t)n, 0,
+                     0);
+      }
+    }
+    if (code == 0 && s_mismatch != 0x7fffffff) {
       const int f = s_mismatch % 3, s = s_mismatch / 3 / MOE_EP_MAX_BLOCKS,
                 b = s_mismatch / 3 % MOE_EP_MAX_BLOCKS;
       const int field[3] = {MOE_EP_FIELD_TOPK, MOE_EP_FIELD_LAYOUT, MOE_EP_FIELD_PAYLOAD};
@@ -576,8 +598,15 @@ __device__ void ll_combine_send(const LlParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
   const int M = p.max_tokens, n16 = p.op.hidden / 8;
   const Ws ws = ws_of(p.op);
-  if (ws.stopped(me)) return;
   const uint64_t seq = set_seq(p);
+  // No rows when this rank skips the batch (an error: its status word) or
+  // its host refused the call; the signal says so (MOE_EP_LL_SIG_NOT_SENT),
+  // so that no home waits for this rank.
+  const bool stopped = ws.stopped(me);
+  const uint64_t sig = stopped ? (MOE_EP_LL_SIG_NOT_SENT | (0xffffull << 48) | seq)
+                       : p.refuse > 0
+                           ? (MOE_EP_LL_SIG_NOT_SENT | ((uint64_t)(p.refuse - 1) << 48) | seq)
+                           : seq;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   char* loc = local_set(p);
@@ -586,7 +615,7 @@ __device__ void ll_combine_send(const LlParams& p) {
   const int4* y = static_cast<const int4*>(p.y);
   // Expert-major: the counted rows, in (expert, source) order; rank-major:
   // every (source, token) slot, those that did not come here skipped.
-  const int n_items = kExpertMajor ? off[E] : R * M;
+  const int n_items = sig != seq ? 0 : kExpertMajor ? off[E] : R * M;
   const int parts = parts_for(n_items, n16, nw);
   for (int it = gw; it < n_items * parts; it += nw) {
     const int i = it / parts, part = it % parts;
@@ -616,7 +645,7 @@ __device__ void ll_combine_send(const LlParams& p) {
     fence_acq_rel_sys();
     for (int s = 0; s < R; ++s) {
       st_release_sys_u64(
-          at<uint64_t>(sym_set(p, s), p.b.sig_combine) + me * MOE_EP_MAX_BLOCKS + blockIdx.x, seq);
+          at<uint64_t>(sym_set(p, s), p.b.sig_combine) + me * MOE_EP_MAX_BLOCKS + blockIdx.x, sig);
     }
   }
 }
@@ -636,6 +665,25 @@ __device__ void ll_combine_recv(const LlParams& p) {
   if (!wait_all(mine + p.b.sig_combine, sizeof(uint64_t), R, p.op.num_blocks, seq, p, err,
                 MOE_EP_CTR_LL_COMBINE)) {
     return;
+  }
+  // An expert rank that sent no rows (stopped, or refused by its host).
+  {
+    bool sent = true;
+    for (int i = threadIdx.x; i < R * p.op.num_blocks; i += blockDim.x) {
+      const int s = i / p.op.num_blocks, b = i % p.op.num_blocks;
+      const uint64_t v = ld_acquire_sys_u64(
+          reinterpret_cast<const uint64_t*>(mine + p.b.sig_combine) + s * MOE_EP_MAX_BLOCKS + b);
+      if ((v & MOE_EP_LL_SIG_NOT_SENT) != 0ull) {
+        const int arg = (int)((v >> 48) & 0x7fffull);
+        if (arg == 0x7fff) {
+          report_error(err, MOE_EP_ERR_PEER_STOPPED, me, s, 0, 0, 0, 0, seq);
+        } else {
+          report_error(err, MOE_EP_ERR_REFUSED, me, s, arg, 0, 0, 0, seq);
+        }
+        sent = false;
+      }
+    }
+    if (__syncthreads_and(sent) == 0) return;
   }
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;

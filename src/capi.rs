@@ -74,9 +74,10 @@ pub const MOE_EP_ERR_MODULE: Status = 13;
 pub const MOE_EP_ERR_INVALID_STATE: Status = 14;
 pub const MOE_EP_ERR_IO: Status = 15;
 pub const MOE_EP_ERR_INTERNAL: Status = 16;
+pub const MOE_EP_ERR_PEER_FAILED: Status = 17;
 
 /// Every status with its name, in code order.
-pub const STATUS_NAMES: [(Status, &CStr); 17] = [
+pub const STATUS_NAMES: [(Status, &CStr); 18] = [
     (MOE_EP_OK, c"MOE_EP_OK"),
     (MOE_EP_ERR_INVALID_ARGUMENT, c"MOE_EP_ERR_INVALID_ARGUMENT"),
     (MOE_EP_ERR_NOT_SYMMETRIC, c"MOE_EP_ERR_NOT_SYMMETRIC"),
@@ -103,6 +104,7 @@ pub const STATUS_NAMES: [(Status, &CStr); 17] = [
     (MOE_EP_ERR_INVALID_STATE, c"MOE_EP_ERR_INVALID_STATE"),
     (MOE_EP_ERR_IO, c"MOE_EP_ERR_IO"),
     (MOE_EP_ERR_INTERNAL, c"MOE_EP_ERR_INTERNAL"),
+    (MOE_EP_ERR_PEER_FAILED, c"MOE_EP_ERR_PEER_FAILED"),
 ];
 
 /// `moe_ep_dtype_t`.
@@ -146,6 +148,7 @@ pub fn status_of(e: &Error) -> Status {
         Error::Module { .. } => MOE_EP_ERR_MODULE,
         Error::InvalidState(_) => MOE_EP_ERR_INVALID_STATE,
         Error::Io(_) => MOE_EP_ERR_IO,
+        Error::PeerFailed { .. } => MOE_EP_ERR_PEER_FAILED,
     }
 }
 

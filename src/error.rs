@@ -35,14 +35,30 @@ pub enum Error {
         capacity: usize,
     },
 
-    /// A bounded wait on another GPU ran out of time.
-    #[error("rank {rank} timed out waiting for peer rank {peer} on counter `{counter}` (expected {expected}, saw {seen})")]
+    /// A bounded wait on another GPU ran out of time. `peer` is the rank
+    /// that did not come: with `absent`, it never arrived at the op at all
+    /// (its part of the call was not there); otherwise it had, and the
+    /// wait was for its progress on `counter`.
+    #[error("rank {rank} timed out on counter `{counter}`: {} (expected {expected}, saw {seen})", if *absent { format!("rank {peer} never arrived at this op") } else { format!("waiting for peer rank {peer}") })]
     PeerTimeout {
         rank: usize,
         peer: usize,
         counter: &'static str,
         expected: u64,
         seen: u64,
+        absent: bool,
+    },
+
+    /// Another rank failed its part of the same op call: its host refused
+    /// it (`arg`, when it was an argument: a bad input on that rank only;
+    /// its own error says what was wrong) or it skipped the call after an
+    /// error of its own. Nothing was written or read on its behalf; call
+    /// `check()` on every rank.
+    #[error("rank {peer} failed its part of this op: {reason}")]
+    PeerFailed {
+        peer: usize,
+        arg: Option<&'static str>,
+        reason: String,
     },
 
     /// A host-side collective (barrier, all-gather, a collective allocation,

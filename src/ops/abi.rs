@@ -43,7 +43,28 @@ pub mod code {
     pub const BAD_EXPERT: i32 = 3;
     pub const DUP_EXPERT: i32 = 4;
     pub const MISMATCH: i32 = 5;
+    pub const REFUSED: i32 = 6;
+    pub const PEER_STOPPED: i32 = 7;
+    pub const BAD_PEER_DATA: i32 = 8;
+    pub const ABORTED: i32 = 9;
 }
+/// A short name of error code `c` ([`code`]).
+pub fn code_name(c: i32) -> &'static str {
+    match c {
+        code::OK => "none",
+        code::TIMEOUT => "a peer timeout",
+        code::CAPACITY => "capacity exceeded",
+        code::BAD_EXPERT => "an expert id out of range",
+        code::DUP_EXPERT => "a repeated expert id",
+        code::MISMATCH => "ranks that disagree",
+        code::REFUSED => "a peer's refusal",
+        code::PEER_STOPPED => "a peer that stopped",
+        code::BAD_PEER_DATA => "a peer's value out of range",
+        code::ABORTED => "an aborted communicator",
+        _ => "unknown",
+    }
+}
+
 /// What [`code::MISMATCH`] found different (`MOE_EP_FIELD_*`).
 pub fn field_name(f: i32) -> &'static str {
     match f {
@@ -58,12 +79,70 @@ pub fn field_name(f: i32) -> &'static str {
         9 => "expert_out",
         10 => "grad_recv_topk_weights",
         FIELD_PAYLOAD => "payload (bf16 or fp8 rows)",
+        desc::FIELD_HANDLE => "handle",
+        FIELD_COUNTS => "count row",
+        FIELD_META => "expert-major row index (meta)",
+        FIELD_NUM_TOKENS => "num_tokens",
         _ => "unknown field",
     }
 }
 
 /// `MOE_EP_FIELD_PAYLOAD`: the low-latency rows' payload (bf16 or fp8).
 pub const FIELD_PAYLOAD: i32 = 11;
+/// `MOE_EP_FIELD_COUNTS`: a peer's count row, out of range.
+pub const FIELD_COUNTS: i32 = 13;
+/// `MOE_EP_FIELD_META`: an expert-major row index a sender wrote.
+pub const FIELD_META: i32 = 14;
+/// `MOE_EP_FIELD_NUM_TOKENS`: a low-latency sender's token count.
+pub const FIELD_NUM_TOKENS: i32 = 15;
+
+/// The arguments a refusal names (the id a refused call's descriptor
+/// carries, `MOE_EP_OP_REFUSED`): index 0 is "an argument" (one not in
+/// the table).
+pub const ARG_NAMES: [&str; 32] = [
+    "an argument",
+    "x",
+    "topk_weights",
+    "topk_idx",
+    "topk",
+    "layout",
+    "recv_tokens",
+    "recv_topk_weights",
+    "expert_out",
+    "weights",
+    "out",
+    "grad_out",
+    "grad_expert_out",
+    "grad_recv_tokens",
+    "grad_recv_topk_weights",
+    "grad_tokens",
+    "grad_topk_weights",
+    "handle",
+    "stream",
+    "x_scales",
+    "cast_fp8",
+    "hidden",
+    "mode",
+    "op",
+    "recv_topk_idx",
+    "recv_src",
+    "len",
+    "group",
+    "alignment",
+    "capacity",
+    "num_tokens",
+    "payload",
+];
+
+/// The id of argument `name` in [`ARG_NAMES`] (0 for one not there).
+pub fn arg_id(name: &str) -> u64 {
+    ARG_NAMES.iter().position(|&n| n == name).unwrap_or(0) as u64
+}
+
+/// The name of argument id `id` ([`ARG_NAMES`]).
+pub fn arg_name(id: u64) -> &'static str {
+    ARG_NAMES.get(id as usize).copied().unwrap_or(ARG_NAMES[0])
+}
 
 /// Words of an op call's descriptor (`MOE_EP_DESC_WORDS`).
 pub const DESC_WORDS: usize = 7;
@@ -78,6 +157,15 @@ pub mod desc {
     pub const OP_COMBINE_BWD: u64 = 2;
     pub const OP_COMBINE: u64 = 3;
     pub const OP_DISPATCH_BWD: u64 = 4;
+    pub const OP_LAYOUT: u64 = 5;
+    /// Word 0 of a refused call: `OP_REFUSED | op << 8 | argument << 16`.
+    pub const OP_REFUSED: u64 = 6;
+    /// Word 0 of a call skipped after an error: `OP_STOPPED | code << 8`.
+    pub const OP_STOPPED: u64 = 7;
+    /// `MOE_EP_FIELD_HANDLE`: descriptor word 6, the handle's id.
+    pub const FIELD_HANDLE: i32 = 12;
+    /// The descriptor word of the handle's id (`MOE_EP_DESC_HANDLE`).
+    pub const HANDLE_WORD: usize = 6;
     /// A buffer that travels through the stage (not read in place).
     pub const PUSHED: u64 = 1 << 63;
     /// Bits of the byte offset in a place word (the window id above them).
@@ -90,6 +178,7 @@ pub mod desc {
             OP_COMBINE_BWD => "combine_backward",
             OP_COMBINE => "combine",
             OP_DISPATCH_BWD => "dispatch_backward",
+            OP_LAYOUT => "layout",
             _ => "unknown op",
         }
     }
@@ -163,7 +252,7 @@ pub struct Workspace {
     pub seq_off: u64,
     pub stage_rows: u64,
     pub pull_flag_off: u64,
-    /// `[2 family][2 parity][MAX_RANKS][8]` u64: op call descriptors.
+    /// `[2 parity][MAX_RANKS][8]` u64: op call descriptors.
     pub desc_off: u64,
 }
 
@@ -206,6 +295,10 @@ pub struct OpCommon {
     pub recv_capacity: i32,
     /// Grid of the data kernels, the same on every rank.
     pub num_blocks: i32,
+    /// The call's number on the group (the host's count of its ops, the
+    /// same on every rank): carried by every cross-rank flag and
+    /// descriptor of the call.
+    pub call: u64,
 }
 
 /// `moe_ep_layout_scan_{i32,i64}`, `_exchange`.
@@ -214,6 +307,16 @@ pub struct OpCommon {
 pub struct LayoutParams {
     pub op: OpCommon,
     pub topk_idx: u64,
+}
+
+/// `moe_ep_publish_refusal` (`layout.cu`): a refused call's descriptor,
+/// published to every peer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RefusalParams {
+    pub op: OpCommon,
+    pub desc: [u64; DESC_WORDS],
+    pub _pad: u64,
 }
 
 /// Dispatch and combine backward (`dispatch.cu`).
@@ -362,7 +465,9 @@ pub struct LlParams {
     /// Combine: rows homed on this rank are read in `y` by the sum (the
     /// one-call combine only).
     pub in_place: i32,
-    pub _pad: i32,
+    /// Sends: 0, or 1 + the id of the argument this rank's host refused
+    /// ([`ARG_NAMES`]): the send moves no rows and tells every peer.
+    pub refuse: i32,
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -519,15 +624,16 @@ const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
-const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
-const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 672);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 488);
+const _: () = assert!(std::mem::size_of::<OpCommon>() == 248);
+const _: () = assert!(std::mem::size_of::<LayoutParams>() == 256);
+const _: () = assert!(std::mem::size_of::<RefusalParams>() == 312);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 680);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 496);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
-const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
+const _: () = assert!(std::mem::size_of::<LlParams>() == 576);
 const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 496);
-const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1280);
+const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1288);
 
 #[cfg(test)]
 mod tests {
@@ -544,35 +650,37 @@ mod tests {
         assert_eq!(offset_of!(OpCommon, rank), 200);
         assert_eq!(offset_of!(OpCommon, layout), 224);
         assert_eq!(offset_of!(OpCommon, num_blocks), 236);
-        assert_eq!(offset_of!(LayoutParams, topk_idx), 240);
-        assert_eq!(offset_of!(DispatchParams, x), 240);
-        assert_eq!(offset_of!(DispatchParams, scale_w), 256);
-        assert_eq!(offset_of!(DispatchParams, recv_x), 264);
-        assert_eq!(offset_of!(DispatchParams, recv_src), 456);
-        assert_eq!(offset_of!(DispatchParams, desc), 520);
-        assert_eq!(offset_of!(DispatchParams, meta), 576);
-        assert_eq!(offset_of!(DispatchParams, arrive), 640);
-        assert_eq!(offset_of!(DispatchParams, arrive_epoch), 664);
-        assert_eq!(offset_of!(CombineParams, y), 240);
-        assert_eq!(offset_of!(CombineParams, out), 264);
-        assert_eq!(offset_of!(CombineParams, y_peers), 280);
-        assert_eq!(offset_of!(CombineParams, gw_peers), 344);
-        assert_eq!(offset_of!(CombineParams, num_chunks), 408);
-        assert_eq!(offset_of!(CombineParams, desc), 416);
-        assert_eq!(offset_of!(CombineParams, done), 472);
-        assert_eq!(offset_of!(ChunkWaitParams, done), 240);
-        assert_eq!(offset_of!(ChunkWaitParams, chunk), 256);
-        assert_eq!(offset_of!(ChunkWaitParams, need), 768);
+        assert_eq!(offset_of!(OpCommon, call), 240);
+        assert_eq!(offset_of!(RefusalParams, desc), 248);
+        assert_eq!(offset_of!(LayoutParams, topk_idx), 248);
+        assert_eq!(offset_of!(DispatchParams, x), 248);
+        assert_eq!(offset_of!(DispatchParams, scale_w), 264);
+        assert_eq!(offset_of!(DispatchParams, recv_x), 272);
+        assert_eq!(offset_of!(DispatchParams, recv_src), 464);
+        assert_eq!(offset_of!(DispatchParams, desc), 528);
+        assert_eq!(offset_of!(DispatchParams, meta), 584);
+        assert_eq!(offset_of!(DispatchParams, arrive), 648);
+        assert_eq!(offset_of!(DispatchParams, arrive_epoch), 672);
+        assert_eq!(offset_of!(CombineParams, y), 248);
+        assert_eq!(offset_of!(CombineParams, out), 272);
+        assert_eq!(offset_of!(CombineParams, y_peers), 288);
+        assert_eq!(offset_of!(CombineParams, gw_peers), 352);
+        assert_eq!(offset_of!(CombineParams, num_chunks), 416);
+        assert_eq!(offset_of!(CombineParams, desc), 424);
+        assert_eq!(offset_of!(CombineParams, done), 480);
+        assert_eq!(offset_of!(ChunkWaitParams, done), 248);
+        assert_eq!(offset_of!(ChunkWaitParams, chunk), 264);
+        assert_eq!(offset_of!(ChunkWaitParams, need), 776);
         assert_eq!(offset_of!(LlBufs, local), 64);
         assert_eq!(offset_of!(LlBufs, sig_dispatch), 88);
         assert_eq!(offset_of!(LlBufs, em_x), 152);
         assert_eq!(offset_of!(LlBufs, counters), 208);
         assert_eq!(offset_of!(LlBufs, ticket), 232);
-        assert_eq!(offset_of!(LlParams, b), 240);
-        assert_eq!(offset_of!(LlParams, x), 488);
-        assert_eq!(offset_of!(LlParams, out), 536);
-        assert_eq!(offset_of!(LlParams, set), 544);
-        assert_eq!(offset_of!(LlParams, in_place), 560);
+        assert_eq!(offset_of!(LlParams, b), 248);
+        assert_eq!(offset_of!(LlParams, x), 496);
+        assert_eq!(offset_of!(LlParams, out), 544);
+        assert_eq!(offset_of!(LlParams, set), 552);
+        assert_eq!(offset_of!(LlParams, in_place), 568);
         assert_eq!(offset_of!(TwoLevelParams, src_in), 128);
         assert_eq!(offset_of!(TwoLevelParams, origin_peers), 136);
         assert_eq!(offset_of!(TwoLevelParams, row_off), 200);
@@ -628,6 +736,18 @@ mod tests {
         );
         assert_eq!(define("MOE_EP_FIELD_PAYLOAD"), FIELD_PAYLOAD.to_string());
         assert_eq!(define("MOE_EP_FIELD_OP"), desc::FIELD_OP.to_string());
+        assert_eq!(define("MOE_EP_FIELD_HANDLE"), desc::FIELD_HANDLE.to_string());
+        assert_eq!(define("MOE_EP_FIELD_COUNTS"), FIELD_COUNTS.to_string());
+        assert_eq!(define("MOE_EP_FIELD_META"), FIELD_META.to_string());
+        assert_eq!(define("MOE_EP_FIELD_NUM_TOKENS"), FIELD_NUM_TOKENS.to_string());
+        assert_eq!(define("MOE_EP_DESC_HANDLE"), desc::HANDLE_WORD.to_string());
+        assert_eq!(define("MOE_EP_OP_LAYOUT"), desc::OP_LAYOUT.to_string());
+        assert_eq!(define("MOE_EP_OP_REFUSED"), desc::OP_REFUSED.to_string());
+        assert_eq!(define("MOE_EP_OP_STOPPED"), desc::OP_STOPPED.to_string());
+        assert_eq!(define("MOE_EP_ERR_REFUSED"), code::REFUSED.to_string());
+        assert_eq!(define("MOE_EP_ERR_PEER_STOPPED"), code::PEER_STOPPED.to_string());
+        assert_eq!(define("MOE_EP_ERR_BAD_PEER_DATA"), code::BAD_PEER_DATA.to_string());
+        assert_eq!(define("MOE_EP_ERR_ABORTED"), code::ABORTED.to_string());
         assert_eq!(define("MOE_EP_DESC_WORDS"), DESC_WORDS.to_string());
         assert_eq!(define("MOE_EP_DESC_PUSHED"), "(1ull << 63)");
         assert_eq!(desc::PUSHED, 1u64 << 63);

@@ -20,7 +20,7 @@ use half::bf16;
 use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
 use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
 use super::group::EpGroup;
-use super::handle::Handle;
+use super::handle::{Handle, OpTurn};
 use super::layout::RecvLayout;
 use crate::error::{Error, Result};
 
@@ -103,6 +103,7 @@ impl EpGroup {
     /// with or without weight gradients, in the handle's layout.
     fn launch_combine(
         &self,
+        turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
         handle: &Handle,
         call: CombineCall,
@@ -137,8 +138,9 @@ impl EpGroup {
                 }
             }
         }
+        d[desc::HANDLE_WORD] = handle.id;
         let p = CombineParams {
-            op: self.op_common(handle),
+            op: self.op_common(handle, turn.call),
             y: call.y,
             w_rows: call.w_rows.unwrap_or(0),
             grad_w_in,
@@ -165,7 +167,9 @@ impl EpGroup {
             (None, RecvLayout::ExpertMajor { .. }) => EM_COMBINE_SMEM,
             _ => COMBINE_SMEM,
         };
-        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, smem, &p) }
+        unsafe { f.launch(stream, self.cfg.num_sms as u32, THREADS, smem, &p)? };
+        turn.launched.set(true);
+        Ok(())
     }
 
     /// Brings expert outputs home and sums them per token in f32, in a fixed
@@ -206,7 +210,26 @@ impl EpGroup {
         out: &mut dyn DeviceRegionMut<bf16>,
         progress: Option<Progress>,
     ) -> Result<()> {
-        let _turn = self.enter("moe_ep::combine", stream, handle)?;
+        self.op(
+            "moe_ep::combine",
+            desc::OP_COMBINE,
+            stream,
+            Some(handle),
+            |turn| self.combine_on_turn(turn, stream, handle, expert_out, weights, out, progress),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn combine_on_turn(
+        &self,
+        turn: &OpTurn<'_>,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        expert_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &mut dyn DeviceRegionMut<bf16>,
+        progress: Option<Progress>,
+    ) -> Result<()> {
         Self::check_meta(handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         self.check_region(
@@ -229,6 +252,7 @@ impl EpGroup {
         };
         let pull = self.pull_peers(handle, expert_out, None);
         self.launch_combine(
+            turn,
             stream,
             handle,
             CombineCall {
@@ -282,7 +306,38 @@ impl EpGroup {
         grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
         progress: Option<Progress>,
     ) -> Result<()> {
-        let _turn = self.enter("moe_ep::dispatch_backward", stream, handle)?;
+        self.op(
+            "moe_ep::dispatch_backward",
+            desc::OP_DISPATCH_BWD,
+            stream,
+            Some(handle),
+            |turn| {
+                self.dispatch_backward_on_turn(
+                    turn,
+                    stream,
+                    handle,
+                    grad_recv_tokens,
+                    grad_recv_topk_weights,
+                    grad_tokens,
+                    grad_topk_weights,
+                    progress,
+                )
+            },
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_backward_on_turn(
+        &self,
+        turn: &OpTurn<'_>,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_recv_tokens: &dyn DeviceRegion<bf16>,
+        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
+        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
+        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        progress: Option<Progress>,
+    ) -> Result<()> {
         Self::check_meta(handle)?;
         let (t, k, h, cap) = (
             handle.num_tokens,
@@ -328,6 +383,7 @@ impl EpGroup {
         };
         let pull = self.pull_peers(handle, grad_recv_tokens, grad_recv_topk_weights);
         self.launch_combine(
+            turn,
             stream,
             handle,
             CombineCall {

@@ -19,7 +19,7 @@ use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
 };
 use super::group::EpGroup;
-use super::handle::Handle;
+use super::handle::{Handle, OpTurn};
 use super::layout::RecvLayout;
 use crate::error::{Error, Result};
 use crate::symm::SymmBuffer;
@@ -62,8 +62,10 @@ enum Rows {
 impl EpGroup {
     /// Launches the dispatch kernel of `handle`'s layout that `rows` asks
     /// for: `x` (`[T, H]` bf16, local) into `recv_x` on every rank.
+    #[allow(clippy::too_many_arguments)]
     fn launch_dispatch(
         &self,
+        turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
         handle: &Handle,
         x: u64,
@@ -101,8 +103,9 @@ impl EpGroup {
         // MOE_EP_FIELD_OP): the op and where each buffer lies.
         let mut d = [0u64; DESC_WORDS];
         d[..5].copy_from_slice(&[op, recv_x.1, recv_w.1, recv_idx.1, recv_src.1]);
+        d[desc::HANDLE_WORD] = handle.id;
         let p = DispatchParams {
-            op: self.op_common(handle),
+            op: self.op_common(handle, turn.call),
             x,
             topk_w,
             scale_w,
@@ -122,6 +125,7 @@ impl EpGroup {
             f.of(handle.layout)
                 .launch(stream, self.cfg.num_sms as u32, THREADS, 0, &p)?;
         }
+        turn.launched.set(true);
         handle
             .meta_written
             .store(true, std::sync::atomic::Ordering::Release);
@@ -154,7 +158,26 @@ impl EpGroup {
         out: DispatchOut<'a>,
         arrival: Option<&Arrival>,
     ) -> Result<Dispatched<'a>> {
-        let _turn = self.enter("moe_ep::dispatch", stream, handle)?;
+        self.op(
+            "moe_ep::dispatch",
+            desc::OP_DISPATCH,
+            stream,
+            Some(handle),
+            |turn| self.dispatch_on_turn(turn, stream, handle, x, topk_weights, out, arrival),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_on_turn<'a>(
+        &self,
+        turn: &OpTurn<'_>,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        x: &dyn DeviceRegion<bf16>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOut<'a>,
+        arrival: Option<&Arrival>,
+    ) -> Result<Dispatched<'a>> {
         let (t, k, h, cap) = (
             handle.num_tokens,
             handle.topk,
@@ -187,7 +210,7 @@ impl EpGroup {
             recv_idx: self.located(&idx, "recv_topk_idx")?,
             recv_src: self.located(&src, "recv_src")?,
         };
-        self.launch_dispatch(stream, handle, x.device_ptr(), recv_x, rows, arrival)?;
+        self.launch_dispatch(turn, stream, handle, x.device_ptr(), recv_x, rows, arrival)?;
         Ok(Dispatched {
             tokens,
             topk_weights: weights,
@@ -223,7 +246,36 @@ impl EpGroup {
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
         arrival: Option<&Arrival>,
     ) -> Result<RecvBuf<'a, bf16>> {
-        let _turn = self.enter("moe_ep::combine_backward", stream, handle)?;
+        self.op(
+            "moe_ep::combine_backward",
+            desc::OP_COMBINE_BWD,
+            stream,
+            Some(handle),
+            |turn| {
+                self.combine_backward_on_turn(
+                    turn,
+                    stream,
+                    handle,
+                    grad_out,
+                    weights,
+                    grad_expert_out,
+                    arrival,
+                )
+            },
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn combine_backward_on_turn<'a>(
+        &self,
+        turn: &OpTurn<'_>,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
+        arrival: Option<&Arrival>,
+    ) -> Result<RecvBuf<'a, bf16>> {
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         self.check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let scale_w = match (weights, handle.layout) {
@@ -249,6 +301,7 @@ impl EpGroup {
         )?;
         let recv_x = self.located(&out, "grad_expert_out")?;
         self.launch_dispatch(
+            turn,
             stream,
             handle,
             grad_out.device_ptr(),

@@ -15,6 +15,7 @@ use std::time::Duration;
 use cudarc::driver::CudaStream;
 
 use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
+use super::handle::Turns;
 use super::layout::{exchange_smem, exchange_smem_limit, RecvLayout};
 use super::low_latency::{LlBuffers, LlKernels};
 use super::topology::Topology;
@@ -201,15 +202,22 @@ pub struct EpGroup {
     pub(crate) ws_peers: [u64; MAX_RANKS],
     /// The low-latency buffers (`Mode::LowLatency` only).
     pub(crate) ll: Option<LlBuffers>,
-    pub(crate) error: MappedHost<ErrorInfo>,
-    poisoned: AtomicBool,
+    pub(crate) error: Arc<MappedHost<ErrorInfo>>,
+    pub(crate) poisoned: AtomicBool,
     pub(crate) k: Kernels,
     /// This group's number in the process (handles remember it).
     pub(crate) id: u64,
-    /// The stream of the group's last op (see `OpTurn`).
-    pub(crate) last_stream: Mutex<Option<Arc<CudaStream>>>,
+    /// The stream of the group's last op, the calls so far, this rank's
+    /// refusals and cleared errors (see `OpTurn`).
+    pub(crate) turns: Mutex<Turns>,
     /// The current op's stream and its buffers' streams (`OpTurn`).
     pub(crate) op_streams: Mutex<super::handle::OpStreams>,
+    /// The group's own stream (its creation's; a refusal of a call whose
+    /// stream was unusable goes here).
+    pub(crate) own_stream: Arc<CudaStream>,
+    /// Called by `Communicator::abort`: marks the error report aborted, so
+    /// that every running kernel of the group stops at its next look.
+    _on_abort: Arc<dyn Fn() + Send + Sync>,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
@@ -219,11 +227,8 @@ pub struct EpGroup {
 /// fail); a peer timeout still ends that work within the group's timeout.
 impl Drop for EpGroup {
     fn drop(&mut self) {
-        let last = self
-            .last_stream
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(stream) = last.take() {
+        let turns = self.turns.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(stream) = turns.last.take() {
             let res = self
                 .comm
                 .context()
@@ -250,6 +255,7 @@ macro_rules! by_world {
 // The entry points a group loads: [rank-major, expert-major] where there is
 // one per receive layout, [r2, r4, r8] where there is one per world bound.
 const LAYOUT_SCAN: [&str; 2] = ["moe_ep_layout_scan_i32", "moe_ep_layout_scan_i64"];
+const PUBLISH_REFUSAL: &str = "moe_ep_publish_refusal";
 const DISPATCH: [&str; 2] = ["moe_ep_dispatch_rank_major", "moe_ep_dispatch_expert_major"];
 const COMBINE_BWD: [&str; 2] = [
     "moe_ep_combine_bwd_rank_major",
@@ -297,6 +303,7 @@ pub(crate) struct Kernels {
     // layout.cu
     pub(crate) layout_scan_i32: Function,
     pub(crate) layout_scan_i64: Function,
+    pub(crate) publish_refusal: Function,
     // dispatch.cu
     pub(crate) dispatch: ByLayout,
     pub(crate) combine_bwd: ByLayout,
@@ -356,6 +363,7 @@ impl Kernels {
                 f.allow_dynamic_smem(exchange_smem_limit())?;
                 f
             },
+            publish_refusal: layout.function(PUBLISH_REFUSAL)?,
             dispatch: ByLayout::load(DISPATCH, |f| dispatch.function(f))?,
             combine_bwd: ByLayout::load(COMBINE_BWD, |f| dispatch.function(f))?,
             combine_pull: combine(&pull, pick(COMBINE_PULL))?,
@@ -429,7 +437,7 @@ impl EpGroup {
         //   dispatch_done  u64   [R][MAX_BLOCKS]
         //   combine_done   u64   [R][MAX_BLOCKS]
         //   pull_flag      u64   [R][MAX_BLOCKS]        combine (pull) handshakes
-        //   desc           u64   [2][2][MAX_RANKS][8]   op call descriptors (family,
+        //   desc           u64   [2][MAX_RANKS][8]      op call descriptors (call
         //                                               parity, source)
         //   seq            u64   [4][MAX_BLOCKS]        local counters ([3][0] error
         //                                               claim, [3][1..6] item counters,
@@ -452,7 +460,7 @@ impl EpGroup {
         w.dispatch_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.combine_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.pull_flag_off = carve(r * MAX_BLOCKS as u64 * 8).0;
-        w.desc_off = carve(2 * 2 * MAX_RANKS as u64 * 8 * 8).0;
+        w.desc_off = carve(2 * MAX_RANKS as u64 * 8 * 8).0;
         let zeroed; // everything before the stage must start at zero
         (w.seq_off, zeroed) = carve(4 * MAX_BLOCKS as u64 * 8);
         w.stage_w_off = carve(2 * stage_rows * MAX_TOPK as u64 * 4).0;
@@ -495,7 +503,18 @@ impl EpGroup {
         // GPU) happens before the barrier: once a rank has passed it, its
         // kernels may wait for the other ranks', and on a virtual world a
         // rank still allocating behind the barrier would hold them up.
-        let error = MappedHost::new(&ctx, ErrorInfo::default())?;
+        let error = Arc::new(MappedHost::new(&ctx, ErrorInfo::default())?);
+        let on_abort: Arc<dyn Fn() + Send + Sync> = {
+            let error = error.clone();
+            Arc::new(move || {
+                let mut e = error.read();
+                if e.code == abi::code::OK {
+                    e.code = abi::code::ABORTED;
+                    error.write(e);
+                }
+            })
+        };
+        comm.on_abort(Arc::downgrade(&on_abort));
         comm.barrier(&stream)?;
 
         Ok(EpGroup {
@@ -510,8 +529,10 @@ impl EpGroup {
             poisoned: AtomicBool::new(false),
             k,
             id: NEXT_GROUP.fetch_add(1, Ordering::Relaxed),
-            last_stream: Mutex::new(None),
+            turns: Mutex::new(Turns::default()),
             op_streams: Mutex::new(Default::default()),
+            own_stream: stream,
+            _on_abort: on_abort,
             cfg,
         })
     }
@@ -538,47 +559,125 @@ impl EpGroup {
         self.cfg.num_experts / self.comm.world()
     }
 
-    /// Waits for the group's work on this rank, then reports and clears the
-    /// first error its kernels recorded; after it returns the group takes
-    /// work again (unless a peer timed out).
+    /// Waits for the group's work on this rank, then learns what every rank
+    /// found since the last check, and clears it: **collective**, call it on
+    /// every rank at the same point (after the same ops); it ends in one host
+    /// all-gather of the communicator.
+    ///
+    /// `Ok` when no rank found anything. Otherwise every rank gets an
+    /// error: its own (the first its kernels recorded, or the refusal of
+    /// its host) or, where it found none, [`Error::PeerFailed`] naming the
+    /// first rank that did. Then every rank is in the same state again: the
+    /// same call count, the status words cleared (stream-ordered), the
+    /// low-latency buffer sets realigned, and handles made before the error
+    /// refused (`handle`: the error may have skipped their layout or
+    /// dispatch on some rank). After a timeout (on any rank) the group stays
+    /// unusable on every rank: drop it and make a new one.
     ///
     /// Errors of the routing (a bad or repeated expert id on any rank),
-    /// ranks that disagree in a layout (topk, layout, alignment) and
-    /// capacity are found by every rank in the same layout exchange: from
-    /// there on every rank's kernels return at entry, writing nothing, and
-    /// every op refuses with that error, until `check` on that rank clears
-    /// it. Call it on every rank after an error. A timeout leaves the group
-    /// unusable: its flags are out of step with the peers'.
+    /// ranks that disagree in a layout (topk, layout, alignment), capacity,
+    /// ranks that run different ops, handles or buffers, and a call one
+    /// rank's host refused are found by every rank in the same call: from
+    /// there on every rank's kernels return at entry, writing nothing (and
+    /// telling their peers so), and every op refuses with that error until
+    /// `check`.
     pub fn check(&self) -> Result<()> {
-        if self.poisoned.load(Ordering::Relaxed) {
-            return Err(Self::poisoned_error());
-        }
+        let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
         // Every op of the group is ordered after the previous one (turn):
-        // the last stream's end is the end of all of them. A kernel that was
-        // to be skipped must not run after the status word is cleared.
-        let last = self.last_stream.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(stream) = last.as_ref() {
-            self.bind(stream)?;
-            stream
-                .synchronize()
-                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        // the last stream's end is the end of all of them.
+        let stream = turns
+            .last
+            .clone()
+            .unwrap_or_else(|| self.own_stream.clone());
+        self.bind(&stream)?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        let dev = self.error.read();
+        let dead = self.poisoned.load(Ordering::Relaxed) || dev.code == abi::code::TIMEOUT;
+        // 0: nothing; 1: an error; 2: the group is dead here (a timeout).
+        let found = if dead {
+            2u64
+        } else if dev.code != abi::code::OK || turns.refused.is_some() {
+            1
+        } else {
+            0
+        };
+        let ll_seq = match &self.ll {
+            Some(ll) => ll.batches_sent(&stream)?,
+            None => 0,
+        };
+        let all = self
+            .comm
+            .all_gather_host(&stream, &[found, turns.calls, ll_seq])?;
+        let world = self.comm.world();
+        let row = |r: usize| &all[3 * r..3 * r + 3];
+        let worst = (0..world).map(|r| row(r)[0]).max().unwrap_or(0);
+        if worst == 0 {
+            return Ok(());
         }
-        self.take_error()
+        // This rank's own error first, else the first rank's that found one.
+        let first = |level: u64| (0..world).find(|&r| row(r)[0] >= level);
+        let own: Option<Error> = if dev.code != abi::code::OK {
+            if dev.code == abi::code::TIMEOUT {
+                self.print_peer_state(&dev);
+            }
+            Some(self.error_of(dev))
+        } else if self.poisoned.load(Ordering::Relaxed) {
+            Some(Self::poisoned_error())
+        } else {
+            turns.refused.clone().map(Error::InvalidState)
+        };
+        let peer_error = |level: u64, what: &str| {
+            let r = first(level).unwrap_or(0);
+            Error::PeerFailed {
+                peer: r,
+                arg: None,
+                reason: format!("{what} (its own check says which)"),
+            }
+        };
+        if worst == 2 {
+            // A timeout on some rank: flags of its calls are out of step.
+            self.poisoned.store(true, Ordering::Relaxed);
+            return Err(own.unwrap_or_else(|| peer_error(2, "timed out: the group is unusable")));
+        }
+        // Every rank agrees on where the next call starts, its kernels run
+        // again, and its low-latency sets take new batches.
+        turns.calls = (0..world).map(|r| row(r)[1]).max().unwrap_or(turns.calls);
+        self.clear_device_error(&stream)?;
+        self.error.write(ErrorInfo::default());
+        turns.refused = None;
+        turns.epoch += 1;
+        if let Some(ll) = &self.ll {
+            let sent = (0..world).map(|r| row(r)[2]).max().unwrap_or(0);
+            ll.realign(&stream, sent)?;
+        }
+        Err(own.unwrap_or_else(|| peer_error(1, "reported an error since the last check")))
     }
 
-    /// The error kernels recorded, if any, without clearing it: what an op
-    /// refuses with at entry. Every rank found it in the same exchange, so
-    /// no peer's kernel waits for an op this rank does not launch.
-    pub(crate) fn pending_error(&self) -> Result<()> {
+    /// The error an earlier call left, if any, without clearing it: what an
+    /// op refuses with at entry (every rank found it in the same call, or
+    /// this rank's host refused one, which its peers found).
+    pub(crate) fn pending_error(&self, turns: &Turns) -> Result<()> {
         if self.poisoned.load(Ordering::Relaxed) {
             return Err(Self::poisoned_error());
         }
         let e = self.error.read();
         match e.code {
-            abi::code::OK => Ok(()),
-            // A timeout poisons the group at once.
-            abi::code::TIMEOUT => self.take_error(),
-            _ => Err(self.error_of(e)),
+            abi::code::OK => {}
+            abi::code::TIMEOUT => {
+                // A timeout poisons the group at once.
+                self.poisoned.store(true, Ordering::Relaxed);
+                self.print_peer_state(&e);
+                return Err(self.error_of(e));
+            }
+            _ => return Err(self.error_of(e)),
+        }
+        match &turns.refused {
+            Some(r) => Err(Error::InvalidState(format!(
+                "{r}; every rank's op of that call failed: call check() on every rank"
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -588,42 +687,22 @@ impl EpGroup {
         )
     }
 
-    /// Reads and clears the report, the claim and the status word.
-    fn take_error(&self) -> Result<()> {
-        let e = self.error.read();
-        if e.code == abi::code::OK {
-            return Ok(());
-        }
-        if e.code == abi::code::TIMEOUT {
-            self.print_peer_state(&e);
-        }
-        // Clear the report, the device-side claim word (ErrSink in
-        // common.cuh) and the status word that stops the kernels (Ws::status
-        // in intranode.cuh), so the next error is recorded and the next op
-        // runs.
-        self.error.write(ErrorInfo::default());
-        let claims = self.ws_peers[self.comm.rank()] + self.w.seq_off + 3 * MAX_BLOCKS as u64 * 8;
-        self.comm
-            .context()
-            .bind_to_thread()
-            .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        // SAFETY: both words lie inside the workspace (seq region [3][0] and
-        // [3][8]); no kernel of this group writes them while none runs, and
-        // the status word is written only by a layout exchange.
+    /// Clears, on `stream` (after the work on it), the device-side claim
+    /// word (ErrSink in common.cuh), the item counters and the status word
+    /// that stops the kernels (Ws::status in intranode.cuh): seq region
+    /// `[3][0..10)`; then waits for it.
+    fn clear_device_error(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        let words = self.ws_peers[self.comm.rank()] + self.w.seq_off + 3 * MAX_BLOCKS as u64 * 8;
+        // SAFETY: the ten words lie inside the workspace (seq region [3]);
+        // no kernel of this group runs once `stream`, the last op's, is done
+        // with what was enqueued before the memset.
         unsafe {
-            cudarc::driver::result::memset_d8_sync(claims, 0, 8)
-                .and_then(|()| cudarc::driver::result::memset_d8_sync(claims + 8 * 8, 0, 8))
+            cudarc::driver::result::memset_d8_async(words, 0, 10 * 8, stream.cu_stream())
         }
-        .map_err(Error::cuda("cuMemsetD8"))?;
-        if e.code == abi::code::TIMEOUT {
-            self.poisoned.store(true, Ordering::Relaxed);
-        }
-        // Every rank's kernels skipped the rest of the failed batch: the
-        // low-latency sets take new batches.
-        if let Some(ll) = &self.ll {
-            ll.reset();
-        }
-        Err(self.error_of(e))
+        .map_err(Error::cuda("cuMemsetD8Async"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))
     }
 
     /// With `MOE_EP_DEBUG_PEERS=1`, a timeout also prints to stderr the
@@ -678,7 +757,58 @@ impl EpGroup {
                 counter: abi::counter_name(e.counter),
                 expected: e.expected,
                 seen: e.seen,
+                absent: e.needed == 1,
             },
+            abi::code::REFUSED => {
+                let arg = (e.counter > 0).then(|| abi::arg_name(e.counter as u64));
+                Error::PeerFailed {
+                    peer: e.peer as usize,
+                    arg,
+                    reason: format!(
+                        "its host refused its part of call {}{}{} (its own error says why)",
+                        e.capacity,
+                        match e.seen {
+                            0 => String::new(),
+                            op => format!(" ({})", abi::desc::op_name(op)),
+                        },
+                        arg.map_or(String::new(), |a| format!(": argument `{a}`")),
+                    ),
+                }
+            }
+            abi::code::PEER_STOPPED => Error::PeerFailed {
+                peer: e.peer as usize,
+                arg: None,
+                reason: format!(
+                    "it skipped call {} after an error of its own{}; call check() on every rank",
+                    e.capacity,
+                    match e.seen {
+                        0 => String::new(),
+                        c => format!(" (code {c}: {})", abi::code_name(c as i32)),
+                    }
+                ),
+            },
+            abi::code::BAD_PEER_DATA => Error::InvalidDeviceData {
+                arg: abi::field_name(e.counter),
+                detail: format!(
+                    "{} wrote {} where only values below {} fit (at {}); nothing was read or written there",
+                    if e.peer >= 0 { who(e.peer) } else { "a peer".to_string() },
+                    e.seen as i64,
+                    e.expected,
+                    e.needed
+                ),
+            },
+            abi::code::ABORTED => Error::InvalidState(format!(
+                "rank {}: the communicator was aborted; make a new communicator and group",
+                self.comm.rank()
+            )),
+            abi::code::MISMATCH if e.counter == abi::desc::FIELD_HANDLE => Error::arg(
+                "handle",
+                format!(
+                    "the same handle (the same layout call) on every rank at once (rank {} uses the handle of call {})",
+                    e.peer, e.seen
+                ),
+                format!("the handle of call {} on rank {}", e.expected, self.comm.rank()),
+            ),
             abi::code::CAPACITY => Error::CapacityExceeded {
                 what: if e.peer as usize == self.comm.rank() {
                     "recv_capacity (this rank)"
@@ -891,7 +1021,7 @@ mod tests {
     fn every_entry_point_is_in_its_module() {
         let per_world = |n: [[&'static str; 3]; 2]| n.concat();
         let modules: [(&str, Vec<&str>); 5] = [
-            ("layout", LAYOUT_SCAN.to_vec()),
+            ("layout", [&LAYOUT_SCAN[..], &[PUBLISH_REFUSAL]].concat()),
             ("dispatch", [DISPATCH, COMBINE_BWD].concat()),
             ("combine_pull", [COMBINE_PULL, DISPATCH_BWD_PULL].concat()),
             (

@@ -12,8 +12,12 @@ use std::sync::{Arc, MutexGuard};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
-use super::abi::{count_row, info_offsets, LayoutBufs, OpCommon};
+use super::abi::{
+    self, count_row, desc, info_offsets, LayoutBufs, OpCommon, RefusalParams, DESC_WORDS,
+    SCAN_THREADS,
+};
 use super::buffers::DeviceRegion;
+use std::sync::atomic::Ordering;
 use super::group::EpGroup;
 use super::layout::RecvLayout;
 use crate::error::{Error, Result};
@@ -43,6 +47,12 @@ pub struct Handle {
     pub(crate) meta_written: std::sync::atomic::AtomicBool,
     /// The group whose layout made it ([`EpGroup::id`]).
     pub(crate) group: u64,
+    /// Its layout's call number: the handle's id in every op's descriptor
+    /// (the same on every rank for the same layout call).
+    pub(crate) id: u64,
+    /// The group's count of cleared errors when it was made (a handle of
+    /// an earlier count is refused).
+    pub(crate) epoch: u64,
     pub(crate) world: usize,
     pub(crate) experts: usize,
 }
@@ -194,12 +204,33 @@ impl Handle {
 
 /// An op's turn on its group, held while the op checks its arguments and
 /// enqueues its kernels: ops of one group never interleave (two threads on
-/// one group are serialised), and an op on another stream than the group's
-/// previous one is ordered after everything enqueued there so far.
+/// one group are serialised), an op on another stream than the group's
+/// previous one is ordered after everything enqueued there so far, and the
+/// op is one call of the group (every op counts, on every rank: the call's
+/// number is what its kernels' descriptors and flags carry).
 pub(crate) struct OpTurn<'a> {
     group: &'a EpGroup,
     _range: Range,
-    _turn: MutexGuard<'a, Option<Arc<CudaStream>>>,
+    pub(crate) turns: MutexGuard<'a, Turns>,
+    /// The call's number on the group (`OpCommon::call`).
+    pub(crate) call: u64,
+    /// The op's descriptor code (`desc::OP_*`), for a refusal.
+    op: u64,
+    /// The op's stream, once bound (`None`: another context's stream).
+    stream: Option<Arc<CudaStream>>,
+    /// Set by the first launch: a refusal after it publishes nothing.
+    pub(crate) launched: std::cell::Cell<bool>,
+}
+
+/// What the group's turn guards: the stream of its last op, the calls made
+/// so far, a refusal of this rank's host not yet cleared by `check`, and
+/// how many errors `check` has cleared (handles made before are refused).
+#[derive(Default)]
+pub(crate) struct Turns {
+    pub(crate) last: Option<Arc<CudaStream>>,
+    pub(crate) calls: u64,
+    pub(crate) refused: Option<String>,
+    pub(crate) epoch: u64,
 }
 
 /// The op's stream and the other streams its buffers are ordered on
@@ -210,17 +241,46 @@ pub(crate) struct OpStreams {
     homes: Vec<Arc<CudaStream>>,
 }
 
-impl Drop for OpTurn<'_> {
+impl OpStreams {
+    /// Orders `op` after the work enqueued so far on `home` (a buffer's own
+    /// stream, when it is not the op's), once per op; [`OpStreams::finish`]
+    /// orders `home` after the op.
+    pub(crate) fn order_with(&mut self, home: &Arc<CudaStream>) -> Result<()> {
+        let Some(op) = self.op.clone() else {
+            return Ok(());
+        };
+        if home.cu_stream() == op.cu_stream()
+            || self.homes.iter().any(|h| h.cu_stream() == home.cu_stream())
+        {
+            return Ok(());
+        }
+        op.join(home).map_err(Error::cuda("cuStreamWaitEvent"))?;
+        self.homes.push(home.clone());
+        Ok(())
+    }
+    /// Tells `r` that the op uses it on the op's stream (symmetric buffers
+    /// order their release by it), and orders the op with `r`'s own stream.
+    pub(crate) fn use_region<T>(&mut self, r: &dyn DeviceRegion<T>) -> Result<()> {
+        if let Some(home) = r.home_stream() {
+            self.order_with(home)?;
+        }
+        match &self.op {
+            Some(op) => r.used_on(op),
+            None => Ok(()),
+        }
+    }
+    /// A new op on `op`.
+    pub(crate) fn start(op: &Arc<CudaStream>) -> OpStreams {
+        OpStreams {
+            op: Some(op.clone()),
+            homes: Vec::new(),
+        }
+    }
     /// After the op's launches: every buffer's own stream waits for them
     /// (what it does next with the buffer comes after the op).
-    fn drop(&mut self) {
-        let mut st = self
-            .group
-            .op_streams
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let Some(op) = st.op.take() else { return };
-        for home in st.homes.drain(..) {
+    pub(crate) fn finish(&mut self) {
+        let Some(op) = self.op.take() else { return };
+        for home in self.homes.drain(..) {
             if let Err(e) = home.join(&op) {
                 eprintln!("moe-ep: ordering a buffer's stream after the op failed: {e}");
             }
@@ -228,59 +288,208 @@ impl Drop for OpTurn<'_> {
     }
 }
 
+impl Drop for OpTurn<'_> {
+    /// After the op's launches: every buffer's own stream waits for them.
+    fn drop(&mut self) {
+        self.group
+            .op_streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .finish();
+    }
+}
+
+impl OpTurn<'_> {
+    /// The op's stream, once bound (`None`: the entry refused it).
+    pub(crate) fn stream(&self) -> Option<&Arc<CudaStream>> {
+        self.stream.as_ref()
+    }
+}
+
 impl EpGroup {
-    /// The start of every op: its NVTX range `name`, the group's turn, the
-    /// error an earlier call left, the stream's context.
-    pub(crate) fn turn(&self, name: &'static str, stream: &Arc<CudaStream>) -> Result<OpTurn<'_>> {
+    /// Runs one op: its NVTX range `name`, the group's turn and the call's
+    /// number, the error an earlier call left (refused at once), the
+    /// stream's context, `handle` (this group's and made since the last
+    /// cleared error), then `body`. When `body` (or the entry) refuses
+    /// before anything was launched, every peer is told through the call's
+    /// descriptor (`desc::OP_REFUSED`, naming the argument), so their
+    /// kernels stop at once; later ops of this rank refuse until `check`.
+    /// On a virtual world every op ends in a host barrier of the ranks
+    /// (see [`Communicator::virtual_world`](crate::Communicator::virtual_world)).
+    pub(crate) fn op<T>(
+        &self,
+        name: &'static str,
+        op: u64,
+        stream: &Arc<CudaStream>,
+        handle: Option<&Handle>,
+        body: impl FnOnce(&OpTurn<'_>) -> Result<T>,
+    ) -> Result<T> {
+        self.op_with(name, op, stream, handle, Refuse::Descriptor, body)
+    }
+
+    /// [`EpGroup::op`] whose refusal tells the peers as `refuse` says.
+    pub(crate) fn op_with<T>(
+        &self,
+        name: &'static str,
+        op: u64,
+        stream: &Arc<CudaStream>,
+        handle: Option<&Handle>,
+        refuse: Refuse<'_>,
+        body: impl FnOnce(&OpTurn<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let out = {
+            let mut turn = self.turn(name, op);
+            let res = self
+                .enter(&mut turn, stream, handle)
+                .and_then(|()| body(&turn));
+            match res {
+                Ok(v) => Ok(v),
+                Err(e) => Err(self.refused(turn, e, refuse)),
+            }
+        };
+        match (out, self.virtual_barrier()) {
+            (Ok(v), Ok(())) => Ok(v),
+            (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+        }
+    }
+
+    /// The group's turn, the op's NVTX range and its call number.
+    fn turn(&self, name: &'static str, op: u64) -> OpTurn<'_> {
         let range = nvtx::range(name);
-        let mut last = self.last_stream.lock().unwrap_or_else(|p| p.into_inner());
-        self.pending_error()?;
+        let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+        turns.calls += 1;
+        let call = turns.calls;
+        OpTurn {
+            group: self,
+            _range: range,
+            turns,
+            call,
+            op,
+            stream: None,
+            launched: std::cell::Cell::new(false),
+        }
+    }
+
+    /// The checks every op starts with; orders `stream` after the group's
+    /// previous op.
+    fn enter(
+        &self,
+        turn: &mut OpTurn<'_>,
+        stream: &Arc<CudaStream>,
+        handle: Option<&Handle>,
+    ) -> Result<()> {
+        if self.comm.is_aborted() {
+            return Err(Error::InvalidState(format!(
+                "rank {}: the communicator was aborted: every op of its groups is refused; make a new communicator and group",
+                self.comm.rank()
+            )));
+        }
+        self.pending_error(&turn.turns)?;
         self.bind(stream)?;
-        if let Some(prev) = last
+        turn.stream = Some(stream.clone());
+        if let Some(prev) = turn
+            .turns
+            .last
             .as_ref()
             .filter(|p| p.cu_stream() != stream.cu_stream())
         {
-            // The group's kernels share its workspace and sequence counters:
-            // this op waits for what the previous stream has been given.
-            let event = stream
-                .context()
-                .new_event(Some(
-                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-                ))
-                .map_err(Error::cuda("cuEventCreate"))?;
-            event.record(prev).map_err(Error::cuda("cuEventRecord"))?;
-            stream
-                .wait(&event)
-                .map_err(Error::cuda("cuStreamWaitEvent"))?;
+            // The group's kernels share its workspace: this op waits for
+            // what the previous stream has been given.
+            stream.join(prev).map_err(Error::cuda("cuStreamWaitEvent"))?;
         }
-        *last = Some(stream.clone());
-        *self.op_streams.lock().unwrap_or_else(|p| p.into_inner()) = OpStreams {
-            op: Some(stream.clone()),
-            homes: Vec::new(),
+        turn.turns.last = Some(stream.clone());
+        *self.op_streams.lock().unwrap_or_else(|p| p.into_inner()) = OpStreams::start(stream);
+        if let Some(h) = handle {
+            self.check_handle(h, turn.turns.epoch)?;
+            self.mark_used(&h.meta)?;
+        }
+        Ok(())
+    }
+
+    /// An op that failed: unless the failure is one every rank already
+    /// shares (an error the group holds, an aborted communicator) or the
+    /// op launched its kernels, this rank's part of the call is published
+    /// as refused, naming the argument of `e`, so that no peer waits for it;
+    /// the rank then refuses its next ops until `check`. Returns `e`.
+    fn refused(&self, mut turn: OpTurn<'_>, e: Error, refuse: Refuse<'_>) -> Error {
+        let shared = self.poisoned.load(Ordering::Relaxed)
+            || self.comm.is_aborted()
+            || turn.turns.refused.is_some()
+            || self.error.read().code != abi::code::OK;
+        let dead = self.poisoned.load(Ordering::Relaxed) || self.comm.is_aborted();
+        let told = match refuse {
+            Refuse::Descriptor if !shared && !turn.launched.get() => {
+                self.publish_refusal(&turn, &e)
+            }
+            // A send that moves no rows also after an error of this rank:
+            // its peers' receives wait for every sender.
+            Refuse::With(f) if !dead && !turn.launched.get() => f(&turn, refused_arg(&e)),
+            _ => Ok(()),
         };
-        Ok(OpTurn {
-            group: self,
-            _range: range,
-            _turn: last,
-        })
+        if let Err(p) = told {
+            eprintln!("moe-ep: telling the peers of a refused call failed: {p}");
+        }
+        if !shared {
+            turn.turns.refused = Some(format!(
+                "this rank refused call {} ({}): {e}",
+                turn.call,
+                desc::op_name(turn.op)
+            ));
+        }
+        e
+    }
+
+    /// Launches the refusal of `turn`'s call (moe_ep_publish_refusal) on its
+    /// stream, or, where the op never got a stream of this context, on the
+    /// group's own stream after the group's last op.
+    fn publish_refusal(&self, turn: &OpTurn<'_>, e: &Error) -> Result<()> {
+        self.comm
+            .context()
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let stream = match &turn.stream {
+            Some(s) => s.clone(),
+            None => {
+                if let Some(last) = &turn.turns.last {
+                    self.own_stream
+                        .join(last)
+                        .map_err(Error::cuda("cuStreamWaitEvent"))?;
+                }
+                self.own_stream.clone()
+            }
+        };
+        let mut d = [0u64; DESC_WORDS];
+        d[0] = desc::OP_REFUSED | (turn.op << 8) | (refused_arg(e) << 16);
+        let p = RefusalParams {
+            op: self.op_base(turn.call),
+            desc: d,
+            _pad: 0,
+        };
+        // SAFETY: p mirrors RefusalParams; the kernel writes only the peers'
+        // descriptor slots of this call, inside their workspaces.
+        unsafe { self.k.publish_refusal.launch(&stream, 1, SCAN_THREADS, 0, &p) }
+    }
+
+    /// On a virtual world, waits (bounded by the group's timeout) until
+    /// every rank has enqueued the op: the ranks' streams share the GPU's
+    /// hardware queues, where a rank's later work queued ahead of a
+    /// sibling's earlier op would keep that op from starting while this
+    /// rank's kernels wait for it.
+    fn virtual_barrier(&self) -> Result<()> {
+        match self.comm.host_group() {
+            Some(g) => g.barrier_within("op (virtual ranks enqueue in step)", self.cfg.timeout),
+            None => Ok(()),
+        }
     }
 
     /// Orders the current op after the work enqueued so far on `home` (a
     /// buffer's own stream, when it is not the op's), once per op; the op's
     /// end orders `home` after it ([`OpTurn`]'s drop).
     pub(crate) fn order_with(&self, home: &Arc<CudaStream>) -> Result<()> {
-        let mut st = self.op_streams.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(op) = st.op.clone() else {
-            return Ok(());
-        };
-        if home.cu_stream() == op.cu_stream()
-            || st.homes.iter().any(|h| h.cu_stream() == home.cu_stream())
-        {
-            return Ok(());
-        }
-        op.join(home).map_err(Error::cuda("cuStreamWaitEvent"))?;
-        st.homes.push(home.clone());
-        Ok(())
+        self.op_streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .order_with(home)
     }
 
     /// Tells `r` that the current op uses it on the op's stream (symmetric
@@ -298,21 +507,10 @@ impl EpGroup {
         }
     }
 
-    /// [`EpGroup::turn`] for an op on `handle`, which must be this group's.
-    pub(crate) fn enter(
-        &self,
-        name: &'static str,
-        stream: &Arc<CudaStream>,
-        handle: &Handle,
-    ) -> Result<OpTurn<'_>> {
-        let turn = self.turn(name, stream)?;
-        self.check_handle(handle)?;
-        self.mark_used(&handle.meta)?;
-        Ok(turn)
-    }
-
-    /// Refuses a handle that another group's layout made.
-    fn check_handle(&self, handle: &Handle) -> Result<()> {
+    /// Refuses a handle that another group's layout made, or one made
+    /// before the last error `check` cleared (its routing or its dispatch
+    /// may have been skipped by that error).
+    fn check_handle(&self, handle: &Handle, epoch: u64) -> Result<()> {
         if handle.group != self.id {
             return Err(Error::arg(
                 "handle",
@@ -320,29 +518,66 @@ impl EpGroup {
                 format!("a handle of group {}", handle.group),
             ));
         }
+        if handle.epoch != epoch {
+            return Err(Error::arg(
+                "handle",
+                "a handle made since the last error check() cleared (the error may have skipped its layout or dispatch on some rank): make a new one with layout",
+                "a handle made before that error",
+            ));
+        }
         Ok(())
     }
 
-    /// What every kernel of an op on `handle` is told: the group's
-    /// workspace and error report, the handle's arrays and the call's shape.
-    pub(crate) fn op_common(&self, handle: &Handle) -> OpCommon {
-        let (layout, alignment) = handle.layout.kind();
+    /// What every kernel of call `call` is told that is not a handle's:
+    /// the group's workspace and error report, its sizes.
+    pub(crate) fn op_base(&self, call: u64) -> OpCommon {
         OpCommon {
-            bufs: handle.bufs(),
             ws: self.ws_peers,
             w: self.w,
             error: self.error.device_ptr(),
             timeout_ns: self.timeout_ns(),
             rank: self.comm.rank() as i32,
             world: self.comm.world() as i32,
-            num_tokens: handle.num_tokens as i32,
             hidden: self.cfg.hidden as i32,
-            topk: handle.topk as i32,
             num_experts: self.cfg.num_experts as i32,
-            layout,
-            alignment,
+            alignment: 1,
             recv_capacity: self.recv_capacity as i32,
             num_blocks: self.cfg.num_sms as i32,
+            call,
+            ..Default::default()
         }
+    }
+
+    /// What every kernel of call `call` on `handle` is told: the group's
+    /// workspace and error report, the handle's arrays and the call's shape.
+    pub(crate) fn op_common(&self, handle: &Handle, call: u64) -> OpCommon {
+        let (layout, alignment) = handle.layout.kind();
+        OpCommon {
+            bufs: handle.bufs(),
+            num_tokens: handle.num_tokens as i32,
+            topk: handle.topk as i32,
+            layout,
+            alignment,
+            ..self.op_base(call)
+        }
+    }
+}
+
+/// How a refused op tells its peers.
+pub(crate) enum Refuse<'r> {
+    /// The high-throughput ops: the call's descriptor says so
+    /// (`moe_ep_publish_refusal`).
+    Descriptor,
+    /// Another way (the low-latency sends: a send that moves no rows),
+    /// given the op's turn and the refused argument's id.
+    With(&'r dyn Fn(&OpTurn<'_>, u64) -> Result<()>),
+}
+
+/// The argument a refused call names to its peers ([`abi::arg_id`]).
+pub(crate) fn refused_arg(e: &Error) -> u64 {
+    match e {
+        Error::InvalidArgument { arg, .. } => abi::arg_id(arg),
+        Error::NotSymmetric { what } => abi::arg_id(what),
+        _ => 0,
     }
 }

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::abi::{
-    layout_check_blocks, layout_info_len, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS,
+    desc, layout_check_blocks, layout_info_len, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS,
     SCAN_THREADS,
 };
 use super::buffers::TopkIdx;
 use super::group::{EpGroup, GroupConfig, MAX_EXPERTS};
-use super::handle::{ArenaOffsets, Handle};
+use super::handle::{ArenaOffsets, Handle, OpTurn};
 use crate::error::{Error, Result};
 
 /// Where received rows land on the receiving rank.
@@ -142,7 +142,19 @@ impl EpGroup {
         topk: usize,
         layout: RecvLayout,
     ) -> Result<Handle> {
-        let _turn = self.turn("moe_ep::layout", stream)?;
+        self.op("moe_ep::layout", desc::OP_LAYOUT, stream, None, |turn| {
+            self.layout_on_turn(turn, stream, topk_idx, topk, layout)
+        })
+    }
+
+    fn layout_on_turn(
+        &self,
+        turn: &OpTurn<'_>,
+        stream: &Arc<CudaStream>,
+        topk_idx: TopkIdx<'_>,
+        topk: usize,
+        layout: RecvLayout,
+    ) -> Result<Handle> {
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
         let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         match topk_idx {
@@ -182,11 +194,13 @@ impl EpGroup {
             meta,
             meta_written: std::sync::atomic::AtomicBool::new(false),
             group: self.id,
+            id: turn.call,
+            epoch: turn.turns.epoch,
             world: r,
             experts: e,
         };
         let p = LayoutParams {
-            op: self.op_common(&handle),
+            op: self.op_common(&handle, turn.call),
             topk_idx: idx_ptr,
         };
         let scan = match topk_idx {
@@ -209,6 +223,7 @@ impl EpGroup {
                 &p,
             )?;
         }
+        turn.launched.set(true);
         Ok(handle)
     }
 }

@@ -106,6 +106,7 @@ use super::abi::{
 };
 use super::buffers::{DeviceRegion, DeviceRegionMut, TopkIdx, ROW_ALIGN};
 use super::group::{EpGroup, GroupConfig};
+use super::handle::{OpTurn, Refuse};
 use super::layout::tokens_of_routing;
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, Module};
@@ -367,13 +368,51 @@ impl LlBuffers {
         })
     }
 
-    /// After an error every rank's kernels skipped the rest of the batch:
-    /// both sets take new batches again.
-    pub(crate) fn reset(&self) {
+    /// The batches this rank's sends have counted (every block's counter
+    /// moves in step; block 0's), read after `stream`'s work (the caller
+    /// has waited for it).
+    pub(crate) fn batches_sent(&self, stream: &Arc<CudaStream>) -> Result<u64> {
+        let mut v = [0u64; 1];
+        // SAFETY: the counters lie in the local buffer; nothing runs on it.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut v,
+                self.bufs.local + self.bufs.counters,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(Error::cuda("cuMemcpyDtoHAsync"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        Ok(v[0])
+    }
+
+    /// After an error (`EpGroup::check`, on every rank): both sets take new
+    /// batches again, the next in set 0, and every block's counter is
+    /// `sent` (the most any rank counted), so that every rank's next batch
+    /// has the same sequence number, above any its sets' signals hold.
+    pub(crate) fn realign(&self, stream: &Arc<CudaStream>, sent: u64) -> Result<()> {
+        let counters = vec![sent; MAX_BLOCKS];
+        // SAFETY: [MAX_BLOCKS] u64 at `counters` in the local buffer; no
+        // kernel of the group runs (the caller waited for its work).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                self.bufs.local + self.bufs.counters,
+                &counters,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(Error::cuda("cuMemcpyHtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.next_set = 0;
         for s in &mut st.sets {
             s.1 = Phase::Free;
         }
+        Ok(())
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, LlState> {
@@ -872,8 +911,65 @@ impl EpGroup {
         layout: LlLayout,
         cast_fp8: Option<Fp8Scaling>,
     ) -> Result<LlDispatchSent> {
-        let _turn = self.turn("moe_ep::ll_dispatch_send", stream)?;
-        self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_send(turn, layout, arg);
+        self.op_with(
+            "moe_ep::ll_dispatch_send",
+            0,
+            stream,
+            None,
+            Refuse::With(&refuse),
+            |_| self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8),
+        )
+    }
+
+    /// A dispatch send this rank's host refused (argument `arg`), or made
+    /// after an error of its own: the send kernel moves no rows and tells
+    /// every receiver why (LlSignal), so that none waits for this rank, and
+    /// the batch counts on every rank. Nothing when the set the batch would
+    /// take still holds one (its receivers are not waiting for this batch).
+    fn ll_refuse_send(&self, turn: &OpTurn<'_>, layout: LlLayout, arg: u64) -> Result<()> {
+        let (Some(ll), Some(stream)) = (self.ll.as_ref(), turn.stream()) else {
+            return Ok(());
+        };
+        let mut st = ll.state();
+        let set = st.next_set;
+        if !matches!(st.sets[set].1, Phase::Free | Phase::Combined) {
+            return Ok(());
+        }
+        let generation = st.generation + 1;
+        let b = LlBatch {
+            group: self.id,
+            set,
+            generation,
+            layout,
+            fp8: false,
+            num_tokens: 0,
+            topk: 1,
+        };
+        let mut p = self.ll_params(ll, &b);
+        p.refuse = arg as i32 + 1;
+        self.ll_launch(stream, &self.ll_kernels().send[0], &p)?;
+        st.generation = generation;
+        st.sets[set] = (generation, Phase::Free);
+        st.next_set = (set + 1) % LL_SETS;
+        Ok(())
+    }
+
+    /// A combine send of `b`'s batch this rank's host refused (argument
+    /// `arg`), or made after an error of its own: no rows, and every home
+    /// is told why (its signal), so that none waits for this rank.
+    fn ll_refuse_combine_send(&self, turn: &OpTurn<'_>, b: &LlBatch, arg: u64) -> Result<()> {
+        let (Some(ll), Some(stream)) = (self.ll.as_ref(), turn.stream()) else {
+            return Ok(());
+        };
+        if b.group != self.id || ll.state().sets[b.set].0 != b.generation {
+            return Ok(());
+        }
+        let mut p = self.ll_params(ll, b);
+        p.refuse = arg as i32 + 1;
+        self.ll_launch(stream, &self.ll_kernels().combine_send[li(b.layout)], &p)?;
+        self.ll_set_phase(ll, b, Phase::CombineSent);
+        Ok(())
     }
 
     /// Waits (on the stream, bounded by the group's timeout) for every
@@ -884,8 +980,14 @@ impl EpGroup {
         stream: &Arc<CudaStream>,
         sent: LlDispatchSent,
     ) -> Result<LlHandle<'_>> {
-        let _turn = self.turn("moe_ep::ll_dispatch_wait", stream)?;
-        self.ll_recv(stream, sent)
+        self.op_with(
+            "moe_ep::ll_dispatch_wait",
+            0,
+            stream,
+            None,
+            Refuse::With(&|_, _| Ok(())),
+            |_| self.ll_recv(stream, sent),
+        )
     }
 
     /// Low-latency dispatch (collective): every token of this rank to the
@@ -923,9 +1025,19 @@ impl EpGroup {
         layout: LlLayout,
         cast_fp8: Option<Fp8Scaling>,
     ) -> Result<LlHandle<'_>> {
-        let _turn = self.turn("moe_ep::ll_dispatch", stream)?;
-        let sent = self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)?;
-        self.ll_recv(stream, sent)
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_send(turn, layout, arg);
+        self.op_with(
+            "moe_ep::ll_dispatch",
+            0,
+            stream,
+            None,
+            Refuse::With(&refuse),
+            |turn| {
+                let sent = self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)?;
+                turn.launched.set(true);
+                self.ll_recv(stream, sent)
+            },
+        )
     }
 
     /// The checks of `expert_out`.
@@ -1021,9 +1133,17 @@ impl EpGroup {
         handle: &LlHandle<'_>,
         expert_out: &dyn DeviceRegion<bf16>,
     ) -> Result<LlCombineSent> {
-        let _turn = self.turn("moe_ep::ll_combine_send", stream)?;
-        // Not in place: the caller may reuse expert_out before the wait.
-        self.ll_combine_send_on_turn(stream, handle, expert_out, false)
+        let b = handle.b;
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
+        self.op_with(
+            "moe_ep::ll_combine_send",
+            0,
+            stream,
+            None,
+            Refuse::With(&refuse),
+            // Not in place: the caller may reuse expert_out before the wait.
+            |_| self.ll_combine_send_on_turn(stream, handle, expert_out, false),
+        )
     }
 
     /// Waits (bounded) for every rank's rows of a sent combine and sums them
@@ -1035,10 +1155,18 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
-        let _turn = self.turn("moe_ep::ll_combine_wait", stream)?;
-        let b = sent.b;
-        let w = self.ll_check_wait(&b, weights, &*out)?;
-        self.ll_combine_wait_on_turn(stream, b, w, out.device_ptr(), None)
+        self.op_with(
+            "moe_ep::ll_combine_wait",
+            0,
+            stream,
+            None,
+            Refuse::With(&|_, _| Ok(())),
+            |_| {
+                let b = sent.b;
+                let w = self.ll_check_wait(&b, weights, &*out)?;
+                self.ll_combine_wait_on_turn(stream, b, w, out.device_ptr(), None)
+            },
+        )
     }
 
     /// Low-latency combine (collective): the expert outputs of `handle`'s
@@ -1069,16 +1197,27 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
-        let _turn = self.turn("moe_ep::ll_combine", stream)?;
-        let ll = self.ll_buffers()?;
-        self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
-        self.ll_check_expert_out(handle, expert_out)?;
-        let w = self.ll_check_wait(&handle.b, weights, &*out)?;
-        // Both halves on one stream within this call: the rows homed here
-        // stay in expert_out, read there by the sum (no copy of them).
-        let sent = self.ll_combine_send_on_turn(stream, handle, expert_out, true)?;
-        let y = expert_out.device_ptr();
-        self.ll_combine_wait_on_turn(stream, sent.b, w, out.device_ptr(), Some(y))
+        let b = handle.b;
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
+        self.op_with(
+            "moe_ep::ll_combine",
+            0,
+            stream,
+            None,
+            Refuse::With(&refuse),
+            |turn| {
+                let ll = self.ll_buffers()?;
+                self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
+                self.ll_check_expert_out(handle, expert_out)?;
+                let w = self.ll_check_wait(&handle.b, weights, &*out)?;
+                // Both halves on one stream within this call: the rows homed
+                // here stay in expert_out, read there by the sum (no copy).
+                let sent = self.ll_combine_send_on_turn(stream, handle, expert_out, true)?;
+                turn.launched.set(true);
+                let y = expert_out.device_ptr();
+                self.ll_combine_wait_on_turn(stream, sent.b, w, out.device_ptr(), Some(y))
+            },
+        )
     }
 }
 

@@ -1081,7 +1081,7 @@ impl TwoLevelGroup {
         // stopped early (its error is the node group's) holds no round of
         // the hop until the timeout.
         memset_u32(stream, done, 1 << 30, words, "combine progress counters")?;
-        let op = self.node.op_common(&handle.node);
+        let op = self.node.op_common(&handle.node, 0);
         let me = self.topology.node_of(self.comm.rank());
         let sent = (0..ch.rounds).try_for_each(|c| {
             let mut w = ChunkWaitParams {

@@ -20,6 +20,10 @@ use crate::sys::nccl::{ncclComm_t, ncclDataType_t, ncclUint8};
 /// unless [`Communicator::virtual_world_with_timeout`] says otherwise.
 pub const VIRTUAL_HOST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The largest virtual world (the two-level path's largest world: 64 nodes
+/// of 8 ranks); every rank is a thread whose blocks share one GPU.
+pub const MAX_VIRTUAL_WORLD: usize = 512;
+
 enum Backend {
     Nccl { raw: ncclComm_t, owned: bool },
     Virtual(HostGroup),
@@ -46,6 +50,9 @@ pub struct Communicator {
     /// Ranks of this process whose kernels share this rank's GPU: the whole
     /// virtual world (also of a communicator split from it), else 1.
     gpu_ranks: usize,
+    /// What `abort` tells the groups made on this communicator (each stops
+    /// its running kernels); dead entries are skipped.
+    abort_hooks: std::sync::Mutex<Vec<std::sync::Weak<dyn Fn() + Send + Sync>>>,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time:
@@ -114,6 +121,7 @@ impl Communicator {
             aborted: std::sync::atomic::AtomicBool::new(false),
             windows: std::sync::atomic::AtomicU64::new(0),
             gpu_ranks: 1,
+            abort_hooks: Default::default(),
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -163,8 +171,12 @@ impl Communicator {
         world: usize,
         timeout: Duration,
     ) -> Result<Vec<Arc<Self>>> {
-        if world == 0 {
-            return Err(Error::arg("world", "at least 1 virtual rank", world));
+        if world == 0 || world > MAX_VIRTUAL_WORLD {
+            return Err(Error::arg(
+                "world",
+                format!("1..={MAX_VIRTUAL_WORLD} virtual ranks (one thread each, on one GPU)"),
+                world,
+            ));
         }
         if timeout.is_zero() {
             return Err(Error::arg("timeout", "a positive duration", "0"));
@@ -183,6 +195,7 @@ impl Communicator {
                     aborted: std::sync::atomic::AtomicBool::new(false),
                     windows: std::sync::atomic::AtomicU64::new(0),
                     gpu_ranks: world,
+                    abort_hooks: Default::default(),
                 })
             })
             .collect())
@@ -248,6 +261,7 @@ impl Communicator {
             aborted: std::sync::atomic::AtomicBool::new(false),
             windows: std::sync::atomic::AtomicU64::new(0),
             gpu_ranks: self.gpu_ranks,
+            abort_hooks: Default::default(),
         }))
     }
 
@@ -353,18 +367,22 @@ impl Communicator {
             let (s, _g1) = send.device_ptr(stream);
             let mut recv = recv;
             let (r, _g2) = recv.device_ptr_mut(stream);
-            let _one_call = self.nccl_calls();
-            self.live()?;
-            // SAFETY: both buffers live until the stream sync below.
-            unsafe {
-                nc::all_gather(
-                    s as *const c_void,
-                    r as *mut c_void,
-                    n,
-                    ncclUint8 as ncclDataType_t,
-                    raw,
-                    stream.cu_stream() as *mut c_void,
-                )?;
+            {
+                // The lock only while NCCL enqueues: the wait below is
+                // outside it, so that `abort` can take it and end the wait.
+                let _one_call = self.nccl_calls();
+                self.live()?;
+                // SAFETY: both buffers live until the stream sync below.
+                unsafe {
+                    nc::all_gather(
+                        s as *const c_void,
+                        r as *mut c_void,
+                        n,
+                        ncclUint8 as ncclDataType_t,
+                        raw,
+                        stream.cu_stream() as *mut c_void,
+                    )?;
+                }
             }
             drop((_g1, _g2));
             let out: Vec<u8> = stream
@@ -401,7 +419,25 @@ impl Communicator {
     /// then on their host collectives fail with `Error::InvalidState`
     /// ("aborted"), and nothing more is freed through NCCL (its resources
     /// went with the abort). Make a new communicator and group to go on.
+    ///
+    /// From any thread, at any time: it does not wait for a call in
+    /// progress on another thread (NCCL's abort ends such a call). Every
+    /// group made on this communicator is told first: its running kernels
+    /// stop at their next look at their error word (within microseconds
+    /// where they wait), and every later op on it is refused naming the
+    /// abort.
     pub fn abort(&self) -> Result<()> {
+        let first = !self
+            .aborted
+            .swap(true, std::sync::atomic::Ordering::AcqRel);
+        if first {
+            let hooks = std::mem::take(
+                &mut *self.abort_hooks.lock().unwrap_or_else(|p| p.into_inner()),
+            );
+            for h in hooks.iter().filter_map(|w| w.upgrade()) {
+                h();
+            }
+        }
         if let Backend::Virtual(g) = &self.backend {
             g.abort();
             return Ok(());
@@ -409,13 +445,23 @@ impl Communicator {
         let Backend::Nccl { raw, owned } = self.backend else {
             return Ok(());
         };
-        let _one_call = self.nccl_calls();
-        if self.aborted.swap(true, std::sync::atomic::Ordering::AcqRel) || !owned {
+        if !first || !owned {
             return Ok(());
         }
         // SAFETY: we own raw; every later NCCL call on it is refused
-        // (`aborted`, checked with `calls` held), and drop skips its destroy.
+        // (`aborted`, checked with `calls` held) and drop skips its destroy.
+        // NOTE: not under `calls`: a call blocked on another thread (a
+        // window registration or an all-gather whose peer never comes)
+        // may hold it, and this is what ends that call.
         unsafe { nc::comm_abort(raw) }
+    }
+
+    /// Registers what `abort` tells a group made on this communicator
+    /// (held weakly: a dropped group is skipped).
+    pub(crate) fn on_abort(&self, hook: std::sync::Weak<dyn Fn() + Send + Sync>) {
+        let mut hooks = self.abort_hooks.lock().unwrap_or_else(|p| p.into_inner());
+        hooks.retain(|w| w.strong_count() > 0);
+        hooks.push(hook);
     }
 
     /// Refuses an NCCL call on an aborted communicator.

@@ -157,6 +157,13 @@ impl HostGroup {
         self.exchange("barrier", ()).map(drop)
     }
 
+    /// A barrier named `collective` that waits at most `timeout` (or the
+    /// group's timeout, when that is shorter) for the slowest rank.
+    pub fn barrier_within(&self, collective: &'static str, timeout: Duration) -> Result<()> {
+        self.exchange_within(collective, (), timeout.min(self.shared.timeout))
+            .map(drop)
+    }
+
     /// Every rank's `value`, in rank order: the general form of
     /// [`HostGroup::all_gather`] (values are moved, not copied as bytes, so
     /// they can be owning handles).
@@ -165,9 +172,19 @@ impl HostGroup {
         collective: &'static str,
         value: T,
     ) -> Result<Vec<T>> {
+        self.exchange_within(collective, value, self.shared.timeout)
+    }
+
+    /// [`HostGroup::exchange`] waiting at most `timeout`.
+    fn exchange_within<T: Clone + Send + Sync + 'static>(
+        &self,
+        collective: &'static str,
+        value: T,
+        timeout: Duration,
+    ) -> Result<Vec<T>> {
         let n = self.rounds.fetch_add(1, Ordering::Relaxed);
         let sh = &*self.shared;
-        let deadline = Instant::now() + sh.timeout;
+        let deadline = Instant::now() + timeout;
         let mut st = sh.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((missing, why)) = &st.broken {
             return Err(self.error(collective, missing.clone(), why.clone()));
@@ -235,7 +252,7 @@ impl HostGroup {
                 let why = format!(
                     "{} did not arrive within {:?}",
                     ranks_text(&missing),
-                    sh.timeout
+                    timeout
                 );
                 return Err(self.break_group(&mut st, collective, missing, why));
             }

@@ -408,13 +408,24 @@ impl Drop for Segment {
         let Backing::Window { win, owned: true } = self.backing else {
             return;
         };
-        let Some(raw) = self.comm.raw() else { return };
+        // The lock first, then the communicator's state: an abort between
+        // the two would otherwise leave a window deregistered on a dead
+        // communicator.
         let _one_call = self.comm.nccl_calls();
         let _ = self.comm.context().bind_to_thread();
-        // SAFETY: registered and allocated in new; deregistered before freeing.
+        // SAFETY: registered and allocated in new; deregistered before
+        // freeing. After an abort the window went with the communicator;
+        // the memory itself (ncclMemAlloc, not the communicator's) is freed.
         unsafe {
-            if let Err(e) = nc::window_deregister(raw, win) {
-                eprintln!("moe-ep: ncclCommWindowDeregister failed in drop: {e}");
+            match self.comm.raw() {
+                Some(raw) => {
+                    if let Err(e) = nc::window_deregister(raw, win) {
+                        eprintln!("moe-ep: ncclCommWindowDeregister failed in drop: {e}");
+                    }
+                }
+                None => eprintln!(
+                    "moe-ep: a symmetric window of an aborted communicator: its memory is freed, its registration went with the abort"
+                ),
             }
             if let Err(e) = nc::mem_free(self.base as *mut c_void) {
                 eprintln!("moe-ep: ncclMemFree failed in drop: {e}");
@@ -633,6 +644,25 @@ impl SymmPool {
     pub fn num_segments(&self) -> usize {
         let slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
         slots.iter().filter(|s| s.pooled).count()
+    }
+}
+
+impl Drop for PoolInner {
+    /// The pool's segments are freed once its last buffer is gone: first
+    /// every stream-ordered use of a released range must have finished
+    /// (a copy of a buffer still pending on another stream, say), else the
+    /// memory would be freed under it.
+    fn drop(&mut self) {
+        let slots = self.slots.get_mut().unwrap_or_else(|p| p.into_inner());
+        for slot in slots.iter() {
+            for (_, _, pending) in &slot.free {
+                for e in &pending.0 {
+                    if let Err(err) = e.synchronize() {
+                        eprintln!("moe-ep: waiting for a pool range's last use before its segment is freed: {err}");
+                    }
+                }
+            }
+        }
     }
 }
 
