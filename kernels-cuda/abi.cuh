@@ -214,7 +214,7 @@ struct Workspace {
   uint64_t combine_done_off;  // uint64 [R src][MAX_BLOCKS]    written by peers
   uint64_t stage_off;      // bf16 [2 parity][stage_rows][H]   combine partials, by peers
   uint64_t stage_w_off;    // float [2 parity][stage_rows][K_max] weight grads, by peers
-  uint64_t seq_off;        // uint64 [4][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status, [3][10] layout arrivals
+  uint64_t seq_off;        // uint64 [5][MAX_BLOCKS] local sequence counters (layout, dispatch, combine); [3][0] error claim, [3][1..6] item counters, [3][8] status, [3][10] layout arrivals; [4] the group's calls, per block
   uint64_t stage_rows;     // combine slots per parity (= max_tokens_per_rank * world)
   uint64_t pull_flag_off;  // uint64 [R src][MAX_BLOCKS]    combine (pull) handshakes, by peers
   uint64_t desc_off;       // uint64 [2 parity][MAX_RANKS src][8] op call descriptors, by peers
@@ -240,10 +240,6 @@ struct OpCommon {
   int32_t alignment;            // expert-major padding (1 for rank-major)
   int32_t recv_capacity;        // rows on every rank
   int32_t num_blocks;           // grid of the data kernels (dispatch, combine), the same on every rank
-  // The call's number on the group (1, 2, ...; the host's count of the
-  // group's ops, the same on every rank): what every cross-rank flag and
-  // descriptor of the call carries.
-  uint64_t call;
 };
 
 // layout: moe_ep_layout_scan_{i32,i64}, _exchange (layout.cu).
@@ -253,8 +249,9 @@ struct LayoutParams {
 };
 
 // moe_ep_publish_refusal (layout.cu): a rank whose host refused its part of
-// call op.call publishes `desc` (word 0 MOE_EP_OP_REFUSED) to every peer,
-// so that they stop at once instead of waiting for it.
+// a call (or skipped it after an error) counts the call and publishes `desc`
+// (word 0 MOE_EP_OP_REFUSED or MOE_EP_OP_STOPPED) to every peer, so that
+// they stop at once instead of waiting for it.
 struct RefusalParams {
   OpCommon op;
   uint64_t desc[MOE_EP_DESC_WORDS];
@@ -423,21 +420,21 @@ static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
 static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
-static_assert(sizeof(OpCommon) == 248, "OpCommon");
-static_assert(sizeof(LayoutParams) == 256, "LayoutParams");
-static_assert(sizeof(RefusalParams) == 312, "RefusalParams");
-static_assert(sizeof(DispatchParams) == 680, "DispatchParams");
-static_assert(sizeof(CombineParams) == 496, "CombineParams");
+static_assert(sizeof(OpCommon) == 240, "OpCommon");
+static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
+static_assert(sizeof(RefusalParams) == 304, "RefusalParams");
+static_assert(sizeof(DispatchParams) == 672, "DispatchParams");
+static_assert(sizeof(CombineParams) == 488, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 248, "LlBufs");
-static_assert(sizeof(LlParams) == 576, "LlParams");
+static_assert(sizeof(LlParams) == 568, "LlParams");
 static_assert(offsetof(LlBufs, local) == 64 && offsetof(LlBufs, sig_dispatch) == 88 &&
                   offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 208 &&
                   offsetof(LlBufs, ticket) == 232,
               "LlBufs offsets");
-static_assert(offsetof(LlParams, b) == 248 && offsetof(LlParams, x) == 496 &&
-                  offsetof(LlParams, out) == 544 && offsetof(LlParams, set) == 552 &&
-                  offsetof(LlParams, in_place) == 568,
+static_assert(offsetof(LlParams, b) == 240 && offsetof(LlParams, x) == 488 &&
+                  offsetof(LlParams, out) == 536 && offsetof(LlParams, set) == 544 &&
+                  offsetof(LlParams, in_place) == 560,
               "LlParams offsets");
 // ---- the two-level (inter-node) path (two_level.cu) ----
 // Most nodes of a two-level world (rail peers of one rank, plus its own node).
@@ -496,28 +493,28 @@ struct ChunkWaitParams {
   int32_t peer[MOE_EP_MAX_NODES];
   uint64_t need[MOE_EP_MAX_NODES];
 };
-static_assert(sizeof(ChunkWaitParams) == 1288, "ChunkWaitParams");
-static_assert(offsetof(ChunkWaitParams, done) == 248 && offsetof(ChunkWaitParams, chunk) == 264 &&
-                  offsetof(ChunkWaitParams, need) == 776,
+static_assert(sizeof(ChunkWaitParams) == 1280, "ChunkWaitParams");
+static_assert(offsetof(ChunkWaitParams, done) == 240 && offsetof(ChunkWaitParams, chunk) == 256 &&
+                  offsetof(ChunkWaitParams, need) == 768,
               "ChunkWaitParams offsets");
 
 // Offsets src/ops/abi.rs checks too (param_offsets_match_the_c_layout).
 static_assert(offsetof(OpCommon, ws) == 40 && offsetof(OpCommon, w) == 104 &&
                   offsetof(OpCommon, error) == 184 && offsetof(OpCommon, timeout_ns) == 192 &&
                   offsetof(OpCommon, rank) == 200 && offsetof(OpCommon, layout) == 224 &&
-                  offsetof(OpCommon, num_blocks) == 236 && offsetof(OpCommon, call) == 240,
+                  offsetof(OpCommon, num_blocks) == 236,
               "OpCommon offsets");
-static_assert(offsetof(LayoutParams, topk_idx) == 248 && offsetof(RefusalParams, desc) == 248,
+static_assert(offsetof(LayoutParams, topk_idx) == 240 && offsetof(RefusalParams, desc) == 240,
               "LayoutParams offsets");
-static_assert(offsetof(DispatchParams, x) == 248 && offsetof(DispatchParams, scale_w) == 264 &&
-                  offsetof(DispatchParams, recv_x) == 272 && offsetof(DispatchParams, recv_src) == 464 &&
-                  offsetof(DispatchParams, desc) == 528 &&
-                  offsetof(DispatchParams, meta) == 584 &&
-                  offsetof(DispatchParams, arrive) == 648 &&
-                  offsetof(DispatchParams, arrive_epoch) == 672,
+static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, scale_w) == 256 &&
+                  offsetof(DispatchParams, recv_x) == 264 && offsetof(DispatchParams, recv_src) == 456 &&
+                  offsetof(DispatchParams, desc) == 520 &&
+                  offsetof(DispatchParams, meta) == 576 &&
+                  offsetof(DispatchParams, arrive) == 640 &&
+                  offsetof(DispatchParams, arrive_epoch) == 664,
               "DispatchParams offsets");
-static_assert(offsetof(CombineParams, y) == 248 && offsetof(CombineParams, out) == 272 &&
-                  offsetof(CombineParams, y_peers) == 288 && offsetof(CombineParams, gw_peers) == 352 &&
-                  offsetof(CombineParams, num_chunks) == 416 &&
-                  offsetof(CombineParams, desc) == 424 && offsetof(CombineParams, done) == 480,
+static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
+                  offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&
+                  offsetof(CombineParams, num_chunks) == 408 &&
+                  offsetof(CombineParams, desc) == 416 && offsetof(CombineParams, done) == 472,
               "CombineParams offsets");

@@ -37,9 +37,10 @@ __device__ void combine_pull(const CombineParams& p) {
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
   const int lane = threadIdx.x & 31;
-  if (!running(p.op)) return;  // an earlier error: skip, telling every peer
+  const uint64_t callno = begin_call(p.op);
+  if (callno == 0) return;  // an earlier error: skip, telling every peer
   const uint64_t seq = next_seq(ws, 2, me);  // this rank's item counters (ItemClaims)
-  const Call call = call_of(p.op, p.desc);
+  const Call call = call_of(p.op, p.desc, callno);
   publish_desc(call);
   // Thread d < R (d != me) shakes hands with block blockIdx.x of rank d.
   const int d_hs = threadIdx.x;

@@ -91,7 +91,8 @@ __device__ void combine_push(const CombineParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
   const int n16 = p.op.hidden / 8, T = p.op.num_tokens, nb = p.op.num_blocks;
   const Ws ws = ws_of(p.op);
-  if (!running(p.op)) return;  // an earlier error: skip, telling every peer
+  const uint64_t callno = begin_call(p.op);
+  if (callno == 0) return;  // an earlier error: skip, telling every peer
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
   const int n = count_row(R, E);
@@ -142,7 +143,7 @@ __device__ void combine_push(const CombineParams& p) {
     fence_mbar_init();
   }
   next_seq(ws, 2, me);  // the barrier for the shared arrays (and this rank's item counters)
-  const Call call = call_of(p.op, p.desc);
+  const Call call = call_of(p.op, p.desc, callno);
   const ErrSink& err = call.err;
   publish_desc(call);
   const int parity = (int)(call.call & 1);

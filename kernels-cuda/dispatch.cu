@@ -155,9 +155,10 @@ __device__ void dispatch_body(const DispatchParams& p) {
   const bool scaled = p.scale_w != nullptr;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  if (!running(p.op)) return;  // an earlier error: skip, telling every peer
+  const uint64_t callno = begin_call(p.op);
+  if (callno == 0) return;  // an earlier error: skip, telling every peer
   const uint64_t seq = next_seq(ws, 1, me);  // this rank's item counters (ItemClaims)
-  const Call call = call_of(p.op, p.desc);
+  const Call call = call_of(p.op, p.desc, callno);
   const ErrSink& err = call.err;
   publish_desc(call);
 

@@ -85,7 +85,8 @@ struct Ws {
   // Local sequence counters: [0] layout, [1] dispatch, [2] combine; one per
   // block. [3][0] is the error claim word (see ErrSink), [3][1..6] the
   // item counters (claims), [3][8] the status word (status()), [3][10] the
-  // layout scan's arrivals (layout_arrivals()).
+  // layout scan's arrivals (layout_arrivals()). [4]: the group's calls
+  // (next_call), one per block.
   __device__ uint64_t* seq(int which, int me) const {
     return reinterpret_cast<uint64_t*>(base[me] + w.seq_off) + which * MOE_EP_MAX_BLOCKS;
   }
@@ -139,6 +140,33 @@ __device__ __forceinline__ Ws ws_of(const OpCommon& op) {
 // rank is at most one call ahead of any peer that still reads its
 // descriptor (every call waits for every peer).
 
+// The group's calls, counted on the device: every op of the group is one
+// kernel on every rank (a refused call's too, moe_ep_publish_refusal), and
+// each counts itself in Ws::seq(4) before anything else, so the counts of
+// all ranks move in step, also through CUDA-graph replays. (Per block, as
+// next_seq; a kernel whose grid is not the group's bumps every block's.)
+__device__ uint64_t next_call(const Ws& ws, int me) {
+  __shared__ uint64_t s_call;
+  if (threadIdx.x == 0) {
+    uint64_t* c = ws.seq(4, me) + blockIdx.x;
+    s_call = *c + 1;
+    *c = s_call;
+  }
+  __syncthreads();
+  return s_call;
+}
+__device__ uint64_t next_call_all(const Ws& ws, int me, int num_blocks) {
+  __shared__ uint64_t s_call;
+  uint64_t* c = ws.seq(4, me);
+  __syncthreads();
+  if (threadIdx.x == 0) s_call = c[0] + 1;
+  __syncthreads();
+  const uint64_t v = s_call;
+  for (int b = threadIdx.x; b < num_blocks; b += blockDim.x) c[b] = v;
+  __syncthreads();
+  return v;
+}
+
 // One call as a kernel sees it: what its waits need.
 struct Call {
   Ws ws;
@@ -147,9 +175,9 @@ struct Call {
   ErrSink err;
   int me;
 };
-__device__ __forceinline__ Call call_of(const OpCommon& op, const uint64_t* mine) {
+__device__ __forceinline__ Call call_of(const OpCommon& op, const uint64_t* mine, uint64_t call) {
   const Ws ws = ws_of(op);
-  return Call{ws, mine, op.call, op.timeout_ns, ws.err(op.error, op.rank), op.rank};
+  return Call{ws, mine, call, op.timeout_ns, ws.err(op.error, op.rank), op.rank};
 }
 
 // Threads d < R of the calling block: publish `words` as this rank's
@@ -174,15 +202,17 @@ __device__ __forceinline__ void publish_stopped(const Ws& ws, uint64_t call, int
   w[0] = MOE_EP_OP_STOPPED | (*reinterpret_cast<volatile unsigned long long*>(ws.status(me)) << 8);
   publish_words(ws, call, w, me);
 }
-// The start of every op kernel: false when an earlier error stopped this
-// rank (its status word). Then block 0 tells every peer that it skips
-// the call (MOE_EP_OP_STOPPED), so that none waits for it, and the kernel
-// returns at once, writing nothing.
-__device__ __forceinline__ bool running(const OpCommon& op) {
+// The start of every op kernel whose grid is the group's (every block):
+// the call's number, or 0 when an earlier error stopped this rank (its
+// status word). Then block 0 tells every peer that it skips the call
+// (MOE_EP_OP_STOPPED), so that none waits for it, and the kernel returns
+// at once, writing nothing.
+__device__ __forceinline__ uint64_t begin_call(const OpCommon& op) {
   const Ws ws = ws_of(op);
-  if (!ws.stopped(op.rank)) return true;
-  if (blockIdx.x == 0) publish_stopped(ws, op.call, op.rank);
-  return false;
+  const uint64_t call = next_call(ws, op.rank);
+  if (!ws.stopped(op.rank)) return call;
+  if (blockIdx.x == 0) publish_stopped(ws, call, op.rank);
+  return 0;
 }
 
 // What peer s's descriptor of the call says, seen here.

@@ -341,17 +341,19 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
   const Ws ws = ws_of(p.op);
   const InfoOffsets o = info_offsets(R, E, El);
   int32_t* info = p.op.bufs.info;
+  // The call, counted for every block of the group's grid (this kernel's
+  // is larger; the data kernels read their block's count).
+  const uint64_t seq = next_call_all(ws, me, p.op.num_blocks);
   if (ws.stopped(me)) {  // an earlier error: nothing runs until cleared; every peer is told
-    publish_stopped(ws, p.op.call, me);
+    publish_stopped(ws, seq, me);
     return;
   }
   next_seq(ws, 0, me, 0);  // this rank's layout calls (MOE_EP_DEBUG_PEERS)
-  const uint64_t seq = p.op.call;
   const int parity = (int)(seq & 1);
   // The layout's descriptor: the op alone (topk, layout and alignment travel
   // in the count rows' tails).
   const uint64_t mine[MOE_EP_DESC_WORDS] = {MOE_EP_OP_LAYOUT, 0, 0, 0, 0, 0, 0};
-  const Call call = call_of(p.op, mine);
+  const Call call = call_of(p.op, mine, seq);
   const ErrSink& err = call.err;
   publish_words(ws, seq, mine, me);
 
@@ -528,14 +530,20 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
 }
 
 // ============================================================================
-// A call this rank's host refused (a bad argument on this rank only): its
-// descriptor, word 0 MOE_EP_OP_REFUSED with the op and the argument, to
-// every peer, whose waits for this rank then stop at once naming both
-// (intranode.cuh). One block. Launcher: EpGroup's op entry (src/ops/group.rs).
+// A call this rank's host refused (a bad argument on this rank only, or an
+// earlier error): the call counted, and its descriptor, word 0
+// MOE_EP_OP_REFUSED with the op and the argument (MOE_EP_OP_STOPPED when
+// this rank's kernels are stopped), to every peer, whose waits for this rank
+// then stop at once naming both (intranode.cuh). One block. Launcher:
+// EpGroup::op (src/ops/handle.rs).
 // ============================================================================
 extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
     moe_ep_publish_refusal(const __grid_constant__ RefusalParams p) {
-  if (threadIdx.x == 0) __threadfence_system();  // the slot's earlier readers are done (stream order)
-  __syncthreads();
-  publish_words(ws_of(p.op), p.op.call, p.desc, p.op.rank);
+  const Ws ws = ws_of(p.op);
+  const uint64_t call = next_call_all(ws, p.op.rank, p.op.num_blocks);
+  if (ws.stopped(p.op.rank)) {
+    publish_stopped(ws, call, p.op.rank);
+  } else {
+    publish_words(ws, call, p.desc, p.op.rank);
+  }
 }

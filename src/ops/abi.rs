@@ -295,10 +295,6 @@ pub struct OpCommon {
     pub recv_capacity: i32,
     /// Grid of the data kernels, the same on every rank.
     pub num_blocks: i32,
-    /// The call's number on the group (the host's count of its ops, the
-    /// same on every rank): carried by every cross-rank flag and
-    /// descriptor of the call.
-    pub call: u64,
 }
 
 /// `moe_ep_layout_scan_{i32,i64}`, `_exchange`.
@@ -309,8 +305,9 @@ pub struct LayoutParams {
     pub topk_idx: u64,
 }
 
-/// `moe_ep_publish_refusal` (`layout.cu`): a refused call's descriptor,
-/// published to every peer.
+/// `moe_ep_publish_refusal` (`layout.cu`): the descriptor of a call this
+/// rank's host refused (or skipped after an error), published to every
+/// peer once the kernel has counted the call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RefusalParams {
@@ -624,16 +621,16 @@ const _: () = assert!(std::mem::size_of::<ErrorInfo>() == 64);
 const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
-const _: () = assert!(std::mem::size_of::<OpCommon>() == 248);
-const _: () = assert!(std::mem::size_of::<LayoutParams>() == 256);
-const _: () = assert!(std::mem::size_of::<RefusalParams>() == 312);
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 680);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 496);
+const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
+const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
+const _: () = assert!(std::mem::size_of::<RefusalParams>() == 304);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 672);
+const _: () = assert!(std::mem::size_of::<CombineParams>() == 488);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
-const _: () = assert!(std::mem::size_of::<LlParams>() == 576);
+const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
 const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 496);
-const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1288);
+const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1280);
 
 #[cfg(test)]
 mod tests {
@@ -650,37 +647,36 @@ mod tests {
         assert_eq!(offset_of!(OpCommon, rank), 200);
         assert_eq!(offset_of!(OpCommon, layout), 224);
         assert_eq!(offset_of!(OpCommon, num_blocks), 236);
-        assert_eq!(offset_of!(OpCommon, call), 240);
-        assert_eq!(offset_of!(RefusalParams, desc), 248);
-        assert_eq!(offset_of!(LayoutParams, topk_idx), 248);
-        assert_eq!(offset_of!(DispatchParams, x), 248);
-        assert_eq!(offset_of!(DispatchParams, scale_w), 264);
-        assert_eq!(offset_of!(DispatchParams, recv_x), 272);
-        assert_eq!(offset_of!(DispatchParams, recv_src), 464);
-        assert_eq!(offset_of!(DispatchParams, desc), 528);
-        assert_eq!(offset_of!(DispatchParams, meta), 584);
-        assert_eq!(offset_of!(DispatchParams, arrive), 648);
-        assert_eq!(offset_of!(DispatchParams, arrive_epoch), 672);
-        assert_eq!(offset_of!(CombineParams, y), 248);
-        assert_eq!(offset_of!(CombineParams, out), 272);
-        assert_eq!(offset_of!(CombineParams, y_peers), 288);
-        assert_eq!(offset_of!(CombineParams, gw_peers), 352);
-        assert_eq!(offset_of!(CombineParams, num_chunks), 416);
-        assert_eq!(offset_of!(CombineParams, desc), 424);
-        assert_eq!(offset_of!(CombineParams, done), 480);
-        assert_eq!(offset_of!(ChunkWaitParams, done), 248);
-        assert_eq!(offset_of!(ChunkWaitParams, chunk), 264);
-        assert_eq!(offset_of!(ChunkWaitParams, need), 776);
+        assert_eq!(offset_of!(RefusalParams, desc), 240);
+        assert_eq!(offset_of!(LayoutParams, topk_idx), 240);
+        assert_eq!(offset_of!(DispatchParams, x), 240);
+        assert_eq!(offset_of!(DispatchParams, scale_w), 256);
+        assert_eq!(offset_of!(DispatchParams, recv_x), 264);
+        assert_eq!(offset_of!(DispatchParams, recv_src), 456);
+        assert_eq!(offset_of!(DispatchParams, desc), 520);
+        assert_eq!(offset_of!(DispatchParams, meta), 576);
+        assert_eq!(offset_of!(DispatchParams, arrive), 640);
+        assert_eq!(offset_of!(DispatchParams, arrive_epoch), 664);
+        assert_eq!(offset_of!(CombineParams, y), 240);
+        assert_eq!(offset_of!(CombineParams, out), 264);
+        assert_eq!(offset_of!(CombineParams, y_peers), 280);
+        assert_eq!(offset_of!(CombineParams, gw_peers), 344);
+        assert_eq!(offset_of!(CombineParams, num_chunks), 408);
+        assert_eq!(offset_of!(CombineParams, desc), 416);
+        assert_eq!(offset_of!(CombineParams, done), 472);
+        assert_eq!(offset_of!(ChunkWaitParams, done), 240);
+        assert_eq!(offset_of!(ChunkWaitParams, chunk), 256);
+        assert_eq!(offset_of!(ChunkWaitParams, need), 768);
         assert_eq!(offset_of!(LlBufs, local), 64);
         assert_eq!(offset_of!(LlBufs, sig_dispatch), 88);
         assert_eq!(offset_of!(LlBufs, em_x), 152);
         assert_eq!(offset_of!(LlBufs, counters), 208);
         assert_eq!(offset_of!(LlBufs, ticket), 232);
-        assert_eq!(offset_of!(LlParams, b), 248);
-        assert_eq!(offset_of!(LlParams, x), 496);
-        assert_eq!(offset_of!(LlParams, out), 544);
-        assert_eq!(offset_of!(LlParams, set), 552);
-        assert_eq!(offset_of!(LlParams, in_place), 568);
+        assert_eq!(offset_of!(LlParams, b), 240);
+        assert_eq!(offset_of!(LlParams, x), 488);
+        assert_eq!(offset_of!(LlParams, out), 536);
+        assert_eq!(offset_of!(LlParams, set), 544);
+        assert_eq!(offset_of!(LlParams, in_place), 560);
         assert_eq!(offset_of!(TwoLevelParams, src_in), 128);
         assert_eq!(offset_of!(TwoLevelParams, origin_peers), 136);
         assert_eq!(offset_of!(TwoLevelParams, row_off), 200);

@@ -16,6 +16,7 @@ use half::bf16;
 
 use super::abi::MAX_RANKS;
 use super::group::EpGroup;
+use super::handle::OpStreams;
 use crate::error::{Error, Result};
 use crate::symm::{SymmBuffer, SymmView, SymmViewMut};
 
@@ -274,12 +275,40 @@ impl EpGroup {
         what: &str,
         align: usize,
     ) -> Result<()> {
-        check_len(arg, r.len(), want, what)?;
-        r.num_bytes_checked(arg)?;
         if let Some(home) = r.home_stream() {
             self.order_with(home)?;
         }
         self.mark_used(r)?;
+        self.check_region_only(arg, r, want, what, align)
+    }
+
+    /// [`EpGroup::check_region`] for an op that is not this group's own (the
+    /// two-level path's, around its node group's ops): the region is
+    /// ordered with the op through `order`, the op's own ordering.
+    pub(crate) fn check_region_in<T>(
+        &self,
+        order: &mut OpStreams,
+        arg: &'static str,
+        r: &dyn DeviceRegion<T>,
+        want: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<()> {
+        order.use_region(r)?;
+        self.check_region_only(arg, r, want, what, align)
+    }
+
+    /// The checks of [`EpGroup::check_region`] without the ordering.
+    fn check_region_only<T>(
+        &self,
+        arg: &'static str,
+        r: &dyn DeviceRegion<T>,
+        want: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<()> {
+        check_len(arg, r.len(), want, what)?;
+        r.num_bytes_checked(arg)?;
         if want == 0 {
             return Ok(());
         }

@@ -140,7 +140,7 @@ impl EpGroup {
         }
         d[desc::HANDLE_WORD] = handle.id;
         let p = CombineParams {
-            op: self.op_common(handle, turn.call),
+            op: self.op_common(handle),
             y: call.y,
             w_rows: call.w_rows.unwrap_or(0),
             grad_w_in,

@@ -105,7 +105,7 @@ impl EpGroup {
         d[..5].copy_from_slice(&[op, recv_x.1, recv_w.1, recv_idx.1, recv_src.1]);
         d[desc::HANDLE_WORD] = handle.id;
         let p = DispatchParams {
-            op: self.op_common(handle, turn.call),
+            op: self.op_common(handle),
             x,
             topk_w,
             scale_w,

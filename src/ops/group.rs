@@ -218,6 +218,9 @@ pub struct EpGroup {
     /// Called by `Communicator::abort`: marks the error report aborted, so
     /// that every running kernel of the group stops at its next look.
     _on_abort: Arc<dyn Fn() + Send + Sync>,
+    /// A virtual world's ranks' arrivals at the end of each op (shared by
+    /// the group's ranks; `None` on NCCL communicators).
+    pub(crate) op_barrier: Option<Arc<crate::runtime::host_group::OpBarrier>>,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
@@ -439,10 +442,10 @@ impl EpGroup {
         //   pull_flag      u64   [R][MAX_BLOCKS]        combine (pull) handshakes
         //   desc           u64   [2][MAX_RANKS][8]      op call descriptors (call
         //                                               parity, source)
-        //   seq            u64   [4][MAX_BLOCKS]        local counters ([3][0] error
+        //   seq            u64   [5][MAX_BLOCKS]        local counters ([3][0] error
         //                                               claim, [3][1..6] item counters,
         //                                               [3][8] status, [3][10] layout
-        //                                               arrivals)
+        //                                               arrivals; [4] the group's calls)
         //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
         //   stage          bf16  [2][R * max_tokens][H]
         let (r, h) = (world as u64, cfg.hidden as u64);
@@ -462,7 +465,7 @@ impl EpGroup {
         w.pull_flag_off = carve(r * MAX_BLOCKS as u64 * 8).0;
         w.desc_off = carve(2 * MAX_RANKS as u64 * 8 * 8).0;
         let zeroed; // everything before the stage must start at zero
-        (w.seq_off, zeroed) = carve(4 * MAX_BLOCKS as u64 * 8);
+        (w.seq_off, zeroed) = carve(5 * MAX_BLOCKS as u64 * 8);
         w.stage_w_off = carve(2 * stage_rows * MAX_TOPK as u64 * 4).0;
         let total;
         (w.stage_off, total) = carve(2 * stage_rows * h * 2);
@@ -515,6 +518,15 @@ impl EpGroup {
             })
         };
         comm.on_abort(Arc::downgrade(&on_abort));
+        // Virtual ranks: one barrier of the group's ops, rank 0's, for all.
+        let op_barrier = match comm.host_group() {
+            Some(g) => {
+                let mine = (comm.rank() == 0)
+                    .then(|| Arc::new(crate::runtime::host_group::OpBarrier::new(world)));
+                g.exchange("op barrier", mine)?[0].clone()
+            }
+            None => None,
+        };
         comm.barrier(&stream)?;
 
         Ok(EpGroup {
@@ -533,6 +545,7 @@ impl EpGroup {
             op_streams: Mutex::new(Default::default()),
             own_stream: stream,
             _on_abort: on_abort,
+            op_barrier,
             cfg,
         })
     }
@@ -582,6 +595,12 @@ impl EpGroup {
     /// telling their peers so), and every op refuses with that error until
     /// `check`.
     pub fn check(&self) -> Result<()> {
+        if self.comm.is_aborted() {
+            return Err(Error::InvalidState(format!(
+                "rank {}: the communicator was aborted; make a new communicator and group",
+                self.comm.rank()
+            )));
+        }
         let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
         // Every op of the group is ordered after the previous one (turn):
         // the last stream's end is the end of all of them.
@@ -594,24 +613,29 @@ impl EpGroup {
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
         let dev = self.error.read();
-        let dead = self.poisoned.load(Ordering::Relaxed) || dev.code == abi::code::TIMEOUT;
-        // 0: nothing; 1: an error; 2: the group is dead here (a timeout).
-        let found = if dead {
-            2u64
-        } else if dev.code != abi::code::OK || turns.refused.is_some() {
-            1
-        } else {
-            0
-        };
+        if self.poisoned.load(Ordering::Relaxed) || dev.code == abi::code::TIMEOUT {
+            // Dead here: no collective (the rank that did not come may never
+            // call check), and nothing more runs on the group.
+            self.poisoned.store(true, Ordering::Relaxed);
+            return Err(if dev.code == abi::code::TIMEOUT {
+                self.print_peer_state(&dev);
+                self.error_of(dev)
+            } else {
+                Self::poisoned_error()
+            });
+        }
+        // 0: nothing; 1: an error.
+        let found = u64::from(dev.code != abi::code::OK || turns.refused.is_some());
         let ll_seq = match &self.ll {
             Some(ll) => ll.batches_sent(&stream)?,
             None => 0,
         };
+        let calls = self.device_calls(&stream)?;
         let all = self
             .comm
-            .all_gather_host(&stream, &[found, turns.calls, ll_seq])?;
+            .all_gather_host(&stream, &[found, turns.calls, ll_seq, calls])?;
         let world = self.comm.world();
-        let row = |r: usize| &all[3 * r..3 * r + 3];
+        let row = |r: usize| &all[4 * r..4 * r + 4];
         let worst = (0..world).map(|r| row(r)[0]).max().unwrap_or(0);
         if worst == 0 {
             return Ok(());
@@ -619,12 +643,7 @@ impl EpGroup {
         // This rank's own error first, else the first rank's that found one.
         let first = |level: u64| (0..world).find(|&r| row(r)[0] >= level);
         let own: Option<Error> = if dev.code != abi::code::OK {
-            if dev.code == abi::code::TIMEOUT {
-                self.print_peer_state(&dev);
-            }
             Some(self.error_of(dev))
-        } else if self.poisoned.load(Ordering::Relaxed) {
-            Some(Self::poisoned_error())
         } else {
             turns.refused.clone().map(Error::InvalidState)
         };
@@ -636,14 +655,10 @@ impl EpGroup {
                 reason: format!("{what} (its own check says which)"),
             }
         };
-        if worst == 2 {
-            // A timeout on some rank: flags of its calls are out of step.
-            self.poisoned.store(true, Ordering::Relaxed);
-            return Err(own.unwrap_or_else(|| peer_error(2, "timed out: the group is unusable")));
-        }
         // Every rank agrees on where the next call starts, its kernels run
         // again, and its low-latency sets take new batches.
         turns.calls = (0..world).map(|r| row(r)[1]).max().unwrap_or(turns.calls);
+        self.set_device_calls(&stream, (0..world).map(|r| row(r)[3]).max().unwrap_or(calls))?;
         self.clear_device_error(&stream)?;
         self.error.write(ErrorInfo::default());
         turns.refused = None;
@@ -687,6 +702,34 @@ impl EpGroup {
         )
     }
 
+    /// The calls this rank's kernels have counted (Ws::seq(4), block 0's;
+    /// every block's moves in step), read after `stream`'s work.
+    fn device_calls(&self, stream: &Arc<CudaStream>) -> Result<u64> {
+        let at = self.ws_peers[self.comm.rank()] + self.w.seq_off + 4 * MAX_BLOCKS as u64 * 8;
+        let mut v = [0u64; 1];
+        // SAFETY: one word of the seq region; no kernel of the group runs.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, stream.cu_stream()) }
+            .map_err(Error::cuda("cuMemcpyDtoHAsync"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        Ok(v[0])
+    }
+
+    /// Sets every block's count of the group's calls to `calls` (the most
+    /// any rank counted, at `check`): the next call has the same number on
+    /// every rank, above any a peer's flag or descriptor still holds.
+    fn set_device_calls(&self, stream: &Arc<CudaStream>, calls: u64) -> Result<()> {
+        let at = self.ws_peers[self.comm.rank()] + self.w.seq_off + 4 * MAX_BLOCKS as u64 * 8;
+        let v = vec![calls; MAX_BLOCKS];
+        // SAFETY: the seq region's row 4; no kernel of the group runs.
+        unsafe { cudarc::driver::result::memcpy_htod_async(at, &v, stream.cu_stream()) }
+            .map_err(Error::cuda("cuMemcpyHtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))
+    }
+
     /// Clears, on `stream` (after the work on it), the device-side claim
     /// word (ErrSink in common.cuh), the item counters and the status word
     /// that stops the kernels (Ws::status in intranode.cuh): seq region
@@ -719,9 +762,9 @@ impl EpGroup {
             ranks.push(e.peer as usize);
         }
         for r in ranks {
-            let mut words = vec![0u64; 4 * MAX_BLOCKS];
+            let mut words = vec![0u64; 5 * MAX_BLOCKS];
             let base = self.ws_peers[r];
-            // SAFETY: the seq region ([4][MAX_BLOCKS] u64 at seq_off) lies
+            // SAFETY: the seq region ([5][MAX_BLOCKS] u64 at seq_off) lies
             // inside rank r's workspace as mapped here; reading it races only
             // with its kernels' own updates, which a debug print tolerates.
             let read = (base != 0)
@@ -964,9 +1007,9 @@ fn agree(
     Ok(())
 }
 
-/// One rank's step words (`words`: its workspace's `[4][MAX_BLOCKS]` seq
+/// One rank's step words (`words`: its workspace's `[5][MAX_BLOCKS]` seq
 /// region, `Ws::seq` in intranode.cuh), for a timeout's debug print: the
-/// layout calls (row 0, slot 0), the dispatch-family and combine-family
+/// group's calls (row 4), the layout calls (row 0, slot 0), the dispatch-family and combine-family
 /// calls of its `blocks` blocks (rows 1 and 2: the fewest and the most), the
 /// error claim word (row 3, word 0) and the status word that makes every
 /// kernel return at entry (row 3, word 8).
@@ -982,7 +1025,8 @@ fn peer_state_line(rank: usize, words: &[u64], blocks: usize) -> String {
         }
     };
     format!(
-        "rank {rank}'s workspace: layout calls {}, dispatch calls {} and combine calls {} over its {blocks} blocks, error word {}, status word {}",
+        "rank {rank}'s workspace: calls {} (layout {}, dispatch family {}, combine family {}) over its {blocks} blocks, error word {}, status word {}",
+        range(4),
         words[0],
         range(1),
         range(2),
@@ -999,7 +1043,8 @@ mod tests {
     /// The debug line reads each word where the kernels keep it.
     #[test]
     fn peer_state_line_reads_the_kernels_words() {
-        let mut w = vec![0u64; 4 * MAX_BLOCKS];
+        let mut w = vec![0u64; 5 * MAX_BLOCKS];
+        w[4 * MAX_BLOCKS..4 * MAX_BLOCKS + 4].fill(15); // the group's calls
         w[0] = 3; // layout calls
         w[MAX_BLOCKS..MAX_BLOCKS + 4].copy_from_slice(&[7, 7, 6, 7]); // dispatch, 4 blocks
         w[MAX_BLOCKS + 4] = 99; // a block past the grid: not counted
@@ -1008,8 +1053,8 @@ mod tests {
         w[3 * MAX_BLOCKS + 8] = 4; // status
         assert_eq!(
             peer_state_line(2, &w, 4),
-            "rank 2's workspace: layout calls 3, dispatch calls 6..7 and combine calls 5 over \
-             its 4 blocks, error word 1, status word 4"
+            "rank 2's workspace: calls 15 (layout 3, dispatch family 6..7, combine family 5) \
+             over its 4 blocks, error word 1, status word 4"
         );
         w[3 * MAX_BLOCKS + 8] = 0;
         assert!(peer_state_line(2, &w, 4).ends_with("error word 1, status word 0"));

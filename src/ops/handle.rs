@@ -212,7 +212,9 @@ pub(crate) struct OpTurn<'a> {
     group: &'a EpGroup,
     _range: Range,
     pub(crate) turns: MutexGuard<'a, Turns>,
-    /// The call's number on the group (`OpCommon::call`).
+    /// The call's number on the group, as the host counts them (a
+    /// layout's is its handle's id; the kernels count the calls
+    /// themselves, `next_call` in intranode.cuh).
     pub(crate) call: u64,
     /// The op's descriptor code (`desc::OP_*`), for a refusal.
     op: u64,
@@ -285,6 +287,12 @@ impl OpStreams {
                 eprintln!("moe-ep: ordering a buffer's stream after the op failed: {e}");
             }
         }
+    }
+}
+
+impl Drop for OpStreams {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -412,24 +420,31 @@ impl EpGroup {
     /// as refused, naming the argument of `e`, so that no peer waits for it;
     /// the rank then refuses its next ops until `check`. Returns `e`.
     fn refused(&self, mut turn: OpTurn<'_>, e: Error, refuse: Refuse<'_>) -> Error {
-        let shared = self.poisoned.load(Ordering::Relaxed)
-            || self.comm.is_aborted()
-            || turn.turns.refused.is_some()
-            || self.error.read().code != abi::code::OK;
         let dead = self.poisoned.load(Ordering::Relaxed) || self.comm.is_aborted();
-        let told = match refuse {
-            Refuse::Descriptor if !shared && !turn.launched.get() => {
-                self.publish_refusal(&turn, &e)
+        // An error this rank already holds (its peers found it too, or it
+        // told them): the call is skipped, not refused.
+        let shared = turn.turns.refused.is_some() || self.error.read().code != abi::code::OK;
+        if !dead && !turn.launched.get() {
+            // Every call is one kernel on every rank, whatever happens to it
+            // (the group's call counts stay in step).
+            let told = match refuse {
+                Refuse::Descriptor => {
+                    let word = if shared {
+                        desc::OP_STOPPED
+                    } else {
+                        desc::OP_REFUSED | (turn.op << 8) | (refused_arg(&e) << 16)
+                    };
+                    self.publish_refusal(&turn, word)
+                }
+                // A send that moves no rows: its peers' receives wait for
+                // every sender.
+                Refuse::With(f) => f(&turn, refused_arg(&e)),
+            };
+            if let Err(p) = told {
+                eprintln!("moe-ep: telling the peers of a refused call failed: {p}");
             }
-            // A send that moves no rows also after an error of this rank:
-            // its peers' receives wait for every sender.
-            Refuse::With(f) if !dead && !turn.launched.get() => f(&turn, refused_arg(&e)),
-            _ => Ok(()),
-        };
-        if let Err(p) = told {
-            eprintln!("moe-ep: telling the peers of a refused call failed: {p}");
         }
-        if !shared {
+        if !shared && !dead {
             turn.turns.refused = Some(format!(
                 "this rank refused call {} ({}): {e}",
                 turn.call,
@@ -439,10 +454,11 @@ impl EpGroup {
         e
     }
 
-    /// Launches the refusal of `turn`'s call (moe_ep_publish_refusal) on its
-    /// stream, or, where the op never got a stream of this context, on the
-    /// group's own stream after the group's last op.
-    fn publish_refusal(&self, turn: &OpTurn<'_>, e: &Error) -> Result<()> {
+    /// Launches the refusal of `turn`'s call (moe_ep_publish_refusal, whose
+    /// descriptor's word 0 is `word`) on its stream, or, where the op never
+    /// got a stream of this context, on the group's own stream after the
+    /// group's last op.
+    fn publish_refusal(&self, turn: &OpTurn<'_>, word: u64) -> Result<()> {
         self.comm
             .context()
             .bind_to_thread()
@@ -459,9 +475,9 @@ impl EpGroup {
             }
         };
         let mut d = [0u64; DESC_WORDS];
-        d[0] = desc::OP_REFUSED | (turn.op << 8) | (refused_arg(e) << 16);
+        d[0] = word;
         let p = RefusalParams {
-            op: self.op_base(turn.call),
+            op: self.op_base(),
             desc: d,
             _pad: 0,
         };
@@ -475,11 +491,18 @@ impl EpGroup {
     /// hardware queues, where a rank's later work queued ahead of a
     /// sibling's earlier op would keep that op from starting while this
     /// rank's kernels wait for it.
+    /// A rank that does not come within the group's timeout leaves the ops
+    /// out of step: the group is then unusable on the ranks that came.
     fn virtual_barrier(&self) -> Result<()> {
-        match self.comm.host_group() {
-            Some(g) => g.barrier_within("op (virtual ranks enqueue in step)", self.cfg.timeout),
-            None => Ok(()),
-        }
+        let Some(b) = &self.op_barrier else {
+            return Ok(());
+        };
+        b.arrive(
+            self.comm.rank(),
+            "op (virtual ranks enqueue every op in step)",
+            self.cfg.timeout,
+        )
+        .inspect_err(|_| self.poisoned.store(true, Ordering::Relaxed))
     }
 
     /// Orders the current op after the work enqueued so far on `home` (a
@@ -528,9 +551,9 @@ impl EpGroup {
         Ok(())
     }
 
-    /// What every kernel of call `call` is told that is not a handle's:
-    /// the group's workspace and error report, its sizes.
-    pub(crate) fn op_base(&self, call: u64) -> OpCommon {
+    /// What every kernel of an op is told that is not a handle's: the
+    /// group's workspace and error report, its sizes.
+    pub(crate) fn op_base(&self) -> OpCommon {
         OpCommon {
             ws: self.ws_peers,
             w: self.w,
@@ -543,14 +566,13 @@ impl EpGroup {
             alignment: 1,
             recv_capacity: self.recv_capacity as i32,
             num_blocks: self.cfg.num_sms as i32,
-            call,
             ..Default::default()
         }
     }
 
-    /// What every kernel of call `call` on `handle` is told: the group's
+    /// What every kernel of an op on `handle` is told: the group's
     /// workspace and error report, the handle's arrays and the call's shape.
-    pub(crate) fn op_common(&self, handle: &Handle, call: u64) -> OpCommon {
+    pub(crate) fn op_common(&self, handle: &Handle) -> OpCommon {
         let (layout, alignment) = handle.layout.kind();
         OpCommon {
             bufs: handle.bufs(),
@@ -558,7 +580,7 @@ impl EpGroup {
             topk: handle.topk as i32,
             layout,
             alignment,
-            ..self.op_base(call)
+            ..self.op_base()
         }
     }
 }

@@ -200,7 +200,7 @@ impl EpGroup {
             experts: e,
         };
         let p = LayoutParams {
-            op: self.op_common(&handle, turn.call),
+            op: self.op_common(&handle),
             topk_idx: idx_ptr,
         };
         let scan = match topk_idx {

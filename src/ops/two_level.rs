@@ -63,7 +63,7 @@ use super::buffers::{
 use super::combine::Progress;
 use super::dispatch::Arrival;
 use super::group::{EpGroup, GroupConfig, Mode};
-use super::handle::Handle;
+use super::handle::{Handle, OpStreams};
 use super::hop_plan::hop_rows;
 use super::layout::{tokens_of_routing, RecvLayout};
 use super::rail_hop::{HopRecv, HopSend, RailHop};
@@ -656,17 +656,20 @@ impl TwoLevelGroup {
     ) -> Result<TwoLevelHandle> {
         let _range = nvtx::range("moe_ep::two_level::layout");
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
+        // The caller's buffers ordered with this op's stream (their own
+        // streams wait for it when it ends).
+        let mut order = OpStreams::start(stream);
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
         let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         let elem = match topk_idx {
             TopkIdx::I32(b) => {
                 self.node
-                    .check_region("topk_idx", b, t * topk, "[T, K] i32", 4)?;
+                    .check_region_in(&mut order, "topk_idx", b, t * topk, "[T, K] i32", 4)?;
                 4
             }
             TopkIdx::I64(b) => {
                 self.node
-                    .check_region("topk_idx", b, t * topk, "[T, K] i64", 8)?;
+                    .check_region_in(&mut order, "topk_idx", b, t * topk, "[T, K] i64", 8)?;
                 8
             }
         };
@@ -810,11 +813,18 @@ impl TwoLevelGroup {
         let _range = nvtx::range("moe_ep::two_level::dispatch");
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
+        let mut order = OpStreams::start(stream);
         let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
         self.node
-            .check_region("x", x, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
-        self.node
-            .check_region("topk_weights", topk_weights, t * k, "[T, K] f32", 4)?;
+            .check_region_in(&mut order, "x", x, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        self.node.check_region_in(
+            &mut order,
+            "topk_weights",
+            topk_weights,
+            t * k,
+            "[T, K] f32",
+            4,
+        )?;
         let plan = &handle.plan;
         let fwd_x = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let fwd_w = alloc::<f32>(stream, plan.fwd_rows * k)?;
@@ -868,9 +878,10 @@ impl TwoLevelGroup {
         let _range = nvtx::range("moe_ep::two_level::combine");
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
+        let mut order = OpStreams::start(stream);
         let (t, h) = (handle.num_tokens, self.cfg.hidden);
         self.node
-            .check_region("out", &*out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+            .check_region_in(&mut order, "out", &*out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let plan = &handle.plan;
         let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
@@ -908,8 +919,10 @@ impl TwoLevelGroup {
         let _range = nvtx::range("moe_ep::two_level::dispatch_backward");
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
+        let mut order = OpStreams::start(stream);
         let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
-        self.node.check_region(
+        self.node.check_region_in(
+            &mut order,
             "grad_tokens",
             &*grad_tokens,
             t * h,
@@ -917,8 +930,14 @@ impl TwoLevelGroup {
             ROW_ALIGN,
         )?;
         if let Some(g) = grad_topk_weights.as_deref() {
-            self.node
-                .check_region("grad_topk_weights", g, t * k, "[T, K] f32", 4)?;
+            self.node.check_region_in(
+                &mut order,
+                "grad_topk_weights",
+                g,
+                t * k,
+                "[T, K] f32",
+                4,
+            )?;
         }
         let plan = &handle.plan;
         let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
@@ -980,9 +999,16 @@ impl TwoLevelGroup {
         let _range = nvtx::range("moe_ep::two_level::combine_backward");
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
+        let mut order = OpStreams::start(stream);
         let (t, h) = (handle.num_tokens, self.cfg.hidden);
-        self.node
-            .check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        self.node.check_region_in(
+            &mut order,
+            "grad_out",
+            grad_out,
+            t * h,
+            "[T, hidden] bf16",
+            ROW_ALIGN,
+        )?;
         let plan = &handle.plan;
         let fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
@@ -1081,7 +1107,7 @@ impl TwoLevelGroup {
         // stopped early (its error is the node group's) holds no round of
         // the hop until the timeout.
         memset_u32(stream, done, 1 << 30, words, "combine progress counters")?;
-        let op = self.node.op_common(&handle.node, 0);
+        let op = self.node.op_common(&handle.node);
         let me = self.topology.node_of(self.comm.rank());
         let sent = (0..ch.rounds).try_for_each(|c| {
             let mut w = ChunkWaitParams {

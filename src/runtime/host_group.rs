@@ -301,6 +301,59 @@ impl HostGroup {
     }
 }
 
+/// Arrivals of the ranks of a virtual world at the same points of a
+/// sequence (each op of one group): [`OpBarrier::arrive`] returns once
+/// every rank has arrived as often as this one, or fails naming the ranks
+/// that have not, without breaking anything (unlike a [`HostGroup`]
+/// collective: later arrivals are counted as before).
+pub struct OpBarrier {
+    arrivals: Mutex<Vec<u64>>,
+    wake: Condvar,
+}
+
+impl OpBarrier {
+    /// A barrier of `world` ranks, no arrival yet.
+    pub fn new(world: usize) -> OpBarrier {
+        OpBarrier {
+            arrivals: Mutex::new(vec![0; world]),
+            wake: Condvar::new(),
+        }
+    }
+
+    /// Counts `rank`'s next arrival and waits (at most `timeout`) until every
+    /// rank has arrived as often. `what` names the point in the error.
+    pub fn arrive(&self, rank: usize, what: &'static str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+        a[rank] += 1;
+        let target = a[rank];
+        self.wake.notify_all();
+        loop {
+            let missing: Vec<usize> = (0..a.len()).filter(|&r| a[r] < target).collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::CollectiveFailed {
+                    rank,
+                    collective: what,
+                    missing: missing.clone(),
+                    reason: format!(
+                        "{} did not arrive within {timeout:?} (its {target}th)",
+                        ranks_text(&missing)
+                    ),
+                });
+            }
+            a = self
+                .wake
+                .wait_timeout(a, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 impl Drop for HostGroup {
     fn drop(&mut self) {
         let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
