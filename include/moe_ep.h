@@ -417,9 +417,23 @@ moe_ep_status_t moe_ep_group_create(const moe_ep_comm_t *comm, const moe_ep_grou
 /* Waits for the group's work, then frees it (at once, or, while low-latency
  * handles of it live, when the last of them is destroyed). */
 moe_ep_status_t moe_ep_group_destroy(moe_ep_group_t *group);
-/* Waits for the group's work on this rank, returns and clears the first
- * error its kernels recorded. Call it on every rank after any error. */
+/* Waits for the group's work on this rank, then learns what every rank found
+ * since the last check and clears it. Collective: call it on every rank at the
+ * same point (after the same ops); it ends in one all-gather of the
+ * communicator. MOE_EP_OK when no rank found anything; otherwise every rank
+ * gets an error (its own, or MOE_EP_ERR_PEER_FAILED naming the rank that had
+ * one) and the group takes work again, every rank in the same state; handles
+ * made before the error are refused (make new ones). After a timeout the
+ * group stays unusable: destroy it. */
 moe_ep_status_t moe_ep_group_check(const moe_ep_group_t *group);
+/* Lets the group's ops be called on a stream that captures a CUDA graph
+ * (refused with MOE_EP_ERR_INVALID_ARGUMENT naming `stream` until then).
+ * The caller's contract: while such a graph can still be launched, every
+ * buffer and handle a captured op was given (pool buffers too: their ranges'
+ * reuse is not ordered after the graph's launches) stays alive, and the
+ * group outlives the graph; every rank launches its graph the same number of
+ * times, in the same order relative to the group's other ops. */
+moe_ep_status_t moe_ep_group_allow_graph_capture(const moe_ep_group_t *group);
 moe_ep_status_t moe_ep_group_recv_capacity(const moe_ep_group_t *group, uint64_t *out);
 
 /* ---- symmetric memory -------------------------------------------------- */

@@ -1278,6 +1278,20 @@ pub unsafe extern "C" fn moe_ep_group_check(group: *const CGroup) -> Status {
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_allow_graph_capture(group: *const CGroup) -> Status {
+    ffi(|| {
+        let g = unsafe { obj(group, "group") }?;
+        // SAFETY: the C caller takes on the contract the header states
+        // (that of EpGroup::allow_graph_capture).
+        match &g.0 {
+            GroupOf::Node(g) => unsafe { g.allow_graph_capture() },
+            GroupOf::Nodes(g) => unsafe { g.node_group().allow_graph_capture() },
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn moe_ep_group_recv_capacity(group: *const CGroup, out: *mut u64) -> Status {
     ffi(|| {
         let g = unsafe { obj(group, "group") }?;

@@ -313,7 +313,7 @@ impl EpGroup {
             return Ok(());
         }
         let ptr = r.device_ptr();
-        self.check_device_memory(arg, ptr)?;
+        self.check_device_memory(arg, ptr, r.num_bytes_checked(arg)?)?;
         if !(ptr as usize).is_multiple_of(align) {
             return Err(Error::arg(
                 arg,
@@ -324,29 +324,49 @@ impl EpGroup {
         Ok(())
     }
 
-    /// `ptr` must be device memory of this group's GPU. A registered
-    /// window of the group's communicator is known to be; anything else is
-    /// asked of the driver (one `cuPointerGetAttributes` call).
-    fn check_device_memory(&self, arg: &'static str, ptr: u64) -> Result<()> {
+    /// `[ptr, ptr + bytes)` must be device memory of this group's GPU, in
+    /// one allocation. A registered window of the group's communicator is
+    /// known to be (the whole range inside it); anything else is asked of
+    /// the driver (one `cuPointerGetAttributes` call: the memory type, the
+    /// GPU and the allocation's range, so that a length longer than the
+    /// allocation, which a C caller can give, is refused).
+    fn check_device_memory(&self, arg: &'static str, ptr: u64, bytes: usize) -> Result<()> {
         use cudarc::driver::sys::{self, CUpointer_attribute};
-        if crate::symm::segment_of(&self.comm, ptr, 1).is_some() {
+        if crate::symm::segment_of(&self.comm, ptr, bytes.max(1)).is_some() {
             return Ok(());
+        }
+        if let Some(seg) = crate::symm::segment_of(&self.comm, ptr, 1) {
+            return Err(Error::arg(
+                arg,
+                format!(
+                    "{bytes} bytes inside the symmetric window they start in ({} bytes from its base {:#x})",
+                    seg.size(),
+                    seg.base()
+                ),
+                format!("{ptr:#x} + {bytes} bytes, past the window's end"),
+            ));
         }
         let mut kind: u32 = 0;
         let mut ordinal: i32 = -1;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
         let mut attrs = [
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
         ];
         let mut data = [
             &mut kind as *mut u32 as *mut std::ffi::c_void,
             &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            &mut start as *mut u64 as *mut std::ffi::c_void,
+            &mut size as *mut usize as *mut std::ffi::c_void,
         ];
-        // SAFETY: two attributes, each with an out-parameter of its size (an
-        // unsigned int and an int); any `ptr` value is accepted (memory CUDA
-        // does not know leaves the memory type 0).
+        // SAFETY: four attributes, each with an out-parameter of its size
+        // (an unsigned int, an int, a CUdeviceptr, a size_t); any `ptr` value
+        // is accepted (memory CUDA does not know leaves the memory type 0).
         let rc =
-            unsafe { sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+            unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
         if rc != sys::CUresult::CUDA_SUCCESS
             || kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
         {
@@ -365,6 +385,20 @@ impl EpGroup {
                 format!("device memory of the group's GPU {mine}"),
                 format!("{ptr:#x}: memory of GPU {ordinal}"),
             ));
+        }
+        // A range the driver knows (start and size both set) must hold all
+        // of the region's bytes.
+        if start != 0 && size != 0 {
+            let end = start.saturating_add(size as u64);
+            if ptr.saturating_add(bytes as u64) > end {
+                return Err(Error::arg(
+                    arg,
+                    format!(
+                        "{bytes} bytes inside one allocation (the one at {ptr:#x} is [{start:#x}, {end:#x}), {size} bytes)"
+                    ),
+                    format!("{} bytes past its end", ptr + bytes as u64 - end),
+                ));
+            }
         }
         Ok(())
     }

@@ -221,6 +221,9 @@ pub struct EpGroup {
     /// A virtual world's ranks' arrivals at the end of each op (shared by
     /// the group's ranks; `None` on NCCL communicators).
     pub(crate) op_barrier: Option<Arc<crate::runtime::host_group::OpBarrier>>,
+    /// Set by [`EpGroup::allow_graph_capture`]: ops may be called on a
+    /// stream that captures a CUDA graph (refused otherwise).
+    pub(crate) capture_allowed: AtomicBool,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
@@ -546,8 +549,27 @@ impl EpGroup {
             own_stream: stream,
             _on_abort: on_abort,
             op_barrier,
+            capture_allowed: AtomicBool::new(false),
             cfg,
         })
+    }
+
+    /// Lets this group's ops be called on a stream that captures a CUDA
+    /// graph (stream capture); until then such an op is refused, naming
+    /// `stream`. Every later launch of the graph runs the captured ops
+    /// again, with the buffers and handles they were given.
+    ///
+    /// # Safety
+    /// While a graph that captured an op of this group can still be
+    /// launched, every buffer and handle that op was given (pool buffers
+    /// included: the crate cannot see a graph's launches, so it does not
+    /// order a pool range's reuse after them) must stay alive and keep its
+    /// place, and the group itself must outlive the graph. Launch the
+    /// graph's of every rank the same number of times, in the same order
+    /// relative to the group's other ops (its calls are counted on the
+    /// device, at each launch).
+    pub unsafe fn allow_graph_capture(&self) {
+        self.capture_allowed.store(true, Ordering::Relaxed);
     }
 
     /// The configuration.
@@ -631,11 +653,15 @@ impl EpGroup {
             None => 0,
         };
         let calls = self.device_calls(&stream)?;
+        let arrived = self
+            .op_barrier
+            .as_ref()
+            .map_or(0, |b| b.arrivals(self.comm.rank()));
         let all = self
             .comm
-            .all_gather_host(&stream, &[found, turns.calls, ll_seq, calls])?;
+            .all_gather_host(&stream, &[found, turns.calls, ll_seq, calls, arrived])?;
         let world = self.comm.world();
-        let row = |r: usize| &all[4 * r..4 * r + 4];
+        let row = |r: usize| &all[5 * r..5 * r + 5];
         let worst = (0..world).map(|r| row(r)[0]).max().unwrap_or(0);
         if worst == 0 {
             return Ok(());
@@ -658,6 +684,12 @@ impl EpGroup {
         // Every rank agrees on where the next call starts, its kernels run
         // again, and its low-latency sets take new batches.
         turns.calls = (0..world).map(|r| row(r)[1]).max().unwrap_or(turns.calls);
+        if let Some(b) = &self.op_barrier {
+            b.realign(
+                self.comm.rank(),
+                (0..world).map(|r| row(r)[4]).max().unwrap_or(arrived),
+            );
+        }
         self.set_device_calls(&stream, (0..world).map(|r| row(r)[3]).max().unwrap_or(calls))?;
         self.clear_device_error(&stream)?;
         self.error.write(ErrorInfo::default());

@@ -394,6 +394,13 @@ impl EpGroup {
         }
         self.pending_error(&turn.turns)?;
         self.bind(stream)?;
+        if !self.capture_allowed.load(Ordering::Relaxed) && crate::symm::capturing(stream) {
+            return Err(Error::arg(
+                "stream",
+                "a stream that does not capture a CUDA graph (capture is allowed once the caller takes on its contract: unsafe EpGroup::allow_graph_capture)",
+                "a capturing stream",
+            ));
+        }
         turn.stream = Some(stream.clone());
         if let Some(prev) = turn
             .turns
@@ -491,16 +498,34 @@ impl EpGroup {
     /// hardware queues, where a rank's later work queued ahead of a
     /// sibling's earlier op would keep that op from starting while this
     /// rank's kernels wait for it.
-    /// A rank that does not come within the group's timeout leaves the ops
-    /// out of step: the group is then unusable on the ranks that came.
+    /// A rank that does not come within twice the group's timeout leaves
+    /// the ops out of step: the group is then unusable on the ranks that
+    /// came. Once
+    /// this rank holds an error the wait ends at once (its kernels skip
+    /// every call until `check`, which counts every rank in step again):
+    /// after an error the ranks' programs may make different calls.
     fn virtual_barrier(&self) -> Result<()> {
         let Some(b) = &self.op_barrier else {
             return Ok(());
         };
+        let holds_error = || {
+            self.poisoned.load(Ordering::Relaxed)
+                || self.error.read().code != abi::code::OK
+                || self
+                    .turns
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .refused
+                    .is_some()
+        };
         b.arrive(
             self.comm.rank(),
             "op (virtual ranks enqueue every op in step)",
-            self.cfg.timeout,
+            // Twice the kernels' bound: a rank that does not come is found
+            // first by the kernels that wait for it (naming it), which ends
+            // this wait (an error held).
+            2 * self.cfg.timeout,
+            &holds_error,
         )
         .inspect_err(|_| self.poisoned.store(true, Ordering::Relaxed))
     }

@@ -321,8 +321,16 @@ impl OpBarrier {
     }
 
     /// Counts `rank`'s next arrival and waits (at most `timeout`) until every
-    /// rank has arrived as often. `what` names the point in the error.
-    pub fn arrive(&self, rank: usize, what: &'static str, timeout: Duration) -> Result<()> {
+    /// rank has arrived as often, or until `stop()` (looked at every
+    /// millisecond) says the wait is moot. `what` names the point in the
+    /// error.
+    pub fn arrive(
+        &self,
+        rank: usize,
+        what: &'static str,
+        timeout: Duration,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
         a[rank] += 1;
@@ -333,6 +341,11 @@ impl OpBarrier {
             if missing.is_empty() {
                 return Ok(());
             }
+            drop(a);
+            if stop() {
+                return Ok(());
+            }
+            a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::CollectiveFailed {
@@ -347,10 +360,24 @@ impl OpBarrier {
             }
             a = self
                 .wake
-                .wait_timeout(a, deadline - now)
+                .wait_timeout(a, (deadline - now).min(Duration::from_millis(1)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    /// How often `rank` has arrived.
+    pub fn arrivals(&self, rank: usize) -> u64 {
+        self.arrivals.lock().unwrap_or_else(|p| p.into_inner())[rank]
+    }
+
+    /// Counts `rank` as having arrived `to` times (after an error, when the
+    /// ranks made different calls: every rank sets the same count, the most
+    /// any rank had, at the same point of its program).
+    pub fn realign(&self, rank: usize, to: u64) {
+        let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+        a[rank] = to;
+        self.wake.notify_all();
     }
 }
 

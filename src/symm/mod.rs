@@ -459,7 +459,7 @@ struct Slot {
 
 /// True while `stream` records a CUDA graph: nothing runs then, so there is
 /// nothing to order (and events of uncaptured work cannot be waited for).
-fn capturing(stream: &CudaStream) -> bool {
+pub(crate) fn capturing(stream: &CudaStream) -> bool {
     !matches!(
         stream.capture_status(),
         Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
