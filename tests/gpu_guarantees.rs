@@ -7,16 +7,25 @@
 //!   and no host sync in the loop; the last cycle's output checked bit for
 //!   bit. `MOE_EP_SOAK_CYCLES` sets the cycles (default 300; the ignored
 //!   `plain_loop_soak` runs 10,000).
+//! - `fault_*`: the fault-injection table. Each row gives a bad input to
+//!   one rank only (the last), asserts what every rank sees (the error's
+//!   kind, the argument or rank it names) and how fast (far below the
+//!   group's timeout, but for the rank that never comes, which is named
+//!   within it), then runs a correct round trip on the same group (or on
+//!   a new one where the README says to rebuild).
+//! - `bad_layout_check_round_trip_*`: {bad routing on one rank, check on
+//!   every rank, correct round trip}, 200 rounds (the ignored `_soak`:
+//!   10,000).
 #![cfg(feature = "multi-gpu")]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use moe_ep::cuda::CudaStream;
-use moe_ep::ops::{DispatchOut, TopkIdx};
+use moe_ep::cuda::{CudaSlice, CudaStream};
+use moe_ep::ops::{DeviceRegion, DispatchOut, LlInput, LlLayout, Mode, TopkIdx};
 use moe_ep::testkit::ranks::{ensure, run_worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng};
-use moe_ep::{bf16, EpGroup, Error, GroupConfig, RecvLayout, Result};
+use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, Result};
 
 #[path = "common/device.rs"]
 mod device;
@@ -142,7 +151,6 @@ fn plain_loop(r: &Rank, layouts: Layouts, n: usize) -> Result<()> {
         &bits(&down(s, &out, TOKENS * HIDDEN)?),
         &loop_want(r.rank, r.world, &x_host, last),
     )?;
-    ensure(true, String::new)?;
     if r.rank == 0 {
         eprintln!(
             "    {n} cycles ({layouts:?}) in {:.2} s",
@@ -178,5 +186,821 @@ fn plain_loop_expert_major() {
 fn plain_loop_soak() {
     run_worlds("plain_loop_soak", 2, |r| {
         plain_loop(r, Layouts::Alternating, cycles(10_000))
+    });
+}
+
+// ---------------------------------------------------------------------------
+// The fault-injection table.
+// ---------------------------------------------------------------------------
+
+/// The rank that gets the bad input.
+fn bad_rank(r: &Rank) -> usize {
+    r.world - 1
+}
+
+/// Far below the group's timeout (10 s): what "at once" means here (virtual
+/// ranks share one GPU and its host threads).
+const FAST: Duration = Duration::from_secs(2);
+
+/// A group of the fault rows: small rows, both layouts fit.
+fn fault_group(r: &Rank) -> Result<EpGroup> {
+    EpGroup::new(&r.comm, loop_config(r)?)
+}
+
+/// One rank's device inputs of the fault rows.
+struct Inputs {
+    x_host: Vec<bf16>,
+    x: CudaSlice<bf16>,
+    w: CudaSlice<f32>,
+    idx: CudaSlice<i32>,
+}
+
+fn inputs(r: &Rank, seed: u64) -> Result<Inputs> {
+    let s = &r.stream;
+    let x_host = workload::tokens(&mut Rng::new(seed + r.rank as u64), TOKENS, HIDDEN);
+    Ok(Inputs {
+        x: up(s, &x_host)?,
+        x_host,
+        w: up(s, &vec![1.0f32 / TOPK as f32; TOKENS * TOPK])?,
+        idx: up(s, &identity_routing(r.rank, TOKENS))?,
+    })
+}
+
+/// A correct round trip in `layout` on `group`, checked bit for bit, then a
+/// clean check: what every row ends with.
+fn round_trip(r: &Rank, group: &EpGroup, layout: RecvLayout, seed: u64) -> Result<()> {
+    let s = &r.stream;
+    let inp = inputs(r, seed)?;
+    let mut out = s
+        .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+        .map_err(Error::cuda("alloc"))?;
+    let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
+    let got = group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())?;
+    let weights = match layout {
+        RecvLayout::RankMajor => None,
+        RecvLayout::ExpertMajor { .. } => Some(&got.topk_weights as _),
+    };
+    group.combine(s, &handle, &got.tokens, weights, &mut out)?;
+    drop(got);
+    group
+        .check()
+        .map_err(|e| Error::InvalidState(format!("the round trip after the fault: {e}")))?;
+    first_diff(
+        "the round trip after the fault",
+        &bits(&down(s, &out, TOKENS * HIDDEN)?),
+        &loop_want(r.rank, r.world, &inp.x_host, layout),
+    )
+}
+
+/// What a row expects of one rank.
+enum Want<'a> {
+    /// `InvalidArgument` (or `NotSymmetric`) naming this argument.
+    Arg(&'a str),
+    /// `PeerFailed` naming the bad rank and (when given) the argument.
+    Peer(Option<&'a str>),
+    /// `InvalidDeviceData` whose detail names this.
+    Device(&'a str),
+    /// A refusal of this rank's own host, as check reports it.
+    OwnRefusal,
+}
+
+fn matches(e: &Error, want: &Want<'_>, bad: usize) -> bool {
+    match (want, e) {
+        (Want::Arg(a), Error::InvalidArgument { arg, .. }) => arg == a,
+        (Want::Arg(a), Error::NotSymmetric { what }) => what == a,
+        (Want::Peer(a), Error::PeerFailed { peer, arg, .. }) => *peer == bad && arg.as_deref() == *a,
+        (Want::Device(d), Error::InvalidDeviceData { detail, .. }) => detail.contains(d),
+        (Want::OwnRefusal, Error::InvalidState(m)) => m.contains("refused"),
+        _ => false,
+    }
+}
+
+/// Asserts one rank's outcome of a row: the op's result `op`, then check's
+/// `chk` (`None`: the op's error is the one to check, and check may say
+/// it again), and the time the error took.
+fn expect(
+    r: &Rank,
+    row: &str,
+    op: Result<()>,
+    chk: Result<()>,
+    want_op: Option<Want<'_>>,
+    want_check: Want<'_>,
+    took: Duration,
+) -> Result<()> {
+    let bad = bad_rank(r);
+    let fail = |what: String| Error::InvalidState(format!("{row}, rank {}: {what}", r.rank));
+    match (&op, want_op) {
+        (Ok(()), None) => {}
+        (Err(e), Some(w)) if matches(e, &w, bad) => {}
+        (got, _) => return Err(fail(format!("the op returned {got:?}"))),
+    }
+    match &chk {
+        Err(e) if matches(e, &want_check, bad) => {}
+        got => return Err(fail(format!("check returned {got:?}"))),
+    }
+    ensure(took < FAST, || {
+        format!("{row}, rank {}: the error took {took:?}", r.rank)
+    })
+}
+
+/// An op whose argument `arg` is bad on the bad rank only: that rank's
+/// host refuses it (naming `arg`), every other rank's check names the bad
+/// rank and `arg`, at once; then the group works. `good` is what the other
+/// ranks run (dispatch or combine of a dispatched rank-major handle), `bad`
+/// the bad rank's call.
+fn refused_row(
+    r: &Rank,
+    row: &str,
+    arg: &str,
+    combine: bool,
+    bad: impl Fn(&mut Ctx<'_>) -> Result<()>,
+) -> Result<()> {
+    let s = &r.stream;
+    let group = fault_group(r)?;
+    let inp = inputs(r, 11)?;
+    let mut plain = s
+        .alloc_zeros::<bf16>(group.recv_capacity() * HIDDEN)
+        .map_err(Error::cuda("alloc"))?;
+    let mut out = s
+        .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+        .map_err(Error::cuda("alloc"))?;
+    let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+    let got: Option<moe_ep::ops::Dispatched<'static>> = if combine {
+        Some(group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())?)
+    } else {
+        None
+    };
+    s.synchronize().map_err(Error::cuda("sync"))?;
+    r.comm.barrier(s)?;
+    let t0 = Instant::now();
+    let op = if r.rank == bad_rank(r) {
+        bad(&mut Ctx {
+            r,
+            group: &group,
+            handle: &handle,
+            inp: &inp,
+            plain: &mut plain,
+            out: &mut out,
+            got: got.as_ref(),
+        })
+    } else if let Some(got) = &got {
+        group.combine(s, &handle, &got.tokens, None, &mut out)
+    } else {
+        group
+            .dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())
+            .map(drop)
+    };
+    let chk = group.check();
+    let took = t0.elapsed();
+    if r.rank == bad_rank(r) {
+        expect(r, row, op, chk, Some(Want::Arg(arg)), Want::OwnRefusal, took)?;
+    } else {
+        expect(r, row, op, chk, None, Want::Peer(Some(arg)), took)?;
+    }
+    drop((got, handle));
+    round_trip(r, &group, RecvLayout::RankMajor, 12)?;
+    round_trip(r, &group, RecvLayout::ExpertMajor { alignment: ALIGN }, 13)
+}
+
+/// What the bad rank's call of a row gets.
+struct Ctx<'a> {
+    r: &'a Rank,
+    group: &'a EpGroup,
+    handle: &'a moe_ep::ops::Handle,
+    inp: &'a Inputs,
+    plain: &'a mut CudaSlice<bf16>,
+    out: &'a mut CudaSlice<bf16>,
+    got: Option<&'a moe_ep::ops::Dispatched<'static>>,
+}
+
+/// A region that claims more elements than its allocation holds (a C
+/// caller's length, say): the ops must refuse it, not read past the end.
+struct Lying<'a, T> {
+    inner: &'a CudaSlice<T>,
+    len: usize,
+}
+// SAFETY: a test of the ops' own check: the lie is the point, and the
+// check refuses the region before any kernel could read it.
+unsafe impl<T> DeviceRegion<T> for Lying<'_, T> {
+    fn device_ptr(&self) -> u64 {
+        DeviceRegion::device_ptr(self.inner)
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[test]
+fn fault_short_x_on_one_rank() {
+    run_worlds("fault_short_x_on_one_rank", 2, |r| {
+        refused_row(r, "short x", "x", false, |c| {
+            let x = c.inp.x.slice(0..TOKENS * HIDDEN - 8);
+            c.group
+                .dispatch(&c.r.stream, c.handle, &x, &c.inp.w, DispatchOut::default())
+                .map(drop)
+        })
+    });
+}
+
+#[test]
+fn fault_short_topk_weights_on_one_rank() {
+    run_worlds("fault_short_topk_weights_on_one_rank", 2, |r| {
+        refused_row(r, "short topk_weights", "topk_weights", false, |c| {
+            let w = c.inp.w.slice(0..TOKENS * TOPK - 1);
+            c.group
+                .dispatch(&c.r.stream, c.handle, &c.inp.x, &w, DispatchOut::default())
+                .map(drop)
+        })
+    });
+}
+
+#[test]
+fn fault_recv_tokens_not_symmetric_on_one_rank() {
+    run_worlds("fault_recv_tokens_not_symmetric_on_one_rank", 2, |r| {
+        refused_row(r, "plain recv_tokens", "recv_tokens", false, |c| {
+            let out = DispatchOut {
+                recv_tokens: Some(c.plain),
+                recv_topk_weights: None,
+            };
+            c.group
+                .dispatch(&c.r.stream, c.handle, &c.inp.x, &c.inp.w, out)
+                .map(drop)
+        })
+    });
+}
+
+/// A length past the end of the allocation (what a C caller can give): the
+/// driver's range of the pointer refuses it by name.
+#[test]
+fn fault_x_longer_than_its_allocation_on_one_rank() {
+    run_worlds("fault_x_longer_than_its_allocation_on_one_rank", 2, |r| {
+        refused_row(r, "x past its allocation", "x", false, |c| {
+            let x = Lying {
+                inner: &c.inp.x,
+                len: 4 * TOKENS * HIDDEN,
+            };
+            c.group
+                .dispatch(&c.r.stream, c.handle, &x, &c.inp.w, DispatchOut::default())
+                .map(drop)
+        })
+    });
+}
+
+#[test]
+fn fault_short_out_on_one_rank() {
+    run_worlds("fault_short_out_on_one_rank", 2, |r| {
+        refused_row(r, "short out", "out", true, |c| {
+            let got = c.got.expect("dispatched");
+            let mut out = c.out.slice_mut(0..HIDDEN);
+            c.group
+                .combine(&c.r.stream, c.handle, &got.tokens, None, &mut out)
+        })
+    });
+}
+
+/// T above max_tokens_per_rank on one rank (its layout refused: the
+/// high-throughput combine's stage holds max_tokens_per_rank rows a rank).
+#[test]
+fn fault_tokens_over_the_maximum_on_one_rank() {
+    run_worlds("fault_tokens_over_the_maximum_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let group = fault_group(r)?;
+        let big = up(s, &identity_routing(r.rank, TOKENS + 1))?;
+        let small = up(s, &identity_routing(r.rank, TOKENS))?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let idx = if r.rank == bad_rank(r) { &big } else { &small };
+        let op = group
+            .layout(s, TopkIdx::I32(idx), TOPK, RecvLayout::RankMajor)
+            .map(drop);
+        let chk = group.check();
+        let took = t0.elapsed();
+        if r.rank == bad_rank(r) {
+            expect(r, "T over the maximum", op, chk, Some(Want::Arg("topk_idx")), Want::OwnRefusal, took)?;
+        } else {
+            expect(r, "T over the maximum", op, chk, None, Want::Peer(Some("topk_idx")), took)?;
+        }
+        round_trip(r, &group, RecvLayout::RankMajor, 14)
+    });
+}
+
+/// One rank runs combine where the others dispatch: every rank stops at
+/// once naming `op` (the ops are of different families).
+#[test]
+fn fault_other_op_on_one_rank() {
+    run_worlds("fault_other_op_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let group = fault_group(r)?;
+        let inp = inputs(r, 21)?;
+        let y = group.pool().alloc::<bf16>(group.recv_capacity() * HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+            .map_err(Error::cuda("alloc"))?;
+        let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let op = if r.rank == bad_rank(r) {
+            group.combine(s, &handle, &y, None, &mut out)
+        } else {
+            group
+                .dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())
+                .map(drop)
+        };
+        let chk = group.check();
+        expect(r, "combine beside dispatch", op, chk, None, Want::Arg("op"), t0.elapsed())?;
+        drop((handle, y));
+        round_trip(r, &group, RecvLayout::RankMajor, 22)
+    });
+}
+
+/// Two expert-major handles; the bad rank dispatches the other one: every
+/// rank stops at once naming `handle` (nothing is written with another
+/// handle's rows).
+#[test]
+fn fault_other_handle_on_one_rank() {
+    run_worlds("fault_other_handle_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let group = fault_group(r)?;
+        let inp = inputs(r, 31)?;
+        let layout = RecvLayout::ExpertMajor { alignment: ALIGN };
+        let h1 = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
+        let h2 = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let h = if r.rank == bad_rank(r) { &h1 } else { &h2 };
+        let op = group
+            .dispatch(s, h, &inp.x, &inp.w, DispatchOut::default())
+            .map(drop);
+        let chk = group.check();
+        expect(r, "another handle", op, chk, None, Want::Arg("handle"), t0.elapsed())?;
+        drop((h1, h2));
+        round_trip(r, &group, layout, 32)
+    });
+}
+
+/// A bad expert id on one rank: every rank's check names that rank, token
+/// and slot at once; a combine of that handle after check is refused
+/// naming `handle` (its dispatch was skipped by the error); then the group
+/// works.
+#[test]
+fn fault_bad_routing_on_one_rank_and_its_handle_after_check() {
+    run_worlds(
+        "fault_bad_routing_on_one_rank_and_its_handle_after_check",
+        2,
+        |r| {
+            let s = &r.stream;
+            let group = fault_group(r)?;
+            let inp = inputs(r, 41)?;
+            let mut idx = identity_routing(r.rank, TOKENS);
+            if r.rank == bad_rank(r) {
+                idx[3 * TOPK + 2] = EXPERTS as i32 + 5;
+            }
+            let idx = up(s, &idx)?;
+            let mut out = s
+                .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+                .map_err(Error::cuda("alloc"))?;
+            let layout = RecvLayout::ExpertMajor { alignment: ALIGN };
+            r.comm.barrier(s)?;
+            let t0 = Instant::now();
+            let handle = group.layout(s, TopkIdx::I32(&idx), TOPK, layout)?;
+            let got = group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default());
+            let op = got.as_ref().map(drop).map_err(|e| Error::InvalidState(format!("{e}")));
+            let chk = group.check();
+            let took = t0.elapsed();
+            let want = format!("rank {}", bad_rank(r));
+            match (&op, &chk) {
+                (Ok(()), Err(Error::InvalidDeviceData { arg: "topk_idx", detail }))
+                    if detail.contains(&want) && detail.contains("token 3 slot 2") => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "bad routing on rank {}: rank {} got {other:?}",
+                        bad_rank(r),
+                        r.rank
+                    )))
+                }
+            }
+            ensure(took < FAST, || format!("bad routing: the error took {took:?}"))?;
+            // The handle whose dispatch the error skipped: refused by name.
+            let got = got?;
+            let t1 = Instant::now();
+            match group.combine(s, &handle, &got.tokens, Some(&got.topk_weights), &mut out) {
+                Err(Error::InvalidArgument { arg: "handle", .. }) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "a combine of the handle the error skipped: {other:?}"
+                    )))
+                }
+            }
+            ensure(t1.elapsed() < FAST, || "the refusal was slow".into())?;
+            // Refused on every rank's host: nothing to tell the peers.
+            group.check()?;
+            drop((got, handle));
+            round_trip(r, &group, layout, 42)
+        },
+    );
+}
+
+/// A rank that never calls dispatch: every other rank's error names it
+/// (the rank that did not arrive, not a peer that was waiting itself),
+/// within the group's timeout; a new group on the same communicator works.
+#[test]
+fn fault_rank_that_never_dispatches_is_named() {
+    run_worlds("fault_rank_that_never_dispatches_is_named", 2, |r| {
+        let s = &r.stream;
+        let bad = bad_rank(r);
+        let mut cfg = loop_config(r)?;
+        cfg.timeout = Duration::from_secs(1);
+        {
+            let group = EpGroup::new(&r.comm, cfg.clone())?;
+            let inp = inputs(r, 51)?;
+            let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+            r.comm.barrier(s)?;
+            if r.rank != bad {
+                let t0 = Instant::now();
+                let op = group
+                    .dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())
+                    .map(drop);
+                let chk = group.check();
+                let took = t0.elapsed();
+                let named = |e: &Error| match e {
+                    Error::PeerTimeout { peer, absent, .. } => *peer == bad && *absent,
+                    Error::CollectiveFailed { missing, .. } => missing == &vec![bad],
+                    _ => false,
+                };
+                let ok = match (&op, &chk) {
+                    (Ok(()), Err(e)) => named(e),
+                    (Err(e), _) => named(e),
+                    _ => false,
+                };
+                ensure(ok, || {
+                    format!(
+                        "rank {} never dispatched: rank {} got {op:?} then {chk:?}",
+                        bad, r.rank
+                    )
+                })?;
+                ensure(took < Duration::from_secs(5), || {
+                    format!("the timeout took {took:?} (the group's is 1 s)")
+                })?;
+            }
+            r.comm.barrier(s)?;
+        }
+        let group = EpGroup::new(&r.comm, cfg)?;
+        round_trip(r, &group, RecvLayout::RankMajor, 52)
+    });
+}
+
+/// Abort stops running work and refuses every later op: every rank but the
+/// bad one dispatches (which waits for the bad rank), every rank aborts its
+/// communicator 200 ms later (from another thread on the waiting ranks):
+/// their streams drain at once, not at the timeout (10 s), and layout,
+/// dispatch and combine are then refused naming the abort.
+#[test]
+fn fault_abort_stops_work_and_refuses_ops() {
+    run_worlds("fault_abort_stops_work_and_refuses_ops", 2, |r| {
+        let s = &r.stream;
+        let group = fault_group(r)?;
+        let inp = inputs(r, 61)?;
+        let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        std::thread::scope(|sc| -> Result<()> {
+            let comm = r.comm.clone();
+            let aborter = sc.spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                comm.abort()
+            });
+            if r.rank != bad_rank(r) {
+                // Returns once the abort is seen (or with its error).
+                let _ = group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default());
+            }
+            aborter.join().expect("aborter")?;
+            s.synchronize().map_err(Error::cuda("sync"))
+        })?;
+        let took = t0.elapsed();
+        ensure(took < Duration::from_secs(3), || {
+            format!("rank {}: the work ended {took:?} after the start (abort at 200 ms)", r.rank)
+        })?;
+        let refused = |what: &str, res: Result<()>| match res {
+            Err(Error::InvalidState(m)) if m.contains("aborted") => Ok(()),
+            other => Err(Error::InvalidState(format!(
+                "{what} after abort on rank {}: {other:?}",
+                r.rank
+            ))),
+        };
+        let mut out = s
+            .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+            .map_err(Error::cuda("alloc"))?;
+        let y = s
+            .alloc_zeros::<bf16>(group.recv_capacity() * HIDDEN)
+            .map_err(Error::cuda("alloc"))?;
+        refused(
+            "layout",
+            group
+                .layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)
+                .map(drop),
+        )?;
+        refused(
+            "dispatch",
+            group
+                .dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())
+                .map(drop),
+        )?;
+        refused("combine", group.combine(s, &handle, &y, None, &mut out))?;
+        refused("check", group.check())
+    });
+}
+
+/// Dropping a group while a copy of one of its pool buffers is pending on
+/// another stream (held behind a host function): the pool's segment is
+/// freed only after the copy, and the context stays usable.
+#[test]
+fn fault_group_dropped_with_a_pool_copy_pending() {
+    run_worlds("fault_group_dropped_with_a_pool_copy_pending", 2, |r| {
+        let (s, s2) = (&r.stream, &r.stream2);
+        let n = 64 << 20;
+        let mut dst = s2.alloc_zeros::<u8>(n).map_err(Error::cuda("alloc"))?;
+        {
+            let group = fault_group(r)?;
+            let mut buf = group.pool().alloc::<u8>(n)?;
+            buf.copy_from_host(s, &vec![7u8; n])?;
+            r.comm.barrier(s)?;
+            if r.rank == bad_rank(r) {
+                hold(s2, 300)?;
+                buf.copy_to_device(s2, &mut dst)?;
+            }
+            drop(buf);
+            drop(group);
+        }
+        s2.synchronize().map_err(Error::cuda("the copy after the drop"))?;
+        if r.rank == bad_rank(r) {
+            let host = down(s2, &dst, n)?;
+            ensure(host.iter().all(|&b| b == 7), || "the copy read freed memory".into())?;
+        }
+        r.comm.barrier(s)?;
+        let group = fault_group(r)?;
+        round_trip(r, &group, RecvLayout::RankMajor, 71)
+    });
+}
+
+/// Holds `s` for `ms` milliseconds (a host function on the stream).
+fn hold(s: &Arc<CudaStream>, ms: usize) -> Result<()> {
+    unsafe extern "C" fn sleep_ms(arg: *mut std::ffi::c_void) {
+        std::thread::sleep(Duration::from_millis(arg as usize as u64));
+    }
+    // SAFETY: the function only sleeps; its argument is a number.
+    unsafe {
+        moe_ep::cuda::result::stream::launch_host_function(
+            s.cu_stream(),
+            sleep_ms,
+            ms as *mut std::ffi::c_void,
+        )
+    }
+    .map_err(Error::cuda("cuLaunchHostFunc"))
+}
+
+/// What a peer wrote, out of range on one rank: the bad rank's expert-major
+/// rows (meta, written by its senders) overwritten with a row past its
+/// capacity before its combine: the combine reads nothing there and reports
+/// it, and every rank's check fails (the bad rank's naming the field, the
+/// others' naming the bad rank); then the group works.
+#[test]
+fn fault_peer_row_out_of_range_on_one_rank() {
+    run_worlds("fault_peer_row_out_of_range_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let group = fault_group(r)?;
+        let inp = inputs(r, 81)?;
+        let layout = RecvLayout::ExpertMajor { alignment: ALIGN };
+        let mut out = s
+            .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+            .map_err(Error::cuda("alloc"))?;
+        let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
+        let got = group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        r.comm.barrier(s)?;
+        if r.rank == bad_rank(r) {
+            let meta = handle.meta_for_tests();
+            let junk = vec![i32::MAX; meta.len()];
+            // SAFETY: meta holds meta.len() i32; the stream is drained.
+            unsafe {
+                moe_ep::cuda::result::memcpy_htod_async(meta.device_ptr(), &junk, s.cu_stream())
+            }
+            .map_err(Error::cuda("htod"))?;
+            s.synchronize().map_err(Error::cuda("sync"))?;
+        }
+        let t0 = Instant::now();
+        let op = group.combine(s, &handle, &got.tokens, Some(&got.topk_weights), &mut out);
+        let chk = group.check();
+        let took = t0.elapsed();
+        if r.rank == bad_rank(r) {
+            expect(r, "meta out of range", op, chk, None, Want::Device("only values below"), took)?;
+        } else {
+            expect(r, "meta out of range", op, chk, None, Want::Peer(None), took)?;
+        }
+        drop((got, handle));
+        round_trip(r, &group, layout, 82)
+    });
+}
+
+/// The virtual world's size is bounded (every rank is a thread on one GPU).
+#[test]
+fn huge_virtual_world_is_refused() {
+    let Some(_) = moe_ep::testkit::ranks::gpus_or_skip("huge_virtual_world_is_refused", 1) else {
+        return;
+    };
+    let ctx = moe_ep::context(0).expect("context");
+    match Communicator::virtual_world(&ctx, 1 << 20) {
+        Err(Error::InvalidArgument { arg: "world", .. }) => {}
+        other => panic!("a virtual world of 2^20 ranks: {:?}", other.err()),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Low latency.
+// ---------------------------------------------------------------------------
+
+const LL_TOKENS: usize = 64;
+
+fn ll_group(r: &Rank) -> Result<EpGroup> {
+    let mut cfg = r.config(EXPERTS, HIDDEN, LL_TOKENS)?;
+    cfg.mode = Mode::LowLatency;
+    cfg.timeout = Duration::from_secs(10);
+    EpGroup::new(&r.comm, cfg)
+}
+
+/// One correct low-latency batch (rank-major, bf16), its combine of the
+/// received rows themselves checked bit for bit; then a clean check.
+fn ll_round_trip(r: &Rank, group: &EpGroup, seed: u64) -> Result<()> {
+    let s = &r.stream;
+    let x_host = workload::tokens(&mut Rng::new(seed + r.rank as u64), LL_TOKENS, HIDDEN);
+    let x = up(s, &x_host)?;
+    let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+    let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+    let mut out = s
+        .alloc_zeros::<bf16>(LL_TOKENS * HIDDEN)
+        .map_err(Error::cuda("alloc"))?;
+    let hd = group.ll_dispatch(
+        s,
+        LlInput::Bf16(&x),
+        TopkIdx::I32(&idx),
+        TOPK,
+        &w,
+        LlLayout::RankMajor,
+        None,
+    )?;
+    let rows = hd.tokens().ok_or_else(|| Error::InvalidState("bf16 rows".into()))?;
+    group.ll_combine(s, &hd, &rows, None, &mut out)?;
+    drop(hd);
+    group.check()?;
+    // Each token back once per rank that hosts one of its experts.
+    let want: Vec<u16> = {
+        let el = EXPERTS / r.world;
+        let idx = identity_routing(r.rank, LL_TOKENS);
+        (0..LL_TOKENS * HIDDEN)
+            .map(|i| {
+                let t = i / HIDDEN;
+                let mut d: Vec<usize> = idx[t * TOPK..(t + 1) * TOPK]
+                    .iter()
+                    .map(|&e| e as usize / el)
+                    .collect();
+                d.sort_unstable();
+                d.dedup();
+                bf16::from_f64(x_host[i].to_f64() * d.len() as f64).to_bits()
+            })
+            .collect()
+    };
+    first_diff(
+        "low-latency round trip",
+        &bits(&down(s, &out, LL_TOKENS * HIDDEN)?),
+        &want,
+    )
+}
+
+/// One bad low-latency batch (a bad expert id on one rank), check on every
+/// rank, then correct batches: the buffer sets stay aligned (the group is
+/// not dead), in one-call and two-phase form.
+#[test]
+fn fault_ll_bad_batch_then_good_batches() {
+    run_worlds("fault_ll_bad_batch_then_good_batches", 2, |r| {
+        let s = &r.stream;
+        let group = ll_group(r)?;
+        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
+        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+        let mut idx = identity_routing(r.rank, LL_TOKENS);
+        if r.rank == bad_rank(r) {
+            idx[TOPK + 1] = -5;
+        }
+        let idx = up(s, &idx)?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let op = group
+            .ll_dispatch(s, LlInput::Bf16(&x), TopkIdx::I32(&idx), TOPK, &w, LlLayout::RankMajor, None)
+            .map(drop);
+        let chk = group.check();
+        let took = t0.elapsed();
+        let want = format!("rank {}", bad_rank(r));
+        match (&op, &chk) {
+            (Ok(()), Err(Error::InvalidDeviceData { arg: "topk_idx", detail })) if detail.contains(&want) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "a bad low-latency batch on rank {}: rank {} got {other:?}",
+                    bad_rank(r),
+                    r.rank
+                )))
+            }
+        }
+        ensure(took < FAST, || format!("the error took {took:?}"))?;
+        for i in 0..4 {
+            ll_round_trip(r, &group, 90 + i)?;
+        }
+        Ok(())
+    });
+}
+
+/// A low-latency dispatch refused on one rank's host (x too short): every
+/// other rank's check names it and `x` at once; then batches work.
+#[test]
+fn fault_ll_refused_send_on_one_rank() {
+    run_worlds("fault_ll_refused_send_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let group = ll_group(r)?;
+        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
+        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+        let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let xs = x.slice(0..if r.rank == bad_rank(r) { HIDDEN } else { LL_TOKENS * HIDDEN });
+        let op = group
+            .ll_dispatch(s, LlInput::Bf16(&xs), TopkIdx::I32(&idx), TOPK, &w, LlLayout::RankMajor, None)
+            .map(drop);
+        let chk = group.check();
+        let took = t0.elapsed();
+        if r.rank == bad_rank(r) {
+            expect(r, "low-latency short x", op, chk, Some(Want::Arg("x")), Want::OwnRefusal, took)?;
+        } else {
+            expect(r, "low-latency short x", op, chk, None, Want::Peer(Some("x")), took)?;
+        }
+        for i in 0..3 {
+            ll_round_trip(r, &group, 95 + i)?;
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// Recovery, looped.
+// ---------------------------------------------------------------------------
+
+/// Rounds of {a bad expert id on one rank, check on every rank, a correct
+/// round trip}: the ranks never fall out of step.
+fn bad_layout_rounds(r: &Rank, rounds: usize) -> Result<()> {
+    let s = &r.stream;
+    let group = fault_group(r)?;
+    let mut idx = identity_routing(r.rank, TOKENS);
+    if r.rank == bad_rank(r) {
+        idx[7] = -9;
+    }
+    let bad_idx = up(s, &idx)?;
+    let t0 = Instant::now();
+    for round in 0..rounds {
+        let res = group
+            .layout(s, TopkIdx::I32(&bad_idx), TOPK, RecvLayout::RankMajor)
+            .map(drop);
+        let chk = group.check();
+        match (&res, &chk) {
+            (Ok(()), Err(Error::InvalidDeviceData { .. })) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "round {round}: the bad layout gave {other:?}"
+                )))
+            }
+        }
+        round_trip(r, &group, RecvLayout::RankMajor, 100 + (round % 7) as u64)
+            .map_err(|e| Error::InvalidState(format!("round {round}: {e}")))?;
+    }
+    if r.rank == 0 {
+        eprintln!(
+            "    {rounds} rounds in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_layout_check_round_trip_rounds() {
+    run_worlds("bad_layout_check_round_trip_rounds", 2, |r| {
+        bad_layout_rounds(r, cycles(200))
+    });
+}
+
+#[test]
+#[ignore = "10,000 rounds per world: run with --ignored"]
+fn bad_layout_check_round_trip_soak() {
+    run_worlds("bad_layout_check_round_trip_soak", 2, |r| {
+        bad_layout_rounds(r, cycles(10_000))
     });
 }

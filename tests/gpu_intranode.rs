@@ -667,13 +667,17 @@ fn over_capacity_is_reported_and_writes_nothing() {
                 recv_topk_weights: None,
             },
         );
+        // One check on every rank, whichever op reported the error.
         let first_err = match res {
             Ok(d) => {
                 drop(d);
                 s.synchronize().map_err(Error::cuda("sync"))?;
                 group.check().err()
             }
-            Err(e) => Some(e),
+            Err(e) => {
+                let _ = group.check();
+                Some(e)
+            }
         };
         match first_err {
             Some(Error::CapacityExceeded {
@@ -864,6 +868,25 @@ fn cuda_graph_capture_and_replay() {
         first_diff("eager identity combine", &eager, &want)?;
         r.comm.barrier(s)?;
         let zero = vec![bf16::ZERO; c.tokens * c.hidden];
+        // Not allowed yet: the op refuses a capturing stream by name.
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(Error::cuda("begin_capture"))?;
+        let refused = group.combine(s, &handle, &recv, None, &mut out);
+        let _ = s.end_capture(moe_ep::cuda::sys::CUgraphInstantiate_flags(0));
+        match refused {
+            Err(Error::InvalidArgument { arg: "stream", .. }) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "an op on a capturing stream before allow_graph_capture: {other:?}"
+                )))
+            }
+        }
+        // Every rank refused the call: check reports it and clears it.
+        ensure(group.check().is_err(), || "check after the refusal".into())?;
+        r.comm.barrier(s)?;
+        // SAFETY: the graph is launched only below, while recv, recv_w, x,
+        // w, out, handle and the group live; every rank launches it 5 times.
+        unsafe { group.allow_graph_capture() };
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(Error::cuda("begin_capture"))?;
         let d = group.dispatch(

@@ -899,6 +899,10 @@ fn cuda_graph_captured_once_replayed_five_times_with_new_inputs() {
                     .map_err(|e| Error::InvalidState(format!("eager: {e}")))?;
                 }
                 r.comm.barrier(s)?;
+                // SAFETY: the graph is launched only below, while every
+                // buffer it captured and the group live; every rank launches
+                // it the same number of times.
+                unsafe { group.allow_graph_capture() };
                 s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(Error::cuda("begin_capture"))?;
                 let captured = (|| {

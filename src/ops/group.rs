@@ -596,8 +596,10 @@ impl EpGroup {
 
     /// Waits for the group's work on this rank, then learns what every rank
     /// found since the last check, and clears it: **collective**, call it on
-    /// every rank at the same point (after the same ops); it ends in one host
-    /// all-gather of the communicator.
+    /// every rank at the same point (after the same ops, e.g. once per step,
+    /// whatever the step's ops returned); it ends in one host all-gather of
+    /// the communicator. A check with no op of this rank since its last one
+    /// meets no one and returns `Ok` (checking twice in a row is harmless).
     ///
     /// `Ok` when no rank found anything. Otherwise every rank gets an
     /// error: its own (the first its kernels recorded, or the refusal of
@@ -646,6 +648,11 @@ impl EpGroup {
                 Self::poisoned_error()
             });
         }
+        if !turns.unchecked {
+            // No op since the last check that met the other ranks: nothing
+            // new to learn, and no collective (a program may check twice).
+            return Ok(());
+        }
         // 0: nothing; 1: an error.
         let found = u64::from(dev.code != abi::code::OK || turns.refused.is_some());
         let ll_seq = match &self.ll {
@@ -663,6 +670,7 @@ impl EpGroup {
         let world = self.comm.world();
         let row = |r: usize| &all[5 * r..5 * r + 5];
         let worst = (0..world).map(|r| row(r)[0]).max().unwrap_or(0);
+        turns.unchecked = false;
         if worst == 0 {
             return Ok(());
         }

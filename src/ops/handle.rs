@@ -118,6 +118,14 @@ pub struct HostCounts {
 }
 
 impl Handle {
+    /// Tests only (feature `testkit`): the expert-major receivers' rows of
+    /// each received token here, as the senders wrote them (`[R * M, K]`),
+    /// for fault tests that corrupt what a peer wrote.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn meta_for_tests(&self) -> &SymmBuffer<i32> {
+        &self.meta
+    }
     /// The receive layout this handle was computed for.
     pub fn layout(&self) -> RecvLayout {
         self.layout
@@ -233,6 +241,8 @@ pub(crate) struct Turns {
     pub(crate) calls: u64,
     pub(crate) refused: Option<String>,
     pub(crate) epoch: u64,
+    /// An op was called since the last check that met the other ranks.
+    pub(crate) unchecked: bool,
 }
 
 /// The op's stream and the other streams its buffers are ordered on
@@ -366,6 +376,7 @@ impl EpGroup {
         let range = nvtx::range(name);
         let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
         turns.calls += 1;
+        turns.unchecked = true;
         let call = turns.calls;
         OpTurn {
             group: self,
@@ -431,7 +442,10 @@ impl EpGroup {
         // An error this rank already holds (its peers found it too, or it
         // told them): the call is skipped, not refused.
         let shared = turn.turns.refused.is_some() || self.error.read().code != abi::code::OK;
-        if !dead && !turn.launched.get() {
+        // Nothing is launched into a graph being captured (it would run at
+        // every launch of the graph, not now).
+        let capturing = turn.stream.as_ref().is_some_and(|s| crate::symm::capturing(s));
+        if !dead && !capturing && !turn.launched.get() {
             // Every call is one kernel on every rank, whatever happens to it
             // (the group's call counts stay in step).
             let told = match refuse {
