@@ -250,6 +250,18 @@ __device__ __forceinline__ int peer_says(const Call& c, int s) {
   return kAgrees;
 }
 
+// True (reported) when peer s's status word is set: it stopped, in this
+// call or before (an error of its own, found maybe after it had published
+// this call's descriptor), and will raise no more flags until every rank's
+// check. (A remote load, every kCheckEvery polls of a wait.)
+__device__ __forceinline__ bool peer_stopped(const Call& c, int s) {
+  if (s == c.me) return false;
+  const unsigned long long st = *reinterpret_cast<volatile unsigned long long*>(c.ws.status(s));
+  if (st == 0ull) return false;
+  report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, s, 0, c.mine[0], st, 0, c.call);
+  return true;
+}
+
 // A wait that ran out of time: names the lowest rank whose descriptor of
 // the call is not here (it never arrived: needed = 1), else `peer`.
 __device__ __noinline__ void report_timeout(const Call& c, int peer, int counter, uint64_t expected,
@@ -281,6 +293,7 @@ __device__ __noinline__ bool wait_peer(const Call& c, const uint64_t* flag, uint
     if (v >= target) return true;
     if (i % kCheckEvery == 0) {
       if (has_error(c.err)) return false;
+      if (peer_stopped(c, peer)) return false;
       if (!agreed) {
         const int says = peer_says(c, peer);
         if (says == kDiffers) return false;
@@ -317,6 +330,7 @@ __device__ __noinline__ bool desc_agrees(const Call& c, int s) {
     }
     if (i % kCheckEvery == 0) {
       if (has_error(c.err)) return false;
+      if (peer_stopped(c, s)) return false;
       if (timed_out(&start, c.timeout_ns)) {
         report_timeout(c, s, MOE_EP_CTR_DESCRIPTOR, c.call,
                        ld_acquire_sys_u64(c.ws.desc(c.me, (int)(c.call & 1), s) + 7));

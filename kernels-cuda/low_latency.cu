@@ -100,6 +100,32 @@ __device__ bool wait_all(const char* flags, size_t stride, int R, int nb, uint64
   }
   return __syncthreads_and(ok) != 0;
 }
+// The combine signals' sequence number (below the MOE_EP_LL_SIG_NOT_SENT
+// and argument bits), as wait_all compares it: a sender that sent no rows
+// in an earlier batch of the set must not pass for this one.
+__device__ bool wait_all_combine(const char* flags, int R, int nb, uint64_t seq, const LlParams& p,
+                                 const ErrSink& err) {
+  bool ok = true;
+  for (int i = threadIdx.x; i < R * nb; i += blockDim.x) {
+    const int s = i / nb, b = i % nb;
+    const uint64_t* f = reinterpret_cast<const uint64_t*>(flags) + s * MOE_EP_MAX_BLOCKS + b;
+    uint64_t start = 0;
+    for (uint32_t n = 1; ok; ++n) {
+      if ((ld_acquire_sys_u64(f) & ((1ull << 48) - 1)) >= seq) break;
+      if (n % kCheckEvery == 0) {
+        if (has_error(err)) {
+          ok = false;
+        } else if (timed_out(&start, p.op.timeout_ns)) {
+          report_error(err, MOE_EP_ERR_TIMEOUT, p.op.rank, s, MOE_EP_CTR_LL_COMBINE, seq,
+                       ld_acquire_sys_u64(f) & ((1ull << 48) - 1), 0, 0);
+          ok = false;
+        }
+      }
+      __nanosleep(32);
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
 
 // ---- fp8 e4m3 (src/reference/fp8.rs) ----
 // Two values to two e4m3 codes (lo in the low byte): round to nearest even,
@@ -662,10 +688,7 @@ __device__ void ll_combine_recv(const LlParams& p) {
   const uint64_t seq = set_seq(p);
   const ErrSink err = ws.err(p.op.error, me);
   char* mine = sym_set(p, me);
-  if (!wait_all(mine + p.b.sig_combine, sizeof(uint64_t), R, p.op.num_blocks, seq, p, err,
-                MOE_EP_CTR_LL_COMBINE)) {
-    return;
-  }
+  if (!wait_all_combine(mine + p.b.sig_combine, R, p.op.num_blocks, seq, p, err)) return;
   // An expert rank that sent no rows (stopped, or refused by its host).
   {
     bool sent = true;

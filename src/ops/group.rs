@@ -653,8 +653,17 @@ impl EpGroup {
             // new to learn, and no collective (a program may check twice).
             return Ok(());
         }
-        // 0: nothing; 1: an error.
-        let found = u64::from(dev.code != abi::code::OK || turns.refused.is_some());
+        // 0: nothing; 1: an error (what the kernels found: a refusal of
+        // this rank's host alone is found by its peers' kernels, unless every
+        // rank refused that call, which leaves nothing out of step).
+        let found = u64::from(dev.code != abi::code::OK);
+        if found != 0 {
+            // Cleared before the ranks meet: once any rank is past the
+            // all-gather, every rank's status word is clear (a peer's kernel
+            // of the next call reads it, peer_stopped in intranode.cuh).
+            self.clear_device_error(&stream)?;
+            self.error.write(ErrorInfo::default());
+        }
         let ll_seq = match &self.ll {
             Some(ll) => ll.batches_sent(&stream)?,
             None => 0,
@@ -672,6 +681,7 @@ impl EpGroup {
         let worst = (0..world).map(|r| row(r)[0]).max().unwrap_or(0);
         turns.unchecked = false;
         if worst == 0 {
+            turns.refused = None;
             return Ok(());
         }
         // This rank's own error first, else the first rank's that found one.
@@ -699,8 +709,6 @@ impl EpGroup {
             );
         }
         self.set_device_calls(&stream, (0..world).map(|r| row(r)[3]).max().unwrap_or(calls))?;
-        self.clear_device_error(&stream)?;
-        self.error.write(ErrorInfo::default());
         turns.refused = None;
         turns.epoch += 1;
         if let Some(ll) = &self.ll {
@@ -728,12 +736,12 @@ impl EpGroup {
             }
             _ => return Err(self.error_of(e)),
         }
-        match &turns.refused {
-            Some(r) => Err(Error::InvalidState(format!(
-                "{r}; every rank's op of that call failed: call check() on every rank"
-            ))),
-            None => Ok(()),
-        }
+        // A refusal of this rank's host alone stops nothing here: where the
+        // peers took part in the call their kernels found it, and this
+        // rank's next call meets them stopped; where every rank refused
+        // the same call, nothing is out of step.
+        let _ = turns;
+        Ok(())
     }
 
     fn poisoned_error() -> Error {

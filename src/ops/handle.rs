@@ -439,9 +439,9 @@ impl EpGroup {
     /// the rank then refuses its next ops until `check`. Returns `e`.
     fn refused(&self, mut turn: OpTurn<'_>, e: Error, refuse: Refuse<'_>) -> Error {
         let dead = self.poisoned.load(Ordering::Relaxed) || self.comm.is_aborted();
-        // An error this rank already holds (its peers found it too, or it
-        // told them): the call is skipped, not refused.
-        let shared = turn.turns.refused.is_some() || self.error.read().code != abi::code::OK;
+        // An error this rank's kernels already hold (its peers found it
+        // too): the call is skipped, not refused.
+        let shared = self.error.read().code != abi::code::OK;
         // Nothing is launched into a graph being captured (it would run at
         // every launch of the graph, not now).
         let capturing = turn.stream.as_ref().is_some_and(|s| crate::symm::capturing(s));
@@ -465,7 +465,7 @@ impl EpGroup {
                 eprintln!("moe-ep: telling the peers of a refused call failed: {p}");
             }
         }
-        if !shared && !dead {
+        if !shared && !dead && turn.turns.refused.is_none() {
             turn.turns.refused = Some(format!(
                 "this rank refused call {} ({}): {e}",
                 turn.call,
@@ -522,16 +522,8 @@ impl EpGroup {
         let Some(b) = &self.op_barrier else {
             return Ok(());
         };
-        let holds_error = || {
-            self.poisoned.load(Ordering::Relaxed)
-                || self.error.read().code != abi::code::OK
-                || self
-                    .turns
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .refused
-                    .is_some()
-        };
+        let holds_error =
+            || self.poisoned.load(Ordering::Relaxed) || self.error.read().code != abi::code::OK;
         b.arrive(
             self.comm.rank(),
             "op (virtual ranks enqueue every op in step)",
