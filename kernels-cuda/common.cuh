@@ -140,6 +140,16 @@ MOE_EP_DEVICE uint64_t globaltimer_ns() {
 }
 
 // ---- errors ----
+// A rank's status word (Ws::status): 0, or why its kernels stop: the error's
+// code (bits 0..7), the rank it names (8..15: the root of a chain, so that
+// a peer that stopped because of a refusal or a timeout elsewhere passes
+// that rank on), and 16..31 the argument of a refusal, the root's code of a
+// stop, else the field or counter.
+MOE_EP_DEVICE unsigned long long status_word(int code, int peer, int counter, uint64_t seen) {
+  const unsigned aux = code == MOE_EP_ERR_PEER_STOPPED ? (unsigned)(seen & 0xffu) : (unsigned)counter;
+  return (unsigned long long)(code & 0xff) | ((unsigned long long)(peer & 0xff) << 8) |
+         ((unsigned long long)(aux & 0xffffu) << 16);
+}
 // Where kernels report: a claim word in device memory (first error wins, by
 // an atomic there) and the report itself in host-mapped memory, written with
 // plain stores by the one winning thread (no atomics on host memory, which
@@ -157,7 +167,7 @@ MOE_EP_DEVICE void report_error(const ErrSink& e, int code, int rank, int peer, 
                                 uint64_t capacity) {
   if (e.host == nullptr || e.claim == nullptr) return;
   if (atomicCAS(e.claim, 0ull, (unsigned long long)code) != 0ull) return;
-  if (e.status != nullptr) atomicCAS(e.status, 0ull, (unsigned long long)code);
+  if (e.status != nullptr) atomicCAS(e.status, 0ull, status_word(code, peer, counter, seen));
   volatile ErrorInfo* h = e.host;
   h->rank = rank;
   h->peer = peer;

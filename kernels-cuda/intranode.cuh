@@ -215,6 +215,24 @@ __device__ __forceinline__ uint64_t begin_call(const OpCommon& op) {
   return 0;
 }
 
+// Peer s stopped, its status word `st` saying why (status_word): reported
+// as the root it names, so that every rank names the same one. A refusal
+// elsewhere stays a refusal (its rank and argument); a stop stays a stop
+// of its root (with the root's code: a timeout there is one here too).
+__device__ __noinline__ void report_stop(const Call& c, int s, unsigned long long st) {
+  const int code = (int)(st & 0xffull), root = (int)((st >> 8) & 0xffull);
+  const int aux = (int)((st >> 16) & 0xffffull);
+  if (code == MOE_EP_ERR_REFUSED) {
+    report_error(c.err, MOE_EP_ERR_REFUSED, c.me, root, aux, c.mine[0], 0, 0, c.call);
+  } else if (code == MOE_EP_ERR_PEER_STOPPED) {
+    report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, root, 0, c.mine[0], (uint64_t)aux, 0, c.call);
+  } else {
+    // A timeout names the rank that did not come: that one is the root.
+    const int who = code == MOE_EP_ERR_TIMEOUT ? root : s;
+    report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, who, 0, c.mine[0], (uint64_t)code, 0, c.call);
+  }
+}
+
 // What peer s's descriptor of the call says, seen here.
 enum PeerSays { kNotYet = 0, kAgrees = 1, kDiffers = 2, kMovedOn = 3 };
 // One thread. kDiffers has been reported (the first word that differs;
@@ -233,7 +251,7 @@ __device__ __forceinline__ int peer_says(const Call& c, int s) {
       report_error(c.err, MOE_EP_ERR_REFUSED, c.me, s, (int)((theirs >> 16) & 0xffffull), c.mine[0],
                    (theirs >> 8) & 0xffull, 0, c.call);
     } else if (i == 0 && kind == MOE_EP_OP_STOPPED) {
-      report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, s, 0, c.mine[0], theirs >> 8, 0, c.call);
+      report_stop(c, s, theirs >> 8);
     } else {
       const int field = i == 0 ? MOE_EP_FIELD_OP
                         : i == MOE_EP_DESC_HANDLE
@@ -258,7 +276,7 @@ __device__ __forceinline__ bool peer_stopped(const Call& c, int s) {
   if (s == c.me) return false;
   const unsigned long long st = *reinterpret_cast<volatile unsigned long long*>(c.ws.status(s));
   if (st == 0ull) return false;
-  report_error(c.err, MOE_EP_ERR_PEER_STOPPED, c.me, s, 0, c.mine[0], st, 0, c.call);
+  report_stop(c, s, st);
   return true;
 }
 

@@ -881,8 +881,8 @@ fn cuda_graph_capture_and_replay() {
                 )))
             }
         }
-        // Every rank refused the call: check reports it and clears it.
-        ensure(group.check().is_err(), || "check after the refusal".into())?;
+        // Every rank refused the same call: nothing out of step.
+        group.check()?;
         r.comm.barrier(s)?;
         // SAFETY: the graph is launched only below, while recv, recv_w, x,
         // w, out, handle and the group live; every rank launches it 5 times.

@@ -637,11 +637,11 @@ impl EpGroup {
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
         let dev = self.error.read();
-        if self.poisoned.load(Ordering::Relaxed) || dev.code == abi::code::TIMEOUT {
+        if self.poisoned.load(Ordering::Relaxed) || timed_out(&dev) {
             // Dead here: no collective (the rank that did not come may never
             // call check), and nothing more runs on the group.
             self.poisoned.store(true, Ordering::Relaxed);
-            return Err(if dev.code == abi::code::TIMEOUT {
+            return Err(if timed_out(&dev) {
                 self.print_peer_state(&dev);
                 self.error_of(dev)
             } else {
@@ -728,7 +728,7 @@ impl EpGroup {
         let e = self.error.read();
         match e.code {
             abi::code::OK => {}
-            abi::code::TIMEOUT => {
+            _ if timed_out(&e) => {
                 // A timeout poisons the group at once.
                 self.poisoned.store(true, Ordering::Relaxed);
                 self.print_peer_state(&e);
@@ -866,6 +866,14 @@ impl EpGroup {
                     ),
                 }
             }
+            abi::code::PEER_STOPPED if e.seen == abi::code::TIMEOUT as u64 => Error::PeerTimeout {
+                rank: e.rank as usize,
+                peer: e.peer as usize,
+                counter: "another rank's wait for it (that rank timed out first)",
+                expected: 0,
+                seen: 0,
+                absent: false,
+            },
             abi::code::PEER_STOPPED => Error::PeerFailed {
                 peer: e.peer as usize,
                 arg: None,
@@ -989,6 +997,14 @@ impl EpGroup {
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))
     }
+}
+
+/// A report that leaves the group unusable: a timeout here, or a peer that
+/// stopped after a timeout of its own (the flags of that call are out of
+/// step on some rank).
+fn timed_out(e: &ErrorInfo) -> bool {
+    e.code == abi::code::TIMEOUT
+        || (e.code == abi::code::PEER_STOPPED && e.seen == abi::code::TIMEOUT as u64)
 }
 
 /// Numbers the groups of the process (`EpGroup::id`).

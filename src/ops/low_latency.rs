@@ -967,9 +967,9 @@ impl EpGroup {
         }
         let mut p = self.ll_params(ll, b);
         p.refuse = arg as i32 + 1;
-        self.ll_launch(stream, &self.ll_kernels().combine_send[li(b.layout)], &p)?;
-        self.ll_set_phase(ll, b, Phase::CombineSent);
-        Ok(())
+        // The batch stays received: a corrected call sends it again (its
+        // signal then carries the rows' sequence number, not the refusal).
+        self.ll_launch(stream, &self.ll_kernels().combine_send[li(b.layout)], &p)
     }
 
     /// Waits (on the stream, bounded by the group's timeout) for every
