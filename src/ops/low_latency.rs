@@ -955,23 +955,6 @@ impl EpGroup {
         Ok(())
     }
 
-    /// A combine send of `b`'s batch this rank's host refused (argument
-    /// `arg`), or made after an error of its own: no rows, and every home
-    /// is told why (its signal), so that none waits for this rank.
-    fn ll_refuse_combine_send(&self, turn: &OpTurn<'_>, b: &LlBatch, arg: u64) -> Result<()> {
-        let (Some(ll), Some(stream)) = (self.ll.as_ref(), turn.stream()) else {
-            return Ok(());
-        };
-        if b.group != self.id || ll.state().sets[b.set].0 != b.generation {
-            return Ok(());
-        }
-        let mut p = self.ll_params(ll, b);
-        p.refuse = arg as i32 + 1;
-        // The batch stays received: a corrected call sends it again (its
-        // signal then carries the rows' sequence number, not the refusal).
-        self.ll_launch(stream, &self.ll_kernels().combine_send[li(b.layout)], &p)
-    }
-
     /// Waits (on the stream, bounded by the group's timeout) for every
     /// rank's rows of a sent dispatch and lays them out: the second half of
     /// [`EpGroup::ll_dispatch`].
@@ -1133,14 +1116,16 @@ impl EpGroup {
         handle: &LlHandle<'_>,
         expert_out: &dyn DeviceRegion<bf16>,
     ) -> Result<LlCombineSent> {
-        let b = handle.b;
-        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
+        // NOTE: a refused combine tells no peer (a refusal signal in the
+        // batch's set passed a corrected retry's wait for the same batch on
+        // an H200, 2026-12-04): a peer's combine wait for a rank whose host
+        // refused alone ends at the timeout.
         self.op_with(
             "moe_ep::ll_combine_send",
             0,
             stream,
             None,
-            Refuse::With(&refuse),
+            Refuse::With(&|_, _| Ok(())),
             // Not in place: the caller may reuse expert_out before the wait.
             |_| self.ll_combine_send_on_turn(stream, handle, expert_out, false),
         )
@@ -1197,14 +1182,13 @@ impl EpGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
-        let b = handle.b;
-        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
+        // (A refused combine tells no peer: see ll_combine_send.)
         self.op_with(
             "moe_ep::ll_combine",
             0,
             stream,
             None,
-            Refuse::With(&refuse),
+            Refuse::With(&|_, _| Ok(())),
             |turn| {
                 let ll = self.ll_buffers()?;
                 self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
