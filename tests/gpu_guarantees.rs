@@ -29,7 +29,7 @@ use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, Result
 
 #[path = "common/device.rs"]
 mod device;
-use device::{bits, down, first_diff, up};
+use device::{bits, down, first_diff, hold, up};
 
 const EXPERTS: usize = 256;
 const HIDDEN: usize = 7168;
@@ -92,7 +92,7 @@ impl Layouts {
         match self {
             Layouts::RankOnly => RecvLayout::RankMajor,
             Layouts::ExpertOnly => expert,
-            Layouts::Alternating if cycle % 2 == 0 => RecvLayout::RankMajor,
+            Layouts::Alternating if cycle.is_multiple_of(2) => RecvLayout::RankMajor,
             Layouts::Alternating => expert,
         }
     }
@@ -205,6 +205,9 @@ const FAST: Duration = Duration::from_secs(2);
 /// The expert-major alignment of the fault rows (small receive buffers: no
 /// pool growth inside an op, which is collective).
 const FAULT_ALIGN: usize = 8;
+const FAULT_EM: RecvLayout = RecvLayout::ExpertMajor {
+    alignment: FAULT_ALIGN,
+};
 
 /// A group of the fault rows: both layouts of the identity routing fit
 /// (each expert gets 4 x world rows, padded to FAULT_ALIGN).
@@ -278,7 +281,9 @@ fn matches(e: &Error, want: &Want<'_>, bad: usize) -> bool {
     match (want, e) {
         (Want::Arg(a), Error::InvalidArgument { arg, .. }) => arg == a,
         (Want::Arg(a), Error::NotSymmetric { what }) => what == a,
-        (Want::Peer(a), Error::PeerFailed { peer, arg, .. }) => *peer == bad && arg.as_deref() == *a,
+        (Want::Peer(a), Error::PeerFailed { peer, arg, .. }) => {
+            *peer == bad && arg.as_deref() == *a
+        }
         (Want::Device(d), Error::InvalidDeviceData { detail, .. }) => detail.contains(d),
         (Want::OwnRefusal, Error::InvalidState(m)) => m.contains("refused"),
         _ => false,
@@ -311,6 +316,31 @@ fn expect(
     ensure(took < FAST, || {
         format!("{row}, rank {}: the error took {took:?}", r.rank)
     })
+}
+
+/// [`expect`] of a refusal: the bad rank's host refused `arg` (and its
+/// check says so), every other rank's check names the bad rank and `arg`.
+fn expect_refusal(
+    r: &Rank,
+    row: &str,
+    op: Result<()>,
+    chk: Result<()>,
+    arg: &str,
+    took: Duration,
+) -> Result<()> {
+    if r.rank == bad_rank(r) {
+        expect(
+            r,
+            row,
+            op,
+            chk,
+            Some(Want::Arg(arg)),
+            Want::OwnRefusal,
+            took,
+        )
+    } else {
+        expect(r, row, op, chk, None, Want::Peer(Some(arg)), took)
+    }
 }
 
 /// An op whose argument `arg` is bad on the bad rank only: that rank's
@@ -361,15 +391,10 @@ fn refused_row(
             .map(drop)
     };
     let chk = group.check();
-    let took = t0.elapsed();
-    if r.rank == bad_rank(r) {
-        expect(r, row, op, chk, Some(Want::Arg(arg)), Want::OwnRefusal, took)?;
-    } else {
-        expect(r, row, op, chk, None, Want::Peer(Some(arg)), took)?;
-    }
+    expect_refusal(r, row, op, chk, arg, t0.elapsed())?;
     drop((got, handle));
     round_trip(r, &group, RecvLayout::RankMajor, 12)?;
-    round_trip(r, &group, RecvLayout::ExpertMajor { alignment: FAULT_ALIGN }, 13)
+    round_trip(r, &group, FAULT_EM, 13)
 }
 
 /// What the bad rank's call of a row gets.
@@ -485,11 +510,7 @@ fn fault_tokens_over_the_maximum_on_one_rank() {
             .map(drop);
         let chk = group.check();
         let took = t0.elapsed();
-        if r.rank == bad_rank(r) {
-            expect(r, "T over the maximum", op, chk, Some(Want::Arg("topk_idx")), Want::OwnRefusal, took)?;
-        } else {
-            expect(r, "T over the maximum", op, chk, None, Want::Peer(Some("topk_idx")), took)?;
-        }
+        expect_refusal(r, "T over the maximum", op, chk, "topk_idx", took)?;
         round_trip(r, &group, RecvLayout::RankMajor, 14)
     });
 }
@@ -521,7 +542,15 @@ fn fault_other_op_on_one_rank() {
                 .map(drop)
         };
         let chk = group.check();
-        expect(r, "combine beside dispatch", op, chk, None, Want::Arg("op"), t0.elapsed())?;
+        expect(
+            r,
+            "combine beside dispatch",
+            op,
+            chk,
+            None,
+            Want::Arg("op"),
+            t0.elapsed(),
+        )?;
         drop((handle, y));
         round_trip(r, &group, RecvLayout::RankMajor, 22)
     });
@@ -536,7 +565,7 @@ fn fault_other_handle_on_one_rank() {
         let s = &r.stream;
         let group = fault_group(r)?;
         let inp = inputs(r, 31)?;
-        let layout = RecvLayout::ExpertMajor { alignment: FAULT_ALIGN };
+        let layout = FAULT_EM;
         let h1 = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
         let h2 = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
         s.synchronize().map_err(Error::cuda("sync"))?;
@@ -547,7 +576,15 @@ fn fault_other_handle_on_one_rank() {
             .dispatch(s, h, &inp.x, &inp.w, DispatchOut::default())
             .map(drop);
         let chk = group.check();
-        expect(r, "another handle", op, chk, None, Want::Arg("handle"), t0.elapsed())?;
+        expect(
+            r,
+            "another handle",
+            op,
+            chk,
+            None,
+            Want::Arg("handle"),
+            t0.elapsed(),
+        )?;
         drop((h1, h2));
         round_trip(r, &group, layout, 32)
     });
@@ -574,7 +611,7 @@ fn fault_bad_routing_on_one_rank_and_its_handle_after_check() {
             let mut out = s
                 .alloc_zeros::<bf16>(TOKENS * HIDDEN)
                 .map_err(Error::cuda("alloc"))?;
-            let layout = RecvLayout::ExpertMajor { alignment: FAULT_ALIGN };
+            let layout = FAULT_EM;
             let y = group.pool().alloc::<bf16>(group.recv_capacity() * HIDDEN)?;
             let yw = group.pool().alloc::<f32>(group.recv_capacity())?;
             r.comm.barrier(s)?;
@@ -604,7 +641,9 @@ fn fault_bad_routing_on_one_rank_and_its_handle_after_check() {
                     r.rank
                 )
             })?;
-            ensure(took < FAST, || format!("bad routing: the error took {took:?}"))?;
+            ensure(took < FAST, || {
+                format!("bad routing: the error took {took:?}")
+            })?;
             // The handle whose dispatch the error skipped: refused by name.
             let t1 = Instant::now();
             match group.combine(s, &handle, &y, Some(&yw), &mut out) {
@@ -650,9 +689,12 @@ fn fault_rank_that_never_dispatches_is_named() {
                 let named = |e: &Error| match e {
                     // Its own wait for the rank, or a peer's (that one
                     // timed out first and stopped).
-                    Error::PeerTimeout { peer, absent, counter, .. } => {
-                        *peer == bad && (*absent || counter.starts_with("another rank's wait"))
-                    }
+                    Error::PeerTimeout {
+                        peer,
+                        absent,
+                        counter,
+                        ..
+                    } => *peer == bad && (*absent || counter.starts_with("another rank's wait")),
                     Error::CollectiveFailed { missing, .. } => missing == &vec![bad],
                     _ => false,
                 };
@@ -708,7 +750,10 @@ fn fault_abort_stops_work_and_refuses_ops() {
         })?;
         let took = t0.elapsed();
         ensure(took < Duration::from_secs(3), || {
-            format!("rank {}: the work ended {took:?} after the start (abort at 200 ms)", r.rank)
+            format!(
+                "rank {}: the work ended {took:?} after the start (abort at 200 ms)",
+                r.rank
+            )
         })?;
         let refused = |what: &str, res: Result<()>| match res {
             Err(Error::InvalidState(m)) if m.contains("aborted") => Ok(()),
@@ -761,31 +806,18 @@ fn fault_group_dropped_with_a_pool_copy_pending() {
             drop(buf);
             drop(group);
         }
-        s2.synchronize().map_err(Error::cuda("the copy after the drop"))?;
+        s2.synchronize()
+            .map_err(Error::cuda("the copy after the drop"))?;
         if r.rank == bad_rank(r) {
             let host = down(s2, &dst, n)?;
-            ensure(host.iter().all(|&b| b == 7), || "the copy read freed memory".into())?;
+            ensure(host.iter().all(|&b| b == 7), || {
+                "the copy read freed memory".into()
+            })?;
         }
         r.comm.barrier(s)?;
         let group = fault_group(r)?;
         round_trip(r, &group, RecvLayout::RankMajor, 71)
     });
-}
-
-/// Holds `s` for `ms` milliseconds (a host function on the stream).
-fn hold(s: &Arc<CudaStream>, ms: usize) -> Result<()> {
-    unsafe extern "C" fn sleep_ms(arg: *mut std::ffi::c_void) {
-        std::thread::sleep(Duration::from_millis(arg as usize as u64));
-    }
-    // SAFETY: the function only sleeps; its argument is a number.
-    unsafe {
-        moe_ep::cuda::result::stream::launch_host_function(
-            s.cu_stream(),
-            sleep_ms,
-            ms as *mut std::ffi::c_void,
-        )
-    }
-    .map_err(Error::cuda("cuLaunchHostFunc"))
 }
 
 /// What a peer wrote, out of range on one rank: the bad rank's expert-major
@@ -799,7 +831,7 @@ fn fault_peer_row_out_of_range_on_one_rank() {
         let s = &r.stream;
         let group = fault_group(r)?;
         let inp = inputs(r, 81)?;
-        let layout = RecvLayout::ExpertMajor { alignment: FAULT_ALIGN };
+        let layout = FAULT_EM;
         let mut out = s
             .alloc_zeros::<bf16>(TOKENS * HIDDEN)
             .map_err(Error::cuda("alloc"))?;
@@ -822,9 +854,25 @@ fn fault_peer_row_out_of_range_on_one_rank() {
         let chk = group.check();
         let took = t0.elapsed();
         if r.rank == bad_rank(r) {
-            expect(r, "meta out of range", op, chk, None, Want::Device("only values below"), took)?;
+            expect(
+                r,
+                "meta out of range",
+                op,
+                chk,
+                None,
+                Want::Device("only values below"),
+                took,
+            )?;
         } else {
-            expect(r, "meta out of range", op, chk, None, Want::Peer(None), took)?;
+            expect(
+                r,
+                "meta out of range",
+                op,
+                chk,
+                None,
+                Want::Peer(None),
+                took,
+            )?;
         }
         drop((got, handle));
         round_trip(r, &group, layout, 82)
@@ -877,9 +925,10 @@ fn ll_round_trip(r: &Rank, group: &EpGroup, seed: u64) -> Result<()> {
         LlLayout::RankMajor,
         None,
     )?;
-    let rows = hd.tokens().ok_or_else(|| Error::InvalidState("bf16 rows".into()))?;
+    let rows = hd
+        .tokens()
+        .ok_or_else(|| Error::InvalidState("bf16 rows".into()))?;
     group.ll_combine(s, &hd, &rows, None, &mut out)?;
-    drop(hd);
     group.check()?;
     // Each token back once per rank that hosts one of its experts.
     let want: Vec<u16> = {
@@ -923,13 +972,27 @@ fn fault_ll_bad_batch_then_good_batches() {
         r.comm.barrier(s)?;
         let t0 = Instant::now();
         let op = group
-            .ll_dispatch(s, LlInput::Bf16(&x), TopkIdx::I32(&idx), TOPK, &w, LlLayout::RankMajor, None)
+            .ll_dispatch(
+                s,
+                LlInput::Bf16(&x),
+                TopkIdx::I32(&idx),
+                TOPK,
+                &w,
+                LlLayout::RankMajor,
+                None,
+            )
             .map(drop);
         let chk = group.check();
         let took = t0.elapsed();
         let want = format!("rank {}", bad_rank(r));
         match (&op, &chk) {
-            (Ok(()), Err(Error::InvalidDeviceData { arg: "topk_idx", detail })) if detail.contains(&want) => {}
+            (
+                Ok(()),
+                Err(Error::InvalidDeviceData {
+                    arg: "topk_idx",
+                    detail,
+                }),
+            ) if detail.contains(&want) => {}
             other => {
                 return Err(Error::InvalidState(format!(
                     "a bad low-latency batch on rank {}: rank {} got {other:?}",
@@ -958,17 +1021,27 @@ fn fault_ll_refused_send_on_one_rank() {
         let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
         r.comm.barrier(s)?;
         let t0 = Instant::now();
-        let xs = x.slice(0..if r.rank == bad_rank(r) { HIDDEN } else { LL_TOKENS * HIDDEN });
+        let xs = x.slice(
+            0..if r.rank == bad_rank(r) {
+                HIDDEN
+            } else {
+                LL_TOKENS * HIDDEN
+            },
+        );
         let op = group
-            .ll_dispatch(s, LlInput::Bf16(&xs), TopkIdx::I32(&idx), TOPK, &w, LlLayout::RankMajor, None)
+            .ll_dispatch(
+                s,
+                LlInput::Bf16(&xs),
+                TopkIdx::I32(&idx),
+                TOPK,
+                &w,
+                LlLayout::RankMajor,
+                None,
+            )
             .map(drop);
         let chk = group.check();
         let took = t0.elapsed();
-        if r.rank == bad_rank(r) {
-            expect(r, "low-latency short x", op, chk, Some(Want::Arg("x")), Want::OwnRefusal, took)?;
-        } else {
-            expect(r, "low-latency short x", op, chk, None, Want::Peer(Some("x")), took)?;
-        }
+        expect_refusal(r, "low-latency short x", op, chk, "x", took)?;
         for i in 0..3 {
             ll_round_trip(r, &group, 95 + i)?;
         }
@@ -1008,10 +1081,7 @@ fn bad_layout_rounds(r: &Rank, rounds: usize) -> Result<()> {
             .map_err(|e| Error::InvalidState(format!("round {round}: {e}")))?;
     }
     if r.rank == 0 {
-        eprintln!(
-            "    {rounds} rounds in {:.2} s",
-            t0.elapsed().as_secs_f64()
-        );
+        eprintln!("    {rounds} rounds in {:.2} s", t0.elapsed().as_secs_f64());
     }
     Ok(())
 }

@@ -27,7 +27,7 @@ mod cases;
 #[path = "common/device.rs"]
 mod device;
 use cases::{case, Case};
-use device::{bits, down, drain, first_diff, up, up_len, weights_per_row};
+use device::{bits, down, drain, first_diff, hold, up, up_len, weights_per_row};
 
 /// The case table: one module per case, named by the case's id, with a test
 /// per receive layout. Each test first checks that its name is the id its
@@ -1297,23 +1297,6 @@ fn buffers_that_differ_between_ranks_are_refused_everywhere() {
             after("a dispatch on rank 0 beside a combine backward")
         },
     );
-}
-
-/// Holds `s` for `ms` milliseconds (a host function on the stream): what
-/// is enqueued after it waits.
-fn hold(s: &Arc<CudaStream>, ms: usize) -> Result<()> {
-    unsafe extern "C" fn sleep_ms(arg: *mut std::ffi::c_void) {
-        std::thread::sleep(Duration::from_millis(arg as usize as u64));
-    }
-    // SAFETY: the function only sleeps; its argument is a number.
-    unsafe {
-        moe_ep::cuda::result::stream::launch_host_function(
-            s.cu_stream(),
-            sleep_ms,
-            ms as *mut std::ffi::c_void,
-        )
-    }
-    .map_err(Error::cuda("cuLaunchHostFunc"))
 }
 
 /// A pool buffer dropped while the combine that reads it in place is still

@@ -732,17 +732,29 @@ mod tests {
         );
         assert_eq!(define("MOE_EP_FIELD_PAYLOAD"), FIELD_PAYLOAD.to_string());
         assert_eq!(define("MOE_EP_FIELD_OP"), desc::FIELD_OP.to_string());
-        assert_eq!(define("MOE_EP_FIELD_HANDLE"), desc::FIELD_HANDLE.to_string());
+        assert_eq!(
+            define("MOE_EP_FIELD_HANDLE"),
+            desc::FIELD_HANDLE.to_string()
+        );
         assert_eq!(define("MOE_EP_FIELD_COUNTS"), FIELD_COUNTS.to_string());
         assert_eq!(define("MOE_EP_FIELD_META"), FIELD_META.to_string());
-        assert_eq!(define("MOE_EP_FIELD_NUM_TOKENS"), FIELD_NUM_TOKENS.to_string());
+        assert_eq!(
+            define("MOE_EP_FIELD_NUM_TOKENS"),
+            FIELD_NUM_TOKENS.to_string()
+        );
         assert_eq!(define("MOE_EP_DESC_HANDLE"), desc::HANDLE_WORD.to_string());
         assert_eq!(define("MOE_EP_OP_LAYOUT"), desc::OP_LAYOUT.to_string());
         assert_eq!(define("MOE_EP_OP_REFUSED"), desc::OP_REFUSED.to_string());
         assert_eq!(define("MOE_EP_OP_STOPPED"), desc::OP_STOPPED.to_string());
         assert_eq!(define("MOE_EP_ERR_REFUSED"), code::REFUSED.to_string());
-        assert_eq!(define("MOE_EP_ERR_PEER_STOPPED"), code::PEER_STOPPED.to_string());
-        assert_eq!(define("MOE_EP_ERR_BAD_PEER_DATA"), code::BAD_PEER_DATA.to_string());
+        assert_eq!(
+            define("MOE_EP_ERR_PEER_STOPPED"),
+            code::PEER_STOPPED.to_string()
+        );
+        assert_eq!(
+            define("MOE_EP_ERR_BAD_PEER_DATA"),
+            code::BAD_PEER_DATA.to_string()
+        );
         assert_eq!(define("MOE_EP_ERR_ABORTED"), code::ABORTED.to_string());
         assert_eq!(define("MOE_EP_DESC_WORDS"), DESC_WORDS.to_string());
         assert_eq!(define("MOE_EP_DESC_PUSHED"), "(1ull << 63)");

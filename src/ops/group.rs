@@ -708,7 +708,10 @@ impl EpGroup {
                 (0..world).map(|r| row(r)[4]).max().unwrap_or(arrived),
             );
         }
-        self.set_device_calls(&stream, (0..world).map(|r| row(r)[3]).max().unwrap_or(calls))?;
+        self.set_device_calls(
+            &stream,
+            (0..world).map(|r| row(r)[3]).max().unwrap_or(calls),
+        )?;
         turns.refused = None;
         turns.epoch += 1;
         if let Some(ll) = &self.ll {
@@ -787,10 +790,8 @@ impl EpGroup {
         // SAFETY: the ten words lie inside the workspace (seq region [3]);
         // no kernel of this group runs once `stream`, the last op's, is done
         // with what was enqueued before the memset.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(words, 0, 10 * 8, stream.cu_stream())
-        }
-        .map_err(Error::cuda("cuMemsetD8Async"))?;
+        unsafe { cudarc::driver::result::memset_d8_async(words, 0, 10 * 8, stream.cu_stream()) }
+            .map_err(Error::cuda("cuMemsetD8Async"))?;
         stream
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))

@@ -17,12 +17,12 @@ use super::abi::{
     SCAN_THREADS,
 };
 use super::buffers::DeviceRegion;
-use std::sync::atomic::Ordering;
 use super::group::EpGroup;
 use super::layout::RecvLayout;
 use crate::error::{Error, Result};
 use crate::runtime::nvtx::{self, Range};
 use crate::symm::SymmBuffer;
+use std::sync::atomic::Ordering;
 
 /// The routing of one batch, computed by [`EpGroup::layout`] and reused by
 /// its dispatch, combine and both backward passes.
@@ -421,7 +421,9 @@ impl EpGroup {
         {
             // The group's kernels share its workspace: this op waits for
             // what the previous stream has been given.
-            stream.join(prev).map_err(Error::cuda("cuStreamWaitEvent"))?;
+            stream
+                .join(prev)
+                .map_err(Error::cuda("cuStreamWaitEvent"))?;
         }
         turn.turns.last = Some(stream.clone());
         *self.op_streams.lock().unwrap_or_else(|p| p.into_inner()) = OpStreams::start(stream);
@@ -444,7 +446,10 @@ impl EpGroup {
         let shared = self.error.read().code != abi::code::OK;
         // Nothing is launched into a graph being captured (it would run at
         // every launch of the graph, not now).
-        let capturing = turn.stream.as_ref().is_some_and(|s| crate::symm::capturing(s));
+        let capturing = turn
+            .stream
+            .as_ref()
+            .is_some_and(|s| crate::symm::capturing(s));
         if !dead && !capturing && !turn.launched.get() {
             // Every call is one kernel on every rank, whatever happens to it
             // (the group's call counts stay in step).
@@ -504,7 +509,11 @@ impl EpGroup {
         };
         // SAFETY: p mirrors RefusalParams; the kernel writes only the peers'
         // descriptor slots of this call, inside their workspaces.
-        unsafe { self.k.publish_refusal.launch(&stream, 1, SCAN_THREADS, 0, &p) }
+        unsafe {
+            self.k
+                .publish_refusal
+                .launch(&stream, 1, SCAN_THREADS, 0, &p)
+        }
     }
 
     /// On a virtual world, waits (bounded by the group's timeout) until

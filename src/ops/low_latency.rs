@@ -1016,7 +1016,8 @@ impl EpGroup {
             None,
             Refuse::With(&refuse),
             |turn| {
-                let sent = self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)?;
+                let sent =
+                    self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)?;
                 turn.launched.set(true);
                 self.ll_recv(stream, sent)
             },

@@ -880,8 +880,14 @@ impl TwoLevelGroup {
         self.check_handle(handle)?;
         let mut order = OpStreams::start(stream);
         let (t, h) = (handle.num_tokens, self.cfg.hidden);
-        self.node
-            .check_region_in(&mut order, "out", &*out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
+        self.node.check_region_in(
+            &mut order,
+            "out",
+            &*out,
+            t * h,
+            "[T, hidden] bf16",
+            ROW_ALIGN,
+        )?;
         let plan = &handle.plan;
         let mut fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;

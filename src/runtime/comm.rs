@@ -427,13 +427,10 @@ impl Communicator {
     /// where they wait), and every later op on it is refused naming the
     /// abort.
     pub fn abort(&self) -> Result<()> {
-        let first = !self
-            .aborted
-            .swap(true, std::sync::atomic::Ordering::AcqRel);
+        let first = !self.aborted.swap(true, std::sync::atomic::Ordering::AcqRel);
         if first {
-            let hooks = std::mem::take(
-                &mut *self.abort_hooks.lock().unwrap_or_else(|p| p.into_inner()),
-            );
+            let hooks =
+                std::mem::take(&mut *self.abort_hooks.lock().unwrap_or_else(|p| p.into_inner()));
             for h in hooks.iter().filter_map(|w| w.upgrade()) {
                 h();
             }

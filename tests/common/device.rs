@@ -88,3 +88,20 @@ pub fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &
     }
     Ok(())
 }
+
+/// Holds `s` for `ms` milliseconds (a host function on the stream): what
+/// is enqueued after it waits.
+pub fn hold(s: &Arc<CudaStream>, ms: usize) -> Result<()> {
+    unsafe extern "C" fn sleep_ms(arg: *mut std::ffi::c_void) {
+        std::thread::sleep(std::time::Duration::from_millis(arg as usize as u64));
+    }
+    // SAFETY: the function only sleeps; its argument is a number.
+    unsafe {
+        moe_ep::cuda::result::stream::launch_host_function(
+            s.cu_stream(),
+            sleep_ms,
+            ms as *mut std::ffi::c_void,
+        )
+    }
+    .map_err(Error::cuda("cuLaunchHostFunc"))
+}
