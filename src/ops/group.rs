@@ -685,19 +685,15 @@ impl EpGroup {
             return Ok(());
         }
         // This rank's own error first, else the first rank's that found one.
-        let first = |level: u64| (0..world).find(|&r| row(r)[0] >= level);
         let own: Option<Error> = if dev.code != abi::code::OK {
             Some(self.error_of(dev))
         } else {
             turns.refused.clone().map(Error::InvalidState)
         };
-        let peer_error = |level: u64, what: &str| {
-            let r = first(level).unwrap_or(0);
-            Error::PeerFailed {
-                peer: r,
-                arg: None,
-                reason: format!("{what} (its own check says which)"),
-            }
+        let peer_error = || Error::PeerFailed {
+            peer: (0..world).find(|&r| row(r)[0] != 0).unwrap_or(0),
+            arg: None,
+            reason: "reported an error since the last check (its own check says which)".into(),
         };
         // Every rank agrees on where the next call starts, its kernels run
         // again, and its low-latency sets take new batches.
@@ -718,13 +714,13 @@ impl EpGroup {
             let sent = (0..world).map(|r| row(r)[2]).max().unwrap_or(0);
             ll.realign(&stream, sent)?;
         }
-        Err(own.unwrap_or_else(|| peer_error(1, "reported an error since the last check")))
+        Err(own.unwrap_or_else(peer_error))
     }
 
     /// The error an earlier call left, if any, without clearing it: what an
     /// op refuses with at entry (every rank found it in the same call, or
     /// this rank's host refused one, which its peers found).
-    pub(crate) fn pending_error(&self, turns: &Turns) -> Result<()> {
+    pub(crate) fn pending_error(&self) -> Result<()> {
         if self.poisoned.load(Ordering::Relaxed) {
             return Err(Self::poisoned_error());
         }
@@ -743,7 +739,6 @@ impl EpGroup {
         // peers took part in the call their kernels found it, and this
         // rank's next call meets them stopped; where every rank refused
         // the same call, nothing is out of step.
-        let _ = turns;
         Ok(())
     }
 

@@ -403,7 +403,7 @@ impl EpGroup {
                 self.comm.rank()
             )));
         }
-        self.pending_error(&turn.turns)?;
+        self.pending_error()?;
         self.bind(stream)?;
         if !self.capture_allowed.load(Ordering::Relaxed) && crate::symm::capturing(stream) {
             return Err(Error::arg(
@@ -465,6 +465,7 @@ impl EpGroup {
                 // A send that moves no rows: its peers' receives wait for
                 // every sender.
                 Refuse::With(f) => f(&turn, refused_arg(&e)),
+                Refuse::Quiet => Ok(()),
             };
             if let Err(p) = told {
                 eprintln!("moe-ep: telling the peers of a refused call failed: {p}");
@@ -630,9 +631,12 @@ pub(crate) enum Refuse<'r> {
     /// The high-throughput ops: the call's descriptor says so
     /// (`moe_ep_publish_refusal`).
     Descriptor,
-    /// Another way (the low-latency sends: a send that moves no rows),
-    /// given the op's turn and the refused argument's id.
+    /// Another way (the low-latency dispatch sends: a send that moves no
+    /// rows), given the op's turn and the refused argument's id.
     With(&'r dyn Fn(&OpTurn<'_>, u64) -> Result<()>),
+    /// Not at all (ops no peer waits for; the low-latency combines, see
+    /// `ll_combine_send`).
+    Quiet,
 }
 
 /// The argument a refused call names to its peers ([`abi::arg_id`]).

@@ -968,7 +968,7 @@ impl EpGroup {
             0,
             stream,
             None,
-            Refuse::With(&|_, _| Ok(())),
+            Refuse::Quiet,
             |_| self.ll_recv(stream, sent),
         )
     }
@@ -1126,7 +1126,7 @@ impl EpGroup {
             0,
             stream,
             None,
-            Refuse::With(&|_, _| Ok(())),
+            Refuse::Quiet,
             // Not in place: the caller may reuse expert_out before the wait.
             |_| self.ll_combine_send_on_turn(stream, handle, expert_out, false),
         )
@@ -1146,7 +1146,7 @@ impl EpGroup {
             0,
             stream,
             None,
-            Refuse::With(&|_, _| Ok(())),
+            Refuse::Quiet,
             |_| {
                 let b = sent.b;
                 let w = self.ll_check_wait(&b, weights, &*out)?;
@@ -1189,7 +1189,7 @@ impl EpGroup {
             0,
             stream,
             None,
-            Refuse::With(&|_, _| Ok(())),
+            Refuse::Quiet,
             |turn| {
                 let ll = self.ll_buffers()?;
                 self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;

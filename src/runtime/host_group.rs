@@ -157,13 +157,6 @@ impl HostGroup {
         self.exchange("barrier", ()).map(drop)
     }
 
-    /// A barrier named `collective` that waits at most `timeout` (or the
-    /// group's timeout, when that is shorter) for the slowest rank.
-    pub fn barrier_within(&self, collective: &'static str, timeout: Duration) -> Result<()> {
-        self.exchange_within(collective, (), timeout.min(self.shared.timeout))
-            .map(drop)
-    }
-
     /// Every rank's `value`, in rank order: the general form of
     /// [`HostGroup::all_gather`] (values are moved, not copied as bytes, so
     /// they can be owning handles).
@@ -172,18 +165,9 @@ impl HostGroup {
         collective: &'static str,
         value: T,
     ) -> Result<Vec<T>> {
-        self.exchange_within(collective, value, self.shared.timeout)
-    }
-
-    /// [`HostGroup::exchange`] waiting at most `timeout`.
-    fn exchange_within<T: Clone + Send + Sync + 'static>(
-        &self,
-        collective: &'static str,
-        value: T,
-        timeout: Duration,
-    ) -> Result<Vec<T>> {
         let n = self.rounds.fetch_add(1, Ordering::Relaxed);
         let sh = &*self.shared;
+        let timeout = sh.timeout;
         let deadline = Instant::now() + timeout;
         let mut st = sh.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((missing, why)) = &st.broken {
