@@ -35,6 +35,7 @@ pub mod sys;
 pub(crate) mod sys;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod types;
 
 pub use error::{Error, NcclVersion, Result};
 pub use ops::{

@@ -80,7 +80,7 @@
 //!
 //! [`two_level_routes`], [`two_level_traffic`] and
 //! [`combine_two_level_emulated`] define the inter-node path over a
-//! [`Topology`](crate::ops::Topology): what crosses the network once per
+//! [`Topology`](crate::Topology): what crosses the network once per
 //! (token, remote node) to the rail peer and is forwarded over NVLink there,
 //! the rows each rank sends and receives, and combine's fixed two-level
 //! order (`docs/rdma-model.md`).
@@ -94,7 +94,7 @@
 //! the GPU must reproduce).
 
 use crate::error::{Error, Result};
-use crate::ops::RecvLayout;
+use crate::types::RecvLayout;
 use half::bf16;
 
 mod fp8;

@@ -58,23 +58,24 @@ fn loop_config(r: &Rank) -> Result<GroupConfig> {
 fn loop_want(rank: usize, world: usize, x: &[bf16], layout: RecvLayout) -> Vec<u16> {
     let idx = identity_routing(rank, TOKENS);
     let el = EXPERTS / world;
-    (0..TOKENS * HIDDEN)
-        .map(|i| {
-            let t = i / HIDDEN;
-            let n = match layout {
-                RecvLayout::RankMajor => {
-                    let mut ranks: Vec<usize> = idx[t * TOPK..(t + 1) * TOPK]
-                        .iter()
-                        .map(|&e| e as usize / el)
-                        .collect();
-                    ranks.sort_unstable();
-                    ranks.dedup();
-                    ranks.len() as f64
-                }
-                RecvLayout::ExpertMajor { .. } => 1.0,
-            };
-            bf16::from_f64(x[i].to_f64() * n).to_bits()
+    // A token's factor: the ranks it reached (rank-major sums one copy a
+    // rank), or 1 (expert-major weights 1/K over K rows).
+    let factor: Vec<f64> = (0..TOKENS)
+        .map(|t| match layout {
+            RecvLayout::RankMajor => {
+                let mut ranks: Vec<usize> = idx[t * TOPK..(t + 1) * TOPK]
+                    .iter()
+                    .map(|&e| e as usize / el)
+                    .collect();
+                ranks.sort_unstable();
+                ranks.dedup();
+                ranks.len() as f64
+            }
+            RecvLayout::ExpertMajor { .. } => 1.0,
         })
+        .collect();
+    (0..TOKENS * HIDDEN)
+        .map(|i| bf16::from_f64(x[i].to_f64() * factor[i / HIDDEN]).to_bits())
         .collect()
 }
 
@@ -242,8 +243,20 @@ fn inputs(r: &Rank, seed: u64) -> Result<Inputs> {
 /// A correct round trip in `layout` on `group`, checked bit for bit, then a
 /// clean check: what every row ends with.
 fn round_trip(r: &Rank, group: &EpGroup, layout: RecvLayout, seed: u64) -> Result<()> {
-    let s = &r.stream;
     let inp = inputs(r, seed)?;
+    let want = loop_want(r.rank, r.world, &inp.x_host, layout);
+    round_trip_of(r, group, layout, &inp, &want)
+}
+
+/// [`round_trip`] of given inputs and their expected combine.
+fn round_trip_of(
+    r: &Rank,
+    group: &EpGroup,
+    layout: RecvLayout,
+    inp: &Inputs,
+    want: &[u16],
+) -> Result<()> {
+    let s = &r.stream;
     let mut out = s
         .alloc_zeros::<bf16>(TOKENS * HIDDEN)
         .map_err(Error::cuda("alloc"))?;
@@ -261,7 +274,7 @@ fn round_trip(r: &Rank, group: &EpGroup, layout: RecvLayout, seed: u64) -> Resul
     first_diff(
         "the round trip after the fault",
         &bits(&down(s, &out, TOKENS * HIDDEN)?),
-        &loop_want(r.rank, r.world, &inp.x_host, layout),
+        want,
     )
 }
 
@@ -1063,6 +1076,13 @@ fn bad_layout_rounds(r: &Rank, rounds: usize) -> Result<()> {
         idx[7] = -9;
     }
     let bad_idx = up(s, &idx)?;
+    // Seven inputs and their expected combines, made once.
+    let mut cases = Vec::new();
+    for seed in 100..107 {
+        let inp = inputs(r, seed)?;
+        let want = loop_want(r.rank, r.world, &inp.x_host, RecvLayout::RankMajor);
+        cases.push((inp, want));
+    }
     let t0 = Instant::now();
     for round in 0..rounds {
         let res = group
@@ -1077,7 +1097,8 @@ fn bad_layout_rounds(r: &Rank, rounds: usize) -> Result<()> {
                 )))
             }
         }
-        round_trip(r, &group, RecvLayout::RankMajor, 100 + (round % 7) as u64)
+        let (inp, want) = &cases[round % cases.len()];
+        round_trip_of(r, &group, RecvLayout::RankMajor, inp, want)
             .map_err(|e| Error::InvalidState(format!("round {round}: {e}")))?;
     }
     if r.rank == 0 {

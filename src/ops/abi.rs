@@ -4,6 +4,7 @@
 
 /// Largest world of the NVLink path (`MOE_EP_MAX_RANKS`).
 pub const MAX_RANKS: usize = 8;
+const _: () = assert!(MAX_RANKS == crate::types::NODE_MAX_RANKS);
 /// Largest grid (`MOE_EP_MAX_BLOCKS`).
 pub const MAX_BLOCKS: usize = 132;
 /// Largest top-k (`MOE_EP_MAX_TOPK`).

@@ -21,8 +21,8 @@ use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM,
 use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
 use super::group::EpGroup;
 use super::handle::{Handle, OpTurn};
-use super::layout::RecvLayout;
 use crate::error::{Error, Result};
+use crate::types::RecvLayout;
 
 /// Every rank's expert outputs (and weight gradients, when they travel) as
 /// mapped here: the home reads them in place (the pulled kernels).

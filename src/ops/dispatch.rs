@@ -20,9 +20,9 @@ use super::buffers::{
 };
 use super::group::EpGroup;
 use super::handle::{Handle, OpTurn};
-use super::layout::RecvLayout;
 use crate::error::{Error, Result};
 use crate::symm::SymmBuffer;
+use crate::types::RecvLayout;
 
 /// Every rank's address of a symmetric buffer, and where it lies (the
 /// descriptor word, [`EpGroup::located`]).

@@ -40,11 +40,11 @@ use half::bf16;
 use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 use super::group::{EpGroup, GroupConfig};
 use super::handle::Handle;
-use super::layout::RecvLayout;
 use super::two_level::{TwoLevelGroup, TwoLevelHandle};
 use crate::error::Result;
 use crate::runtime::Communicator;
 use crate::symm::SymmPool;
+use crate::types::RecvLayout;
 
 /// The ops of an expert-parallel group, on one node or several.
 pub trait ExpertParallel {

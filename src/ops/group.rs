@@ -16,12 +16,13 @@ use cudarc::driver::CudaStream;
 
 use super::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
 use super::handle::Turns;
-use super::layout::{exchange_smem, exchange_smem_limit, RecvLayout};
+use super::layout::{exchange_smem, exchange_smem_limit};
 use super::low_latency::{LlBuffers, LlKernels};
-use super::topology::Topology;
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, MappedHost, Module};
 use crate::symm::{SymmBuffer, SymmPool};
+use crate::types::RecvLayout;
+use crate::types::Topology;
 
 /// Which kernels a group runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,10 +18,10 @@ use super::abi::{
 };
 use super::buffers::DeviceRegion;
 use super::group::EpGroup;
-use super::layout::RecvLayout;
 use crate::error::{Error, Result};
 use crate::runtime::nvtx::{self, Range};
 use crate::symm::SymmBuffer;
+use crate::types::RecvLayout;
 use std::sync::atomic::Ordering;
 
 /// The routing of one batch, computed by [`EpGroup::layout`] and reused by

@@ -1,7 +1,7 @@
 //! The layout op ([`EpGroup::layout`]): from a batch's routing, every
 //! token's row on every receiver and the count matrix of all ranks, kept in
-//! a [`Handle`]. Also [`RecvLayout`], the receive layouts every op and the
-//! CPU reference share.
+//! a [`Handle`]; the kernels' view of a [`RecvLayout`] (defined in
+//! `src/types/`, below both the ops and the CPU reference).
 //!
 //! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`: the
 //! scan, then the exchange in the scan's last block). Tests:
@@ -21,44 +21,12 @@ use super::buffers::TopkIdx;
 use super::group::{EpGroup, GroupConfig, MAX_EXPERTS};
 use super::handle::{ArenaOffsets, Handle, OpTurn};
 use crate::error::{Error, Result};
-
-/// Where received rows land on the receiving rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RecvLayout {
-    /// One row per (token, rank), grouped by source rank, then token.
-    RankMajor,
-    /// One row per (token, local expert), in per-expert blocks padded with
-    /// zero rows to a multiple of `alignment` (>= 1) rows.
-    ExpertMajor {
-        /// Block granularity in rows (>= 1).
-        alignment: usize,
-    },
-}
+use crate::types::RecvLayout;
 
 /// Largest expert-major alignment the kernels take.
 const MAX_ALIGNMENT: usize = 4096;
 
 impl RecvLayout {
-    /// Checks `alignment >= 1` for [`RecvLayout::ExpertMajor`]; the error
-    /// names `alignment`.
-    pub fn validate(&self) -> Result<()> {
-        match *self {
-            RecvLayout::ExpertMajor { alignment: 0 } => {
-                Err(Error::arg("alignment", "at least 1 row", 0))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Weights (and local expert ids) per received row: `k` rank-major, 1
-    /// expert-major.
-    pub(crate) fn weights_per_row(self, k: usize) -> usize {
-        match self {
-            RecvLayout::RankMajor => k,
-            RecvLayout::ExpertMajor { .. } => 1,
-        }
-    }
-
     /// The kernels' view: the layout kind and the alignment in rows (1 for
     /// rank-major). Handles are made by [`EpGroup::layout`], which checked
     /// the alignment ([`RecvLayout::check_for_kernels`]).

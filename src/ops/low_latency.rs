@@ -112,7 +112,7 @@ use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Function, Module};
 use crate::symm::{SymmBuffer, SymmPool};
 
-pub use crate::reference::{Fp8Scaling, LlLayout};
+pub use crate::types::{Fp8Scaling, LlLayout};
 
 // ---- kernels ----
 

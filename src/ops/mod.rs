@@ -52,20 +52,17 @@ pub mod rail_hop;
 // the inter-node path's hop (some of its accessors serve the raw API only)
 pub(crate) mod rail_hop;
 mod residency;
-mod topology;
 mod two_level;
 
+pub use crate::types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
 pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 pub use expert_parallel::ExpertParallel;
 pub use group::{EpGroup, GroupConfig, Mode};
 pub use handle::{Handle, HostCounts};
-pub use layout::RecvLayout;
 pub use low_latency::{
-    ll_buffer_bytes, Fp8Scaling, LlBufferBytes, LlCombineSent, LlDispatchSent, LlHandle, LlInput,
-    LlLayout, LlView,
+    ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchSent, LlHandle, LlInput, LlView,
 };
 #[cfg(feature = "raw")]
 pub use rail_hop::{HopRecv, HopSend, RailHop};
 pub use residency::{residency, Residency};
-pub use topology::Topology;
 pub use two_level::{TwoLevelGroup, TwoLevelHandle, DEFAULT_HOP_CHUNK_ROWS};

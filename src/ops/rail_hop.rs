@@ -50,11 +50,11 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, CudaStream};
 
-use super::topology::Topology;
 use crate::error::{Error, Result};
 use crate::runtime::nccl_call as nc;
 use crate::runtime::{nvtx, Communicator, HostGroup};
 use crate::sys::nccl::ncclUint8;
+use crate::types::Topology;
 
 /// What this rank sends to one rail peer in one [`RailHop::exchange`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -65,12 +65,13 @@ use super::dispatch::Arrival;
 use super::group::{EpGroup, GroupConfig, Mode};
 use super::handle::{Handle, OpStreams};
 use super::hop_plan::hop_rows;
-use super::layout::{tokens_of_routing, RecvLayout};
+use super::layout::tokens_of_routing;
 use super::rail_hop::{HopRecv, HopSend, RailHop};
-use super::topology::Topology;
 use crate::error::{Error, Result};
 use crate::runtime::{nvtx, Communicator, Function, Module};
 use crate::symm::SymmBuffer;
+use crate::types::RecvLayout;
+use crate::types::Topology;
 
 /// The kernels of `two_level.cu`.
 struct Kernels {

@@ -50,6 +50,7 @@
 //! for `Exact`; `PowerOfTwo` with an infinite `amax` is undefined.
 
 use crate::error::{Error, Result};
+pub use crate::types::Fp8Scaling;
 use half::bf16;
 
 /// Values per fp8 scale block (one f32 scale per 128 values of a row).
@@ -64,17 +65,6 @@ pub const E4M3_MAX_INV: f32 = 1.0 / 448.0;
 pub const FP8_AMAX_FLOOR: f32 = 1e-4;
 /// The e4m3 NaN code [`f32_to_e4m3`] produces (`0xFF` is also a NaN).
 pub const E4M3_NAN: u8 = 0x7F;
-
-/// How a block's scale is chosen from its amax (see the module docs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Fp8Scaling {
-    /// `scale = amax * (1/448)`: the block's largest value maps to ±448.
-    #[default]
-    Exact,
-    /// `scale = 2^ceil(log2(amax * (1/448)))` (DeepEP's `round_scale`): the
-    /// cast is then an exact scaling followed by one rounding.
-    PowerOfTwo,
-}
 
 /// One block's scale pair.
 #[derive(Clone, Copy, Debug, PartialEq)]

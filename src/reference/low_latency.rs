@@ -89,16 +89,8 @@ use super::fp8::{check_fp8_hidden, check_fp8_tokens};
 use super::{check_rank, check_rank_inputs, Fp8Scaling, Fp8Tokens, RankInput, RowSrc, Shape};
 use super::{quantize_fp8, FP8_BLOCK};
 use crate::error::{Error, Result};
+pub use crate::types::LlLayout;
 use half::bf16;
-
-/// The two low-latency receive layouts (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LlLayout {
-    /// `[E_local, R * M, H]`, per-expert counts, `src` per row.
-    ExpertMajor,
-    /// `[R, M, H]`, `[K]` local expert ids and weights per row.
-    RankMajor,
-}
 
 /// What a dispatched row holds.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -52,7 +52,7 @@ use super::{
     combine_plan, dispatch, rank_partial, DispatchOutput, RankInput, Shape,
 };
 use crate::error::{Error, Result};
-use crate::ops::{RecvLayout, Topology};
+use crate::types::{RecvLayout, Topology};
 
 /// One token's crossing of the network to a remote node.
 #[derive(Clone, Debug, PartialEq)]
@@ -425,7 +425,7 @@ pub fn pack_network_rows(
 ///   home's node-group combine over its forward batch, where the home's own
 ///   rows start after `before`, the rows landed from the nodes below the
 ///   home's (`recv_rows[m]` summed over `m < home node`; `recv_rows` as
-///   [`crate::ops::Topology`]'s rail peers send them, one count per node).
+///   [`crate::Topology`]'s rail peers send them, one count per node).
 ///
 /// With `own` and `landed` the node groups' combines (`combine_emulated` of
 /// each node over its forward batches), this is

@@ -2,14 +2,14 @@
 //! ranks joined by the network (`docs/rdma-model.md`).
 //!
 //! Rank `r` of a world of `W` ranks in nodes of `G` ranks
-//! ([`GroupConfig::ranks_per_node`](super::GroupConfig::ranks_per_node)) lies
+//! ([`GroupConfig::ranks_per_node`](crate::GroupConfig::ranks_per_node)) lies
 //! on node `r / G` with local index `r % G`. Its *rail peer* on node `m` is
 //! the rank of `m` with the same local index, `m * G + r % G`: tokens for
 //! another node cross the network once, to that peer, which forwards them
 //! over NVLink to the ranks of its node that host their experts.
 //!
 //! ```
-//! use moe_ep::ops::Topology;
+//! use moe_ep::Topology;
 //! let t = Topology::new(16, 8).unwrap(); // 2 nodes of 8 ranks
 //! assert_eq!((t.nodes(), t.node_of(11), t.local_index(11)), (2, 1, 3));
 //! assert_eq!(t.rail_peer(11, 0), 3);
@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use super::abi::MAX_RANKS;
+use super::NODE_MAX_RANKS as MAX_RANKS;
 use crate::error::{Error, Result};
 
 /// A world of `nodes()` nodes of `ranks_per_node()` ranks each, ranks
@@ -38,7 +38,7 @@ impl Topology {
     ///
     /// Errors: `world` 0, or more than `MAX_RANKS` (8) ranks on one node when
     /// the whole world is one node (the same check as a single-node
-    /// [`GroupConfig::validate`](super::GroupConfig::validate)), naming
+    /// [`GroupConfig::validate`](crate::GroupConfig::validate)), naming
     /// `world`; `ranks_per_node` that does not divide `world`, or above 8,
     /// naming `ranks_per_node`.
     pub fn new(world: usize, ranks_per_node: usize) -> Result<Topology> {
