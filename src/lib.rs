@@ -11,7 +11,8 @@
 //! time) → [`runtime`] (contexts, modules, communicator) → [`symm`] (the
 //! symmetric-memory pool) → [`ops`] (layout, dispatch, combine) → this file.
 //! [`reference`](mod@reference) is the CPU implementation everything is checked against;
-//! [`capi`] is the C ABI (`include/moe_ep.h`) over this file's API.
+//! The C ABI over this file's API (`capi/include/moe_ep.h`, libmoe_ep.so)
+//! is the workspace crate `moe-ep-capi` in `capi/`.
 //!
 //! Cargo features: `testkit` (seeded workloads and baseline copy kernels for
 //! the tests and ep-bench), `raw` (the raw layers for tools that measure
@@ -20,7 +21,6 @@
 //! inner `ncclUniqueId`, and the inter-node path's network hop
 //! `ops::rail_hop`), `multi-gpu` (the GPU tests).
 
-pub mod capi;
 pub mod error;
 pub(crate) mod kernels;
 pub mod ops;
@@ -36,11 +36,13 @@ pub(crate) mod sys;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod types;
+pub use types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
 
 pub use error::{Error, NcclVersion, Result};
+pub use kernels::NCCL_HEADERS_VERSION_CODE;
 pub use ops::{
-    DeviceRegion, DeviceRegionMut, EpGroup, ExpertParallel, GroupConfig, Handle, Mode, RecvLayout,
-    Topology, TwoLevelGroup, TwoLevelHandle,
+    DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, EpGroup, GroupConfig, Handle,
+    HostCounts, LlInput, Mode, RecvBuf, TopkIdx,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

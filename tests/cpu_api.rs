@@ -56,12 +56,10 @@ fn group_config_rejects_each_bad_field_by_name() {
 }
 
 /// `ranks_per_node`: the default (0) and the world size are one node and
-/// accepted; a value that does not divide the world, more than 8 ranks per
-/// node, and more than one node (an `EpGroup` runs one node; several run on
-/// `TwoLevelGroup`) are
-/// refused by name, each with its own message, the last only once every
-/// other field has passed. A single node of more than 8 ranks stays a
-/// `world` error.
+/// accepted; a divisor of the world makes that many nodes, accepted too
+/// (the two-level path); a value that does not divide the world and more
+/// than 8 ranks per node are refused by name, each with its own message. A
+/// single node of more than 8 ranks stays a `world` error.
 #[test]
 fn ranks_per_node_is_checked_by_name() {
     let ok = GroupConfig::new(256, 7168, 4096);
@@ -96,22 +94,18 @@ fn ranks_per_node_is_checked_by_name() {
         "{too_many}"
     );
     for (g, world, nodes) in [(4, 8, 2), (1, 2, 2), (2, 8, 4), (8, 16, 2), (8, 64, 8)] {
-        let (arg, msg) = refused(g, world);
-        assert_eq!(arg, "ranks_per_node", "{g} x {nodes}");
-        assert!(
-            msg.contains("EpGroup runs one node")
-                && msg.contains("TwoLevelGroup")
-                && msg.contains(&format!("{nodes} nodes")),
-            "{msg}"
-        );
-        assert!(msg != not_divisor && msg != too_many);
+        let mut c = ok.clone();
+        c.ranks_per_node = g;
+        c.validate(world).expect("a world of several nodes");
+        let t = c.topology(world).unwrap();
+        assert_eq!((t.nodes(), t.ranks_per_node()), (nodes, g), "{g} x {nodes}");
     }
     assert_ne!(not_divisor, too_many);
     // More than 8 ranks on one node: the world check of a single node.
     assert_eq!(refused(0, 16).0, "world");
     assert_eq!(refused(16, 16).0, "world");
     assert_eq!(refused(0, 0).0, "world");
-    // A multi-node world is refused after the other fields' checks.
+    // A multi-node world takes the one-node field checks too.
     let mut c = ok.clone();
     c.ranks_per_node = 4;
     c.hidden = 7170;
@@ -121,14 +115,13 @@ fn ranks_per_node_is_checked_by_name() {
     assert_eq!(arg_of(c.validate(8).unwrap_err()), "num_experts");
 }
 
-/// `TwoLevelGroup::validate`, the config checks of a world of several
-/// nodes that need no peer (what the C ABI's config check uses there): the
-/// world's nodes when good; one node, more than 64 nodes, the low-latency
-/// mode and a forward batch past 2^20 tokens refused by name, each with its
-/// own message, and every one-node field check still made.
+/// `GroupConfig::validate` of a world of several nodes (the checks of the
+/// two-level path that need no peer, what the C ABI's config check uses
+/// too): good worlds pass; more than 64 nodes, the low-latency mode, a
+/// forward batch past 2^20 tokens and bad hop chunks refused by name, each
+/// with its own message, and every one-node field check still made.
 #[test]
 fn two_level_config_is_checked_by_name() {
-    use moe_ep::TwoLevelGroup;
     let ok = GroupConfig::new(1024, 7168, 4096);
     let with = |g: usize, f: &dyn Fn(&mut GroupConfig)| {
         let mut c = ok.clone();
@@ -144,17 +137,29 @@ fn two_level_config_is_checked_by_name() {
         (8, 64, 8),
         (8, 512, 64),
     ] {
-        let t = TwoLevelGroup::validate(&with(g, &|_| {}), world).expect("a good world of nodes");
+        let c = with(g, &|_| {});
+        c.validate(world).expect("a good world of nodes");
+        let t = c.topology(world).unwrap();
         assert_eq!((t.nodes(), t.ranks_per_node()), (nodes, g), "{g} x {nodes}");
     }
     let refused = |c: GroupConfig, world: usize| {
-        let e = TwoLevelGroup::validate(&c, world).unwrap_err();
+        let e = c.validate(world).unwrap_err();
         let msg = e.to_string();
         (arg_of(e), msg)
     };
-    let (arg, one) = refused(with(0, &|_| {}), 8);
-    assert_eq!(arg, "ranks_per_node");
-    assert!(one.contains("one node runs on EpGroup"), "{one}");
+    let (arg, zero) = refused(with(4, &|c| c.hop_chunk_rows = 0), 8);
+    assert_eq!(arg, "hop_chunk_rows");
+    assert!(zero.contains("at least 1 row"), "{zero}");
+    // Hidden 512: 64 vectors a row, so 2^24 rows fill the 2^30 of a chunk.
+    let (arg, long) = refused(
+        with(4, &|c| {
+            c.hidden = 512;
+            c.hop_chunk_rows = (1 << 24) + 1
+        }),
+        8,
+    );
+    assert_eq!(arg, "hop_chunk_rows");
+    assert!(long.contains("2^30"), "{long}");
     let (arg, many) = refused(with(1, &|_| {}), 128);
     assert_eq!(arg, "ranks_per_node");
     assert!(
@@ -172,9 +177,10 @@ fn two_level_config_is_checked_by_name() {
     assert_eq!(arg, "max_tokens_per_rank");
     assert!(big.contains("2^20 / 4 nodes"), "{big}");
     // 2^18 tokens over 4 nodes is exactly 2^20: accepted.
-    TwoLevelGroup::validate(&with(4, &|c| c.max_tokens_per_rank = 1 << 18), 16)
+    with(4, &|c| c.max_tokens_per_rank = 1 << 18)
+        .validate(16)
         .expect("a forward batch of 2^20 tokens");
-    // The one-node checks come first, the same as EpGroup's.
+    // The one-node checks come first.
     assert_eq!(refused(with(3, &|_| {}), 8).0, "ranks_per_node");
     assert_eq!(refused(with(4, &|c| c.hidden = 7170), 8).0, "hidden");
     assert_eq!(

@@ -398,15 +398,15 @@ impl Dev {
 }
 
 /// Dispatches `dev` in `layout` with `payload` (exact-length views: T may be 0).
-fn dispatch<'g>(
-    group: &'g EpGroup,
+fn dispatch(
+    group: &EpGroup,
     s: &Arc<CudaStream>,
     dev: &Dev,
     c_hidden: usize,
     idx_i32: bool,
     layout: LlLayout,
     payload: Payload,
-) -> Result<LlHandle<'g>> {
+) -> Result<LlHandle> {
     let (t, k, h) = (dev.t, dev.k, c_hidden);
     let (x, w) = (dev.x.slice(0..t * h), dev.w.slice(0..t * k));
     let (i64v, i32v) = (dev.idx64.slice(0..t * k), dev.idx32.slice(0..t * k));
@@ -436,7 +436,7 @@ fn dispatch<'g>(
 /// rank receives (the counted rows only).
 fn check_dispatch(
     s: &Arc<CudaStream>,
-    h: &LlHandle<'_>,
+    h: &LlHandle,
     want: &LlDispatchOutput,
     hidden: usize,
     k: usize,
@@ -684,8 +684,8 @@ fn two_batches_in_flight_alternate_buffer_sets() {
             for pair in 0..2 {
                 let sa = send(&da, LlLayout::ExpertMajor, None)?;
                 let sb = send(&db, LlLayout::RankMajor, Some(Fp8Scaling::Exact))?;
-                let ha = group.ll_dispatch_wait(s, sa)?;
-                let hb = group.ll_dispatch_wait(s, sb)?;
+                let ha = group.ll_dispatch_wait(s, &sa)?;
+                let hb = group.ll_dispatch_wait(s, &sb)?;
                 ensure(ha.buffer_set() == 0 && hb.buffer_set() == 1, || {
                     format!(
                         "pair {pair}: sets {} and {}",
@@ -699,8 +699,8 @@ fn two_batches_in_flight_alternate_buffer_sets() {
                     .map_err(|e| Error::InvalidState(format!("pair {pair}, batch b: {e}")))?;
                 let ca = group.ll_combine_send(s, &ha, &ya)?;
                 let cb = group.ll_combine_send(s, &hb, &yb)?;
-                group.ll_combine_wait(s, cb, None, &mut ob)?;
-                group.ll_combine_wait(s, ca, None, &mut oa)?;
+                group.ll_combine_wait(s, &cb, None, &mut ob)?;
+                group.ll_combine_wait(s, &ca, None, &mut oa)?;
                 let got_a = down(s, &oa, da.t * h)?;
                 check_combine(
                     &got_a,
@@ -725,9 +725,9 @@ fn two_batches_in_flight_alternate_buffer_sets() {
                 .map_err(|e| Error::InvalidState(format!("pair {pair}, batch b: {e}")))?;
             }
             // Set 0 holds a batch that is not combined: a third one is refused.
-            let ha = group.ll_dispatch_wait(s, send(&da, LlLayout::ExpertMajor, None)?)?;
+            let ha = group.ll_dispatch_wait(s, &send(&da, LlLayout::ExpertMajor, None)?)?;
             let hb = group
-                .ll_dispatch_wait(s, send(&db, LlLayout::RankMajor, Some(Fp8Scaling::Exact))?)?;
+                .ll_dispatch_wait(s, &send(&db, LlLayout::RankMajor, Some(Fp8Scaling::Exact))?)?;
             match send(&da, LlLayout::ExpertMajor, None) {
                 Err(Error::InvalidState(msg)) if msg.contains("buffer set 0") => {}
                 other => {
@@ -739,7 +739,7 @@ fn two_batches_in_flight_alternate_buffer_sets() {
             }
             group.ll_combine(s, &ha, &ya, None, &mut oa)?;
             group.ll_combine(s, &hb, &yb, None, &mut ob)?;
-            let hc = group.ll_dispatch_wait(s, send(&da, LlLayout::ExpertMajor, None)?)?;
+            let hc = group.ll_dispatch_wait(s, &send(&da, LlLayout::ExpertMajor, None)?)?;
             ensure(hc.buffer_set() == 0, || "the third batch's set".into())?;
             check_dispatch(s, &hc, &fa.refs[r.rank], h, k)?;
             group.ll_combine(s, &hc, &ya, None, &mut oa)?;
@@ -816,12 +816,12 @@ fn two_phase_form_matches_one_call() {
                 )?;
                 s.memset_zeros(&mut scratch)
                     .map_err(Error::cuda("memset"))?;
-                let hd = group.ll_dispatch_wait(s, sent)?;
+                let hd = group.ll_dispatch_wait(s, &sent)?;
                 check_dispatch(s, &hd, &f.refs[r.rank], h, k)?;
                 let cs = group.ll_combine_send(s, &hd, &y)?;
                 s.memset_zeros(&mut scratch)
                     .map_err(Error::cuda("memset"))?;
-                group.ll_combine_wait(s, cs, None, &mut out2)?;
+                group.ll_combine_wait(s, &cs, None, &mut out2)?;
                 first_diff(
                     "two-phase vs one call",
                     &bits(&down(s, &out2, dev.t * h)?),

@@ -1,5 +1,5 @@
-//! GPU tests of the two-level path over several nodes (`TwoLevelGroup`;
-//! `multi-gpu`): on virtual nodes of virtual ranks on GPU 0 (2 x 1 at world
+//! GPU tests of the two-level path over several nodes (an `EpGroup` whose
+//! `ranks_per_node` makes several nodes; `multi-gpu`): on virtual nodes of virtual ranks on GPU 0 (2 x 1 at world
 //! 2, 2 x 2 at world 4, 4 x 2 and 2 x 4 at world 8), and on real GPUs as
 //! nodes of one GPU when there are at least two (the hop then runs over
 //! NCCL).
@@ -20,11 +20,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx, TwoLevelGroup};
+use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::ranks::{ensure, run_ranks, worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng, Routing};
-use moe_ep::{bf16, Error, GroupConfig, RecvLayout, Result, Topology};
+use moe_ep::{bf16, EpGroup, Error, GroupConfig, RecvLayout, Result, Topology};
 
 #[macro_use]
 #[path = "common/cases.rs"]
@@ -73,7 +73,7 @@ enum Route {
 struct Run {
     case: Case,
     route: Route,
-    /// Rows per chunk of the hop (`TwoLevelGroup::with_hop_chunk_rows`).
+    /// Rows per chunk of the hop (`GroupConfig::hop_chunk_rows`).
     chunk_rows: usize,
 }
 
@@ -319,13 +319,16 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     cfg.timeout = Duration::from_secs(10);
     cfg.combine_chunks = c.chunks;
     cfg.num_sms = r.sms(c.sms.min(8), c.experts / topo.nodes())?;
-    let group = TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg, run.chunk_rows)?;
-    ensure(group.hop_chunk_rows() == run.chunk_rows, || {
+    cfg.hop_chunk_rows = run.chunk_rows;
+    let group = EpGroup::new(&r.comm, cfg)?;
+    ensure(group.is_two_level(), || {
         format!(
-            "hop_chunk_rows() {}, asked {}",
-            group.hop_chunk_rows(),
-            run.chunk_rows
+            "ranks_per_node {}: not the two-level path",
+            topo.ranks_per_node()
         )
+    })?;
+    ensure(group.topology() == *topo, || {
+        format!("topology {:?}, asked {topo:?}", group.topology())
     })?;
     let s = &r.stream;
     let (x_buf, w_buf) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
@@ -346,10 +349,11 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     // reference's traffic.
     let handle = group.layout(s, idx, k, layout)?;
     let rows = want.num_rows;
-    ensure(handle.recv_rows() == rows, || {
-        format!("recv rows {} want {rows}", handle.recv_rows())
+    let got_rows = handle.recv_rows(s)?;
+    ensure(got_rows == rows, || {
+        format!("recv rows {got_rows} want {rows}")
     })?;
-    let hc = handle.node_handle().host_counts(s)?;
+    let hc = handle.host_counts(s)?;
     let tple: Vec<usize> = want
         .tokens_per_local_expert
         .iter()
@@ -362,12 +366,12 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     )?;
     first_diff(
         "network rows sent",
-        handle.network_rows_sent(),
+        handle.network_rows_sent().unwrap_or_default(),
         &mine.net_sent,
     )?;
     first_diff(
         "network rows received",
-        handle.network_rows_received(),
+        handle.network_rows_received().unwrap_or_default(),
         &mine.net_recv,
     )?;
 
@@ -377,7 +381,7 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     // before the rows it left unwritten.
     s.synchronize()
         .map_err(|e| Error::InvalidState(format!("dispatch: {e}")))?;
-    group.node_group().check()?;
+    group.check()?;
     first_diff(
         "dispatch tokens",
         &bits(&down(s, &got.tokens, rows * h)?),
@@ -399,7 +403,7 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     // Zero copy: the caller's buffers of the node group's pool, written in
     // place with the same rows.
     {
-        let pool = group.node_group().pool();
+        let pool = group.pool();
         let mut rt = pool.alloc::<bf16>(group.recv_capacity() * h)?;
         let mut rw = pool.alloc::<f32>(group.recv_capacity() * wpr)?;
         let ptr = rt.device_ptr();
@@ -461,7 +465,7 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
     if matches!(layout, RecvLayout::RankMajor) {
         // The expert outputs in symmetric memory of the node: read in place
         // by the forwarding ranks, the same bits.
-        let mut ys = group.node_group().pool().alloc::<bf16>(cap * h)?;
+        let mut ys = group.pool().alloc::<bf16>(cap * h)?;
         ys.copy_from_device(s, &y)?;
         group.combine(s, &handle, &ys, None, &mut out)?;
         first_diff(
@@ -612,7 +616,7 @@ fn bad_expert_id_is_refused_on_every_rank() {
             let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
             cfg.ranks_per_node = g;
             cfg.num_sms = r.sms(4, c.experts / topo.nodes())?;
-            let group = TwoLevelGroup::new(&r.comm, cfg)?;
+            let group = EpGroup::new(&r.comm, cfg)?;
             let s = &r.stream;
             for (value, want) in [
                 (c.experts as i64, "not in [-1, 32)"),
@@ -713,7 +717,13 @@ fn bad_hop_chunk_rows_are_refused_by_name() {
             let mut cfg = GroupConfig::new(64, 512, 16);
             cfg.ranks_per_node = per_node(r.world)[0];
             cfg.num_sms = r.sms(4, 64 / (r.world / cfg.ranks_per_node))?;
-            match TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg.clone(), 0) {
+            match EpGroup::new(
+                &r.comm,
+                GroupConfig {
+                    hop_chunk_rows: 0,
+                    ..cfg.clone()
+                },
+            ) {
                 Err(Error::InvalidArgument {
                     arg: "hop_chunk_rows",
                     ..
@@ -726,7 +736,13 @@ fn bad_hop_chunk_rows_are_refused_by_name() {
                 }
             }
             // Hidden 512: 64 vectors a row, so 2^24 rows fill 2^30.
-            match TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg.clone(), (1 << 24) + 1) {
+            match EpGroup::new(
+                &r.comm,
+                GroupConfig {
+                    hop_chunk_rows: (1 << 24) + 1,
+                    ..cfg.clone()
+                },
+            ) {
                 Err(Error::InvalidArgument {
                     arg: "hop_chunk_rows",
                     ..
@@ -740,7 +756,13 @@ fn bad_hop_chunk_rows_are_refused_by_name() {
                 }
             }
             let rows = if r.rank == 0 { 32 } else { 64 };
-            match TwoLevelGroup::with_hop_chunk_rows(&r.comm, cfg, rows) {
+            match EpGroup::new(
+                &r.comm,
+                GroupConfig {
+                    hop_chunk_rows: rows,
+                    ..cfg
+                },
+            ) {
                 Err(Error::InvalidArgument {
                     arg: "hop_chunk_rows",
                     ..
@@ -756,8 +778,8 @@ fn bad_hop_chunk_rows_are_refused_by_name() {
     }
 }
 
-/// Bad configurations are refused by name on every rank: one node
-/// (EpGroup's), a world that is not a multiple of `ranks_per_node`,
+/// Bad configurations are refused by name on every rank:
+/// a world that is not a multiple of `ranks_per_node`,
 /// low-latency mode (these before any collective step), and (ranks sharing
 /// a GPU) a `num_sms` that leaves no block for combine's hop. (More than 8 ranks per node needs a world of 16; the
 /// check is `GroupConfig`'s, tested on the CPU in `tests/cpu_api.rs`.)
@@ -773,7 +795,7 @@ fn bad_configurations_are_refused_by_name() {
                 if ll {
                     cfg.mode = moe_ep::Mode::LowLatency;
                 }
-                match TwoLevelGroup::new(&r.comm, cfg) {
+                match EpGroup::new(&r.comm, cfg) {
                     Err(e) if e.to_string().contains(text) && format!("{e:?}").contains(arg) => {
                         Ok(())
                     }
@@ -785,8 +807,6 @@ fn bad_configurations_are_refused_by_name() {
                     ))),
                 }
             };
-            refused(0, false, "ranks_per_node", "one node runs on EpGroup")?;
-            refused(r.world, false, "ranks_per_node", "one node runs on EpGroup")?;
             refused(r.world + 1, false, "ranks_per_node", "divisor")?;
             refused(1, true, "mode", "HighThroughput")?;
             // Ranks on one GPU: combine's hop needs one block per rank
@@ -795,7 +815,7 @@ fn bad_configurations_are_refused_by_name() {
                 let mut cfg = base.clone();
                 cfg.ranks_per_node = 1;
                 cfg.num_sms = moe_ep::ops::residency(&r.comm, 64 / r.world)?.max_blocks_per_rank();
-                match TwoLevelGroup::new(&r.comm, cfg) {
+                match EpGroup::new(&r.comm, cfg) {
                     Err(Error::InvalidArgument { arg: "num_sms", .. }) => {}
                     other => {
                         return Err(Error::InvalidState(format!(

@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, De
 use half::bf16;
 
 use super::abi::MAX_RANKS;
-use super::group::EpGroup;
+use super::group::NodeGroup;
 use super::handle::OpStreams;
 use crate::error::{Error, Result};
 use crate::symm::{SymmBuffer, SymmView, SymmViewMut};
@@ -261,7 +261,7 @@ pub(crate) fn check_len(arg: &'static str, got: usize, want: usize, what: &str) 
 /// vectors and bulk copies).
 pub(crate) const ROW_ALIGN: usize = 16;
 
-impl EpGroup {
+impl NodeGroup {
     /// Checks a buffer before it goes to a kernel: at least `want` elements
     /// (holding `what`), its address aligned to `align` bytes, and device
     /// memory of this group's GPU (not host memory, not another GPU's);
@@ -282,7 +282,7 @@ impl EpGroup {
         self.check_region_only(arg, r, want, what, align)
     }
 
-    /// [`EpGroup::check_region`] for an op that is not this group's own (the
+    /// [`NodeGroup::check_region`] for an op that is not this group's own (the
     /// two-level path's, around its node group's ops): the region is
     /// ordered with the op through `order`, the op's own ordering.
     pub(crate) fn check_region_in<T>(
@@ -298,7 +298,7 @@ impl EpGroup {
         self.check_region_only(arg, r, want, what, align)
     }
 
-    /// The checks of [`EpGroup::check_region`] without the ordering.
+    /// The checks of [`NodeGroup::check_region`] without the ordering.
     fn check_region_only<T>(
         &self,
         arg: &'static str,

@@ -1,5 +1,5 @@
-//! Combine ([`EpGroup::combine`]) and the dispatch backward
-//! ([`EpGroup::dispatch_backward`], a combine of the received tokens'
+//! Combine ([`EpGroup::combine`](crate::EpGroup::combine)) and the dispatch backward
+//! ([`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward), a combine of the received tokens'
 //! gradient): argument checks, the choice between reading the partials in
 //! place (pulled) and pushing them through the group's stage, and the
 //! launch of the kernel of that path.
@@ -19,8 +19,8 @@ use half::bf16;
 
 use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
 use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
-use super::group::EpGroup;
-use super::handle::{Handle, OpTurn};
+use super::group::NodeGroup;
+use super::handle::{NodeHandle, OpTurn};
 use crate::error::{Error, Result};
 use crate::types::RecvLayout;
 
@@ -63,11 +63,11 @@ struct CombineCall {
     progress: Option<Progress>,
 }
 
-impl EpGroup {
+impl NodeGroup {
     /// Refuses an expert-major combine (or dispatch backward) of a handle
     /// that no dispatch or combine backward ran on yet: those write, on
     /// every rank, the rows of each received token's experts it reads.
-    fn check_meta(handle: &Handle) -> Result<()> {
+    fn check_meta(handle: &NodeHandle) -> Result<()> {
         if matches!(handle.layout, RecvLayout::ExpertMajor { .. })
             && !handle
                 .meta_written
@@ -84,7 +84,7 @@ impl EpGroup {
     /// when given) symmetric. Otherwise `None`: the partials are pushed.
     fn pull_peers(
         &self,
-        handle: &Handle,
+        handle: &NodeHandle,
         y: &dyn DeviceRegion<bf16>,
         grad_w: Option<&dyn DeviceRegion<f32>>,
     ) -> Option<PullPeers> {
@@ -105,7 +105,7 @@ impl EpGroup {
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         call: CombineCall,
     ) -> Result<()> {
         let k = &self.k;
@@ -172,25 +172,11 @@ impl EpGroup {
         Ok(())
     }
 
-    /// Brings expert outputs home and sums them per token in f32, in a fixed
-    /// order (ascending rank; inside a rank ascending row), so the result is
-    /// the same bits on every run. `expert_out` is `[recv_capacity, H]` in the
-    /// handle's layout; `weights` (expert-major only) scales each row; `out`
-    /// is `[T, H]`.
-    ///
-    /// Rank-major with `expert_out` in symmetric memory (the dispatch's
-    /// receive buffer, a pool buffer, a registered window), each home rank
-    /// reads its tokens' rows in place over NVLink: no staging. Any other
-    /// device memory (and expert-major) is read locally and pushed home
-    /// through the group's stage. Every rank must pass the same kind of
-    /// buffer, in the same place (symmetric buffers are collective anyway):
-    /// the kernels compare every rank's choice before they read or wait,
-    /// and a rank that differs makes every rank stop with
-    /// [`Error::InvalidArgument`] naming `expert_out`.
+    /// The one-node path of [`EpGroup::combine`](crate::EpGroup::combine).
     pub fn combine(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         expert_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
@@ -198,13 +184,13 @@ impl EpGroup {
         self.combine_counting(stream, handle, expert_out, weights, out, None)
     }
 
-    /// [`EpGroup::combine`] that counts its finished home rows into
+    /// [`EpGroup::combine`](crate::EpGroup::combine) that counts its finished home rows into
     /// `progress` (the two-level path's node combine); `None` is a plain
     /// combine.
     pub(crate) fn combine_counting(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         expert_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
@@ -224,7 +210,7 @@ impl EpGroup {
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         expert_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
@@ -267,16 +253,12 @@ impl EpGroup {
         )
     }
 
-    /// Backward of dispatch: the gradient of the received tokens is combined
-    /// home (unweighted), and the gradient of the received top-k weights is
-    /// routed back to `[T, K]` (`grad_topk_weights`, when given). As in
-    /// [`EpGroup::combine`], rank-major gradients in symmetric memory (both of
-    /// them, when weights are given) are read in place by their home ranks.
+    /// The one-node path of [`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward).
     #[allow(clippy::too_many_arguments)]
     pub fn dispatch_backward(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         grad_recv_tokens: &dyn DeviceRegion<bf16>,
         grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
         grad_tokens: &mut dyn DeviceRegionMut<bf16>,
@@ -293,13 +275,13 @@ impl EpGroup {
         )
     }
 
-    /// [`EpGroup::dispatch_backward`] that counts its finished home rows
-    /// (of `grad_tokens`) into `progress`, as [`EpGroup::combine_counting`].
+    /// [`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward) that counts its finished home rows
+    /// (of `grad_tokens`) into `progress`, as [`NodeGroup::combine_counting`].
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn dispatch_backward_counting(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         grad_recv_tokens: &dyn DeviceRegion<bf16>,
         grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
         grad_tokens: &mut dyn DeviceRegionMut<bf16>,
@@ -331,7 +313,7 @@ impl EpGroup {
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         grad_recv_tokens: &dyn DeviceRegion<bf16>,
         grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
         grad_tokens: &mut dyn DeviceRegionMut<bf16>,

@@ -1,5 +1,5 @@
-//! Dispatch ([`EpGroup::dispatch`]) and the combine backward
-//! ([`EpGroup::combine_backward`], a dispatch of the output gradient):
+//! Dispatch ([`EpGroup::dispatch`](crate::EpGroup::dispatch)) and the combine backward
+//! ([`EpGroup::combine_backward`](crate::EpGroup::combine_backward), a dispatch of the output gradient):
 //! argument checks, receive buffers, and the launch of one kernel per
 //! receive layout.
 //!
@@ -18,14 +18,14 @@ use super::abi::{desc, DispatchParams, DESC_WORDS, MAX_RANKS, THREADS};
 use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
 };
-use super::group::EpGroup;
-use super::handle::{Handle, OpTurn};
+use super::group::NodeGroup;
+use super::handle::{NodeHandle, OpTurn};
 use crate::error::{Error, Result};
 use crate::symm::SymmBuffer;
 use crate::types::RecvLayout;
 
 /// Every rank's address of a symmetric buffer, and where it lies (the
-/// descriptor word, [`EpGroup::located`]).
+/// descriptor word, [`NodeGroup::located`]).
 type Located = (Peers, u64);
 
 /// Where a dispatch's input rows arrive while it runs (device addresses):
@@ -59,7 +59,7 @@ enum Rows {
     Gradient { scale_w: Option<u64> },
 }
 
-impl EpGroup {
+impl NodeGroup {
     /// Launches the dispatch kernel of `handle`'s layout that `rows` asks
     /// for: `x` (`[T, H]` bf16, local) into `recv_x` on every rank.
     #[allow(clippy::too_many_arguments)]
@@ -67,7 +67,7 @@ impl EpGroup {
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         x: u64,
         recv_x: Located,
         rows: Rows,
@@ -138,7 +138,7 @@ impl EpGroup {
     pub fn dispatch<'a>(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         x: &dyn DeviceRegion<bf16>,
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
@@ -146,13 +146,13 @@ impl EpGroup {
         self.dispatch_arriving(stream, handle, x, topk_weights, out, None)
     }
 
-    /// [`EpGroup::dispatch`] of rows that land in `x` and `topk_weights`
+    /// [`EpGroup::dispatch`](crate::EpGroup::dispatch) of rows that land in `x` and `topk_weights`
     /// while the kernel runs (`arrival`: the two-level path's forward batch,
     /// chunk by chunk); `None` is a plain dispatch.
     pub(crate) fn dispatch_arriving<'a>(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         x: &dyn DeviceRegion<bf16>,
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
@@ -172,7 +172,7 @@ impl EpGroup {
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         x: &dyn DeviceRegion<bf16>,
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
@@ -219,14 +219,11 @@ impl EpGroup {
         })
     }
 
-    /// Backward of combine: the gradient of the output `[T, H]` is dispatched
-    /// (no layout work) into `[recv_capacity, H]` rows in the handle's layout;
-    /// padding rows are zero. With `weights` (expert-major, as given to
-    /// combine), each row is scaled by its weight.
+    /// The one-node path of [`EpGroup::combine_backward`](crate::EpGroup::combine_backward).
     pub fn combine_backward<'a>(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         grad_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
@@ -234,13 +231,13 @@ impl EpGroup {
         self.combine_backward_arriving(stream, handle, grad_out, weights, grad_expert_out, None)
     }
 
-    /// [`EpGroup::combine_backward`] of a gradient whose rows land in
+    /// [`EpGroup::combine_backward`](crate::EpGroup::combine_backward) of a gradient whose rows land in
     /// `grad_out` while the kernel runs (`arrival`, as for
-    /// [`EpGroup::dispatch_arriving`]); `None` is a plain combine backward.
+    /// [`NodeGroup::dispatch_arriving`]); `None` is a plain combine backward.
     pub(crate) fn combine_backward_arriving<'a>(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         grad_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
@@ -270,7 +267,7 @@ impl EpGroup {
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: &Handle,
+        handle: &NodeHandle,
         grad_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,

@@ -1,4 +1,4 @@
-//! `EpGroup`: the collective object that owns the symmetric workspace, the
+//! `NodeGroup`: the collective object that owns the symmetric workspace, the
 //! kernels and the device error report of one expert-parallel group, and
 //! its configuration. The ops are in the files of their own (layout.rs,
 //! dispatch.rs, combine.rs).
@@ -32,7 +32,7 @@ pub enum Mode {
     HighThroughput,
     /// Decode: at most `max_tokens_per_rank` (<= 1024) tokens per rank, no
     /// layout pass, buffers fixed at creation, CUDA-graph capturable: the
-    /// `ll_*` ops ([`EpGroup::ll_dispatch`], [`EpGroup::ll_combine`]; sizes
+    /// `ll_*` ops ([`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch), [`EpGroup::ll_combine`](crate::EpGroup::ll_combine); sizes
     /// in [`ll_buffer_bytes`](super::ll_buffer_bytes)).
     LowLatency,
 }
@@ -68,10 +68,15 @@ pub struct GroupConfig {
     /// each other over NVLink; tokens for another node cross the network
     /// once, to the rank of that node with the same local index (the rail
     /// peer; `docs/rdma-model.md`). A divisor of the world size, at most 8;
-    /// `0` (the default) is the whole world on one node. An [`EpGroup`]
-    /// runs one node ([`validate`](Self::validate) refuses more); a world
-    /// of several nodes runs on [`TwoLevelGroup`](super::TwoLevelGroup).
+    /// `0` (the default) is the whole world on one node. One node runs the
+    /// NVLink path, several the two-level path (network hop, then NVLink);
+    /// [`EpGroup::new`](crate::EpGroup::new) picks it from this field.
     pub ranks_per_node: usize,
+    /// Rows per chunk of the two-level path's network hop (each chunk's
+    /// NVLink work overlaps the next chunk's transfer); at least 1, at most
+    /// 2^30 16-byte vectors a chunk. A world of one node has no hop and
+    /// does not read it. Default [`DEFAULT_HOP_CHUNK_ROWS`](crate::ops::DEFAULT_HOP_CHUNK_ROWS).
+    pub hop_chunk_rows: usize,
 }
 
 impl GroupConfig {
@@ -88,6 +93,7 @@ impl GroupConfig {
             mode: Mode::HighThroughput,
             timeout: Duration::from_secs(10),
             ranks_per_node: 0,
+            hop_chunk_rows: super::two_level::DEFAULT_HOP_CHUNK_ROWS,
         }
     }
 
@@ -97,25 +103,32 @@ impl GroupConfig {
         Topology::new(world, self.ranks_per_node)
     }
 
-    /// Checks every field against the world size for an [`EpGroup`],
-    /// naming the bad one.
+    /// Checks every field against the world size, naming the bad one: what
+    /// [`EpGroup::new`](crate::EpGroup::new) checks before it meets the
+    /// other ranks.
     ///
     /// The world and `ranks_per_node` first ([`Topology::new`]: at most 8
     /// ranks on one node, a divisor of the world), then every other field;
-    /// last, a world of more than one node is refused by `ranks_per_node`:
-    /// it runs on [`TwoLevelGroup`](super::TwoLevelGroup).
+    /// a world of several nodes also takes the two-level path's checks
+    /// (`mode` high-throughput, at most 32 nodes, `hop_chunk_rows`, the
+    /// forward batch's size).
     pub fn validate(&self, world: usize) -> Result<()> {
         let topology = self.validate_fields(world)?;
         if topology.nodes() > 1 {
-            return Err(Error::arg(
-                "ranks_per_node",
-                format!(
-                    "the world size {world} or 0: EpGroup runs one node (a world of \
-                     several nodes runs on TwoLevelGroup; the C ABI's moe_ep_group_create \
-                     makes either)"
-                ),
-                format!("{} ({} nodes)", self.ranks_per_node, topology.nodes()),
-            ));
+            super::two_level::TwoLevelPath::validate(self, world)?;
+        }
+        Ok(())
+    }
+
+    /// The one-node path's checks: [`validate`](Self::validate), and one
+    /// node.
+    pub(crate) fn validate_one_node(&self, world: usize) -> Result<()> {
+        let topology = self.validate_fields(world)?;
+        if topology.nodes() > 1 {
+            return Err(Error::InvalidState(format!(
+                "the NVLink path of a world of {} nodes (EpGroup::new picks the two-level path)",
+                topology.nodes()
+            )));
         }
         Ok(())
     }
@@ -191,7 +204,7 @@ pub const MAX_EXPERTS: usize = 16384;
 
 /// One expert-parallel group over a communicator whose ranks share an NVLink
 /// node. Creating it is collective; so is every op.
-pub struct EpGroup {
+pub(crate) struct NodeGroup {
     pub(crate) comm: Arc<Communicator>,
     pub(crate) pool: SymmPool,
     pub(crate) cfg: GroupConfig,
@@ -222,17 +235,17 @@ pub struct EpGroup {
     /// A virtual world's ranks' arrivals at the end of each op (shared by
     /// the group's ranks; `None` on NCCL communicators).
     pub(crate) op_barrier: Option<Arc<crate::runtime::host_group::OpBarrier>>,
-    /// Set by [`EpGroup::allow_graph_capture`]: ops may be called on a
+    /// Set by [`EpGroup::allow_graph_capture`](crate::EpGroup::allow_graph_capture): ops may be called on a
     /// stream that captures a CUDA graph (refused otherwise).
     pub(crate) capture_allowed: AtomicBool,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
-/// stream follows every earlier op, see `EpGroup::turn`), so no kernel of it
+/// stream follows every earlier op, see `NodeGroup::turn`), so no kernel of it
 /// still reads or writes its workspace, handles' arrays or error report when
 /// they are released. A failed wait is printed, not raised (drop cannot
 /// fail); a peer timeout still ends that work within the group's timeout.
-impl Drop for EpGroup {
+impl Drop for NodeGroup {
     fn drop(&mut self) {
         let turns = self.turns.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some(stream) = turns.last.take() {
@@ -406,7 +419,7 @@ impl Kernels {
     }
 }
 
-impl EpGroup {
+impl NodeGroup {
     /// Creates the group (collective): validates `cfg`, allocates and zeroes
     /// the symmetric workspace, loads the kernels.
     pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<Self> {
@@ -428,7 +441,7 @@ impl EpGroup {
         // with a larger capacity or other sizes would write past this rank's
         // buffers).
         let k = Kernels::load(comm, cfg.mode)?;
-        let local = cfg.validate(world).and_then(|_| {
+        let local = cfg.validate_one_node(world).and_then(|_| {
             super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
         });
         let recv_capacity = if cfg.recv_capacity == 0 {
@@ -533,7 +546,7 @@ impl EpGroup {
         };
         comm.barrier(&stream)?;
 
-        Ok(EpGroup {
+        Ok(NodeGroup {
             comm: comm.clone(),
             pool,
             recv_capacity,
@@ -555,20 +568,7 @@ impl EpGroup {
         })
     }
 
-    /// Lets this group's ops be called on a stream that captures a CUDA
-    /// graph (stream capture); until then such an op is refused, naming
-    /// `stream`. Every later launch of the graph runs the captured ops
-    /// again, with the buffers and handles they were given.
-    ///
-    /// # Safety
-    /// While a graph that captured an op of this group can still be
-    /// launched, every buffer and handle that op was given (pool buffers
-    /// included: the crate cannot see a graph's launches, so it does not
-    /// order a pool range's reuse after them) must stay alive and keep its
-    /// place, and the group itself must outlive the graph. Launch the
-    /// graph's of every rank the same number of times, in the same order
-    /// relative to the group's other ops (its calls are counted on the
-    /// device, at each launch).
+    /// The one-node path of [`EpGroup::allow_graph_capture`](crate::EpGroup::allow_graph_capture).
     pub unsafe fn allow_graph_capture(&self) {
         self.capture_allowed.store(true, Ordering::Relaxed);
     }
@@ -595,30 +595,7 @@ impl EpGroup {
         self.cfg.num_experts / self.comm.world()
     }
 
-    /// Waits for the group's work on this rank, then learns what every rank
-    /// found since the last check, and clears it: **collective**, call it on
-    /// every rank at the same point (after the same ops, e.g. once per step,
-    /// whatever the step's ops returned); it ends in one host all-gather of
-    /// the communicator. A check with no op of this rank since its last one
-    /// meets no one and returns `Ok` (checking twice in a row is harmless).
-    ///
-    /// `Ok` when no rank found anything. Otherwise every rank gets an
-    /// error: its own (the first its kernels recorded, or the refusal of
-    /// its host) or, where it found none, [`Error::PeerFailed`] naming the
-    /// first rank that did. Then every rank is in the same state again: the
-    /// same call count, the status words cleared (stream-ordered), the
-    /// low-latency buffer sets realigned, and handles made before the error
-    /// refused (`handle`: the error may have skipped their layout or
-    /// dispatch on some rank). After a timeout (on any rank) the group stays
-    /// unusable on every rank: drop it and make a new one.
-    ///
-    /// Errors of the routing (a bad or repeated expert id on any rank),
-    /// ranks that disagree in a layout (topk, layout, alignment), capacity,
-    /// ranks that run different ops, handles or buffers, and a call one
-    /// rank's host refused are found by every rank in the same call: from
-    /// there on every rank's kernels return at entry, writing nothing (and
-    /// telling their peers so), and every op refuses with that error until
-    /// `check`.
+    /// The one-node path of [`EpGroup::check`](crate::EpGroup::check).
     pub fn check(&self) -> Result<()> {
         if self.comm.is_aborted() {
             return Err(Error::InvalidState(format!(
@@ -1004,7 +981,7 @@ fn timed_out(e: &ErrorInfo) -> bool {
         || (e.code == abi::code::PEER_STOPPED && e.seen == abi::code::TIMEOUT as u64)
 }
 
-/// Numbers the groups of the process (`EpGroup::id`).
+/// Numbers the groups of the process (`NodeGroup::id`).
 static NEXT_GROUP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// The fields of a config every rank must share, with their names

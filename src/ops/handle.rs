@@ -1,4 +1,4 @@
-//! [`Handle`]: the routing of one batch, computed by [`EpGroup::layout`]
+//! [`Handle`](crate::Handle): the routing of one batch, computed by [`EpGroup::layout`](crate::EpGroup::layout)
 //! and reused by its dispatch, combine and both backward passes; the
 //! device arrays it owns (one arena per layout, plus the expert-major
 //! receivers' `meta` in symmetric memory), [`HostCounts`], and the
@@ -17,16 +17,16 @@ use super::abi::{
     SCAN_THREADS,
 };
 use super::buffers::DeviceRegion;
-use super::group::EpGroup;
+use super::group::NodeGroup;
 use crate::error::{Error, Result};
 use crate::runtime::nvtx::{self, Range};
 use crate::symm::SymmBuffer;
 use crate::types::RecvLayout;
 use std::sync::atomic::Ordering;
 
-/// The routing of one batch, computed by [`EpGroup::layout`] and reused by
+/// The routing of one batch, computed by [`EpGroup::layout`](crate::EpGroup::layout) and reused by
 /// its dispatch, combine and both backward passes.
-pub struct Handle {
+pub struct NodeHandle {
     pub(crate) layout: RecvLayout,
     pub(crate) num_tokens: usize,
     pub(crate) topk: usize,
@@ -45,7 +45,7 @@ pub struct Handle {
     /// they write `meta` (on every rank) before the expert-major combine
     /// and dispatch backward can read it.
     pub(crate) meta_written: std::sync::atomic::AtomicBool,
-    /// The group whose layout made it ([`EpGroup::id`]).
+    /// The group whose layout made it ([`NodeGroup::id`]).
     pub(crate) group: u64,
     /// Its layout's call number: the handle's id in every op's descriptor
     /// (the same on every rank for the same layout call).
@@ -57,7 +57,7 @@ pub struct Handle {
     pub(crate) experts: usize,
 }
 
-impl Handle {
+impl NodeHandle {
     /// Expert-major: every rank's `meta` as mapped here (the senders of a
     /// dispatch write them); zeros for rank-major.
     pub(crate) fn meta_peers(&self) -> Result<[u64; super::abi::MAX_RANKS]> {
@@ -117,7 +117,7 @@ pub struct HostCounts {
     pub expert_counts: Vec<u32>,
 }
 
-impl Handle {
+impl NodeHandle {
     /// Tests only (feature `testkit`): the expert-major receivers' rows of
     /// each received token here, as the senders wrote them (`[R * M, K]`),
     /// for fault tests that corrupt what a peer wrote.
@@ -217,7 +217,7 @@ impl Handle {
 /// op is one call of the group (every op counts, on every rank: the call's
 /// number is what its kernels' descriptors and flags carry).
 pub(crate) struct OpTurn<'a> {
-    group: &'a EpGroup,
+    group: &'a NodeGroup,
     _range: Range,
     pub(crate) turns: MutexGuard<'a, Turns>,
     /// The call's number on the group, as the host counts them (a
@@ -324,7 +324,7 @@ impl OpTurn<'_> {
     }
 }
 
-impl EpGroup {
+impl NodeGroup {
     /// Runs one op: its NVTX range `name`, the group's turn and the call's
     /// number, the error an earlier call left (refused at once), the
     /// stream's context, `handle` (this group's and made since the last
@@ -339,19 +339,19 @@ impl EpGroup {
         name: &'static str,
         op: u64,
         stream: &Arc<CudaStream>,
-        handle: Option<&Handle>,
+        handle: Option<&NodeHandle>,
         body: impl FnOnce(&OpTurn<'_>) -> Result<T>,
     ) -> Result<T> {
         self.op_with(name, op, stream, handle, Refuse::Descriptor, body)
     }
 
-    /// [`EpGroup::op`] whose refusal tells the peers as `refuse` says.
+    /// [`NodeGroup::op`] whose refusal tells the peers as `refuse` says.
     pub(crate) fn op_with<T>(
         &self,
         name: &'static str,
         op: u64,
         stream: &Arc<CudaStream>,
-        handle: Option<&Handle>,
+        handle: Option<&NodeHandle>,
         refuse: Refuse<'_>,
         body: impl FnOnce(&OpTurn<'_>) -> Result<T>,
     ) -> Result<T> {
@@ -395,7 +395,7 @@ impl EpGroup {
         &self,
         turn: &mut OpTurn<'_>,
         stream: &Arc<CudaStream>,
-        handle: Option<&Handle>,
+        handle: Option<&NodeHandle>,
     ) -> Result<()> {
         if self.comm.is_aborted() {
             return Err(Error::InvalidState(format!(
@@ -408,7 +408,7 @@ impl EpGroup {
         if !self.capture_allowed.load(Ordering::Relaxed) && crate::symm::capturing(stream) {
             return Err(Error::arg(
                 "stream",
-                "a stream that does not capture a CUDA graph (capture is allowed once the caller takes on its contract: unsafe EpGroup::allow_graph_capture)",
+                "a stream that does not capture a CUDA graph (capture is allowed once the caller takes on its contract: unsafe NodeGroup::allow_graph_capture)",
                 "a capturing stream",
             ));
         }
@@ -574,7 +574,7 @@ impl EpGroup {
     /// Refuses a handle that another group's layout made, or one made
     /// before the last error `check` cleared (its routing or its dispatch
     /// may have been skipped by that error).
-    fn check_handle(&self, handle: &Handle, epoch: u64) -> Result<()> {
+    fn check_handle(&self, handle: &NodeHandle, epoch: u64) -> Result<()> {
         if handle.group != self.id {
             return Err(Error::arg(
                 "handle",
@@ -613,7 +613,7 @@ impl EpGroup {
 
     /// What every kernel of an op on `handle` is told: the group's
     /// workspace and error report, the handle's arrays and the call's shape.
-    pub(crate) fn op_common(&self, handle: &Handle) -> OpCommon {
+    pub(crate) fn op_common(&self, handle: &NodeHandle) -> OpCommon {
         let (layout, alignment) = handle.layout.kind();
         OpCommon {
             bufs: handle.bufs(),

@@ -1,12 +1,12 @@
-//! The layout op ([`EpGroup::layout`]): from a batch's routing, every
+//! The layout op ([`EpGroup::layout`](crate::EpGroup::layout)): from a batch's routing, every
 //! token's row on every receiver and the count matrix of all ranks, kept in
-//! a [`Handle`]; the kernels' view of a [`RecvLayout`] (defined in
+//! a [`Handle`](crate::Handle); the kernels' view of a [`RecvLayout`] (defined in
 //! `src/types/`, below both the ops and the CPU reference).
 //!
 //! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`: the
 //! scan, then the exchange in the scan's last block). Tests:
 //! `tests/gpu_intranode.rs` (every case runs the layout and checks
-//! `Handle::host_counts` against the reference; bad and duplicate expert
+//! `NodeHandle::host_counts` against the reference; bad and duplicate expert
 //! ids; capacity exceeded; 1024 experts).
 
 use std::sync::Arc;
@@ -18,8 +18,8 @@ use super::abi::{
     SCAN_THREADS,
 };
 use super::buffers::TopkIdx;
-use super::group::{EpGroup, GroupConfig, MAX_EXPERTS};
-use super::handle::{ArenaOffsets, Handle, OpTurn};
+use super::group::{GroupConfig, NodeGroup, MAX_EXPERTS};
+use super::handle::{ArenaOffsets, NodeHandle, OpTurn};
 use crate::error::{Error, Result};
 use crate::types::RecvLayout;
 
@@ -28,7 +28,7 @@ const MAX_ALIGNMENT: usize = 4096;
 
 impl RecvLayout {
     /// The kernels' view: the layout kind and the alignment in rows (1 for
-    /// rank-major). Handles are made by [`EpGroup::layout`], which checked
+    /// rank-major). Handles are made by [`EpGroup::layout`](crate::EpGroup::layout), which checked
     /// the alignment ([`RecvLayout::check_for_kernels`]).
     pub(crate) fn kind(self) -> (LayoutKind, i32) {
         match self {
@@ -99,7 +99,7 @@ pub(crate) fn tokens_of_routing(topk: usize, idx_len: usize, cfg: &GroupConfig) 
     Ok(t)
 }
 
-impl EpGroup {
+impl NodeGroup {
     /// Computes the routing layout (collective): tokens per rank and expert,
     /// every token's row on every receiver, and the count matrix of all
     /// ranks. `topk_idx` is `[T, topk]` with `T <= max_tokens_per_rank`.
@@ -109,7 +109,7 @@ impl EpGroup {
         topk_idx: TopkIdx<'_>,
         topk: usize,
         layout: RecvLayout,
-    ) -> Result<Handle> {
+    ) -> Result<NodeHandle> {
         self.op("moe_ep::layout", desc::OP_LAYOUT, stream, None, |turn| {
             self.layout_on_turn(turn, stream, topk_idx, topk, layout)
         })
@@ -122,7 +122,7 @@ impl EpGroup {
         topk_idx: TopkIdx<'_>,
         topk: usize,
         layout: RecvLayout,
-    ) -> Result<Handle> {
+    ) -> Result<NodeHandle> {
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
         let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
         match topk_idx {
@@ -135,7 +135,7 @@ impl EpGroup {
         let arena_at = ArenaOffsets::new(t, topk, r, layout_info_len(r, e, el, t));
         // SAFETY: not zeroed (a memset node would cost more than the scan of
         // a small batch): the scan writes every word the kernels or
-        // `Handle::host_counts` read before any reads it (every token's
+        // `NodeHandle::host_counts` read before any reads it (every token's
         // normalised ids and positions, this rank's count row, zeros in the
         // other info words, each check block's bad-entry word); only the
         // padding between the arrays stays unwritten, and nothing reads it.
@@ -153,7 +153,7 @@ impl EpGroup {
             .pool
             .alloc::<i32>(r * self.cfg.max_tokens_per_rank * MAX_TOPK)?;
         self.mark_used(&meta)?;
-        let handle = Handle {
+        let handle = NodeHandle {
             layout,
             num_tokens: t,
             topk,

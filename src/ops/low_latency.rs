@@ -1,5 +1,5 @@
-//! The low-latency (decode) mode: [`EpGroup::ll_dispatch`] and
-//! [`EpGroup::ll_combine`] (and their two-phase forms) of a group made with
+//! The low-latency (decode) mode: [`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch) and
+//! [`EpGroup::ll_combine`](crate::EpGroup::ll_combine) (and their two-phase forms) of a group made with
 //! [`Mode::LowLatency`](super::Mode::LowLatency). There is no layout pass:
 //! every row has a fixed place that depends only on its source rank and
 //! token, and counts travel with the data, so a call needs no host work
@@ -11,7 +11,7 @@
 //! ```ignore
 //! let mut cfg = GroupConfig::new(256, 7168, 128);   // experts, hidden, max tokens per rank
 //! cfg.mode = Mode::LowLatency;
-//! let group = EpGroup::new(&comm, cfg)?;            // collective; fixes the buffers
+//! let group = NodeGroup::new(&comm, cfg)?;            // collective; fixes the buffers
 //! let h = group.ll_dispatch(&stream, LlInput::Bf16(&x), TopkIdx::I64(&idx), 8, &w,
 //!                           LlLayout::ExpertMajor, Some(Fp8Scaling::Exact))?;
 //! // ... experts on h.fp8_codes() / h.fp8_scales(), h.tokens_per_local_expert() rows each,
@@ -105,7 +105,7 @@ use super::abi::{
     MAX_BLOCKS, MAX_TOPK, THREADS,
 };
 use super::buffers::{DeviceRegion, DeviceRegionMut, TopkIdx, ROW_ALIGN};
-use super::group::{EpGroup, GroupConfig};
+use super::group::{GroupConfig, NodeGroup};
 use super::handle::{OpTurn, Refuse};
 use super::layout::tokens_of_routing;
 use crate::error::{Error, Result};
@@ -388,7 +388,7 @@ impl LlBuffers {
         Ok(v[0])
     }
 
-    /// After an error (`EpGroup::check`, on every rank): both sets take new
+    /// After an error (`NodeGroup::check`, on every rank): both sets take new
     /// batches again, the next in set 0, and every block's counter is
     /// `sent` (the most any rank counted), so that every rank's next batch
     /// has the same sequence number, above any its sets' signals hold.
@@ -453,37 +453,29 @@ struct LlBatch {
     topk: usize,
 }
 
-/// A dispatch that was sent ([`EpGroup::ll_dispatch_send`]); give it to
-/// [`EpGroup::ll_dispatch_wait`] for the received rows.
+/// A dispatch that was sent ([`EpGroup::ll_dispatch_send`](crate::EpGroup::ll_dispatch_send)); give it to
+/// [`EpGroup::ll_dispatch_wait`](crate::EpGroup::ll_dispatch_wait) for the received rows.
 #[must_use = "a sent dispatch must be waited for (ll_dispatch_wait) before its set is reused"]
 #[derive(Debug)]
 pub struct LlDispatchSent {
     b: LlBatch,
 }
 
-/// A combine that was sent ([`EpGroup::ll_combine_send`]); give it to
-/// [`EpGroup::ll_combine_wait`] for the output.
+/// A combine that was sent ([`EpGroup::ll_combine_send`](crate::EpGroup::ll_combine_send)); give it to
+/// [`EpGroup::ll_combine_wait`](crate::EpGroup::ll_combine_wait) for the output.
 #[must_use = "a sent combine must be waited for (ll_combine_wait)"]
 #[derive(Debug)]
 pub struct LlCombineSent {
     b: LlBatch,
 }
 
-// The C ABI keeps a sent op across a wait that failed (a short `out`, the
-// wrong stream), so that the caller can fix the call and wait again. A
-// second wait of one that ran is refused by the group's phase check.
+// A wait takes its sent op by reference: one that was refused (a short
+// `out`, the wrong stream) can be waited for again once the call is fixed;
+// a second wait of one that ran is refused by the group's phase check.
 impl LlDispatchSent {
-    pub(crate) fn again(&self) -> LlDispatchSent {
-        LlDispatchSent { b: self.b }
-    }
-    pub(crate) fn buffer_set(&self) -> usize {
+    /// The buffer set (0 or 1) the batch is in.
+    pub fn buffer_set(&self) -> usize {
         self.b.set
-    }
-}
-
-impl LlCombineSent {
-    pub(crate) fn again(&self) -> LlCombineSent {
-        LlCombineSent { b: self.b }
     }
 }
 
@@ -519,13 +511,13 @@ unsafe impl<T> DeviceRegion<T> for LlView<'_, T> {
 
 /// The result of a low-latency dispatch: where its rows and counts are on
 /// this rank (views into the group's buffer set), for the experts and for
-/// [`EpGroup::ll_combine`]. All arrays are on the device.
-pub struct LlHandle<'g> {
-    group: &'g EpGroup,
+/// [`EpGroup::ll_combine`](crate::EpGroup::ll_combine). All arrays are on the device.
+pub struct LlHandle {
+    group: Arc<NodeGroup>,
     b: LlBatch,
 }
 
-impl LlHandle<'_> {
+impl LlHandle {
     /// The receive layout.
     pub fn layout(&self) -> LlLayout {
         self.b.layout
@@ -650,7 +642,7 @@ struct SendCall {
     cast: i32,
 }
 
-impl EpGroup {
+impl NodeGroup {
     fn ll_buffers(&self) -> Result<&LlBuffers> {
         self.ll.as_ref().ok_or_else(|| {
             Error::arg(
@@ -881,7 +873,11 @@ impl EpGroup {
     }
 
     /// Dispatch wait, on the op's turn.
-    fn ll_recv(&self, stream: &Arc<CudaStream>, sent: LlDispatchSent) -> Result<LlHandle<'_>> {
+    fn ll_recv(
+        self: &Arc<Self>,
+        stream: &Arc<CudaStream>,
+        sent: &LlDispatchSent,
+    ) -> Result<LlHandle> {
         let ll = self.ll_buffers()?;
         let b = sent.b;
         self.ll_expect(ll, &b, Phase::Sent, "ll_dispatch_wait")?;
@@ -891,15 +887,13 @@ impl EpGroup {
             self.ll_launch(stream, &self.ll_kernels().copy, &p)?;
         }
         self.ll_set_phase(ll, &b, Phase::Received);
-        Ok(LlHandle { group: self, b })
+        Ok(LlHandle {
+            group: Arc::clone(self),
+            b,
+        })
     }
 
-    /// Sends this rank's tokens to the ranks of their experts (the first
-    /// half of [`EpGroup::ll_dispatch`], which has the arguments); returns
-    /// at once, without waiting for the other ranks. Put other work on the
-    /// stream, then [`EpGroup::ll_dispatch_wait`]. The batch takes the
-    /// group's next buffer set: refused while that set's previous batch is
-    /// not combined.
+    /// The one-node path of [`EpGroup::ll_dispatch_send`](crate::EpGroup::ll_dispatch_send).
     #[allow(clippy::too_many_arguments)]
     pub fn ll_dispatch_send(
         &self,
@@ -957,12 +951,12 @@ impl EpGroup {
 
     /// Waits (on the stream, bounded by the group's timeout) for every
     /// rank's rows of a sent dispatch and lays them out: the second half of
-    /// [`EpGroup::ll_dispatch`].
+    /// [`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch).
     pub fn ll_dispatch_wait(
-        &self,
+        self: &Arc<Self>,
         stream: &Arc<CudaStream>,
-        sent: LlDispatchSent,
-    ) -> Result<LlHandle<'_>> {
+        sent: &LlDispatchSent,
+    ) -> Result<LlHandle> {
         self.op_with(
             "moe_ep::ll_dispatch_wait",
             0,
@@ -973,33 +967,10 @@ impl EpGroup {
         )
     }
 
-    /// Low-latency dispatch (collective): every token of this rank to the
-    /// ranks of its experts, in `layout`, with no layout pass and no host
-    /// synchronisation. Expert-major: `[El, R * M, H]` rows, each local
-    /// expert's (token, expert) pairs packed from its block's start by
-    /// source rank then token, with their `src`; rank-major: `[R, M, H]`
-    /// rows, row `s * M + t` for token `t` of rank `s`, with the token's `K`
-    /// local expert ids (`-1` = not here) and weights. The bits are
-    /// [`crate::reference::ll_dispatch`]'s; see [`LlHandle`] for the outputs.
-    ///
-    /// - `x`: `[T, H]` bf16 rows, or the caller's fp8 rows ([`LlInput`]).
-    /// - `topk_idx`: `[T, topk]` i32 or i64 global expert ids, `-1` = not
-    ///   routed; `T <= max_tokens_per_rank` (`T = 0` is fine). An id outside
-    ///   `[-1, E)` or repeated in a token is found on the device: every
-    ///   rank's later ops refuse with `InvalidDeviceData` until `check()`.
-    /// - `topk_weights`: `[T, topk]` f32 (rank-major: they travel with the
-    ///   rows; expert-major: combine applies them on this rank).
-    /// - `cast_fp8`: cast bf16 rows to fp8 e4m3 on the sender, one scale per
-    ///   128 values ([`crate::reference::quantize_fp8`], bit for bit); needs
-    ///   `hidden` a multiple of 128. `None` with fp8 input.
-    ///
-    /// Every rank must pass the same `topk`, `layout` and kind of rows
-    /// (bf16 or fp8), else every rank's wait reports the mismatch. Errors
-    /// before launch name `mode`, `topk`, `topk_idx`, `topk_weights`, `x`,
-    /// `x_scales`, `hidden` or `cast_fp8`.
+    /// The one-node path of [`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch).
     #[allow(clippy::too_many_arguments)]
     pub fn ll_dispatch(
-        &self,
+        self: &Arc<Self>,
         stream: &Arc<CudaStream>,
         x: LlInput<'_>,
         topk_idx: TopkIdx<'_>,
@@ -1007,7 +978,7 @@ impl EpGroup {
         topk_weights: &dyn DeviceRegion<f32>,
         layout: LlLayout,
         cast_fp8: Option<Fp8Scaling>,
-    ) -> Result<LlHandle<'_>> {
+    ) -> Result<LlHandle> {
         let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_send(turn, layout, arg);
         self.op_with(
             "moe_ep::ll_dispatch",
@@ -1019,7 +990,7 @@ impl EpGroup {
                 let sent =
                     self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)?;
                 turn.launched.set(true);
-                self.ll_recv(stream, sent)
+                self.ll_recv(stream, &sent)
             },
         )
     }
@@ -1027,7 +998,7 @@ impl EpGroup {
     /// The checks of `expert_out`.
     fn ll_check_expert_out(
         &self,
-        handle: &LlHandle<'_>,
+        handle: &LlHandle,
         expert_out: &dyn DeviceRegion<bf16>,
     ) -> Result<()> {
         let h = self.cfg.hidden;
@@ -1070,7 +1041,7 @@ impl EpGroup {
     fn ll_combine_send_on_turn(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &LlHandle<'_>,
+        handle: &LlHandle,
         expert_out: &dyn DeviceRegion<bf16>,
         in_place: bool,
     ) -> Result<LlCombineSent> {
@@ -1109,12 +1080,12 @@ impl EpGroup {
     }
 
     /// Sends this rank's expert outputs home (the first half of
-    /// [`EpGroup::ll_combine`], whose docs say what `expert_out` holds);
-    /// returns at once. Then [`EpGroup::ll_combine_wait`].
+    /// [`EpGroup::ll_combine`](crate::EpGroup::ll_combine), whose docs say what `expert_out` holds);
+    /// returns at once. Then [`EpGroup::ll_combine_wait`](crate::EpGroup::ll_combine_wait).
     pub fn ll_combine_send(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &LlHandle<'_>,
+        handle: &LlHandle,
         expert_out: &dyn DeviceRegion<bf16>,
     ) -> Result<LlCombineSent> {
         // NOTE: a refused combine tells no peer (a refusal signal in the
@@ -1133,11 +1104,11 @@ impl EpGroup {
     }
 
     /// Waits (bounded) for every rank's rows of a sent combine and sums them
-    /// into `out` (the second half of [`EpGroup::ll_combine`]).
+    /// into `out` (the second half of [`EpGroup::ll_combine`](crate::EpGroup::ll_combine)).
     pub fn ll_combine_wait(
         &self,
         stream: &Arc<CudaStream>,
-        sent: LlCombineSent,
+        sent: &LlCombineSent,
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
@@ -1155,30 +1126,11 @@ impl EpGroup {
         )
     }
 
-    /// Low-latency combine (collective): the expert outputs of `handle`'s
-    /// batch brought home and summed per token in f32 in a fixed order, into
-    /// `out` `[T, H]` bf16 (exactly [`crate::reference::ll_combine_emulated`]).
-    ///
-    /// - `expert_out`: `[rows, H]` bf16 in the dispatch's layout (only
-    ///   counted rows are read; any device memory). Expert-major: one row per
-    ///   (token, expert), unweighted. Rank-major: per token, the sum of this
-    ///   rank's experts' weighted outputs. The rows of this rank's own tokens
-    ///   are not copied: the sum reads them here, in place (the two-phase
-    ///   form copies them in [`EpGroup::ll_combine_send`], so that
-    ///   `expert_out` may be reused before the wait).
-    /// - `weights`: expert-major only, `[T, K]` f32 applied on this (the
-    ///   home) rank, `out[t] = sum over k ascending of w[t, k] * row(t, k)`;
-    ///   `None` = the `topk_weights` the dispatch was given. Rank-major:
-    ///   `None` (`out[t]` = the sum over ranks ascending of their rows).
-    ///
-    /// A token with no experts gets zeros. Errors before launch name
-    /// `handle` (another group's, or a batch whose set was reused),
-    /// `expert_out`, `weights` or `out`; a batch already combined is
-    /// `InvalidState`.
+    /// The one-node path of [`EpGroup::ll_combine`](crate::EpGroup::ll_combine).
     pub fn ll_combine(
         &self,
         stream: &Arc<CudaStream>,
-        handle: &LlHandle<'_>,
+        handle: &LlHandle,
         expert_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,

@@ -100,9 +100,9 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
     })
 }
 
-/// What the GPU of `comm` holds of an `EpGroup`'s kernels for
+/// What the GPU of `comm` holds of an `NodeGroup`'s kernels for
 /// `num_experts` experts: [`Residency::max_blocks_per_rank`] is the largest
-/// `GroupConfig::num_sms` that `EpGroup::new` accepts there (16 for 8
+/// `GroupConfig::num_sms` that `NodeGroup::new` accepts there (16 for 8
 /// virtual ranks on one H200), for a group of either mode (the
 /// low-latency kernels are counted too).
 pub fn residency(comm: &Arc<Communicator>, num_experts: usize) -> Result<Residency> {

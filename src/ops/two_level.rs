@@ -1,4 +1,4 @@
-//! The two-level (inter-node) path: [`TwoLevelGroup`], a world of several
+//! The two-level (inter-node) path: [`TwoLevelPath`], a world of several
 //! nodes (`GroupConfig::ranks_per_node`), and its [`TwoLevelHandle`].
 //!
 //! A token crosses the network once per remote node it reaches, to the rank
@@ -28,11 +28,11 @@
 //! ([`two_level_dispatch`](crate::reference::two_level_dispatch)).
 //!
 //! Kernels: `kernels-cuda/two_level.cu`; the forwarding is the NVLink path
-//! (the node's [`EpGroup`]). Tests: `tests/gpu_two_level.rs` (virtual nodes),
+//! (the node's [`EpGroup`](crate::EpGroup)). Tests: `tests/gpu_two_level.rs` (virtual nodes),
 //! and the unit tests below (each rank's rows against the reference's
 //! forward batches and traffic, on the CPU).
 //!
-//! Every op's hop runs in chunks of [`TwoLevelGroup::hop_chunk_rows`] rows
+//! Every op's hop runs in chunks of [`TwoLevelPath::hop_chunk_rows`] rows
 //! on a stream of its own, overlapped with the node's NVLink work:
 //! - dispatch and combine backward (towards the experts): the node group's
 //!   op starts at once and each of its warps waits (bounded) for the chunk
@@ -46,7 +46,7 @@
 //!   a GPU, `num_sms` leaves room for that one block per rank.
 //!
 //! A world of several nodes runs on this type;
-//! [`ExpertParallel`](super::ExpertParallel) gives it and [`EpGroup`] one
+//! [`ExpertParallel`](super::ExpertParallel) gives it and [`EpGroup`](crate::EpGroup) one
 //! set of ops, and the C ABI's `moe_ep_group_create` makes either from the
 //! config (src/capi.rs).
 
@@ -62,8 +62,8 @@ use super::buffers::{
 };
 use super::combine::Progress;
 use super::dispatch::Arrival;
-use super::group::{EpGroup, GroupConfig, Mode};
-use super::handle::{Handle, OpStreams};
+use super::group::{GroupConfig, Mode, NodeGroup};
+use super::handle::{NodeHandle, OpStreams};
 use super::hop_plan::hop_rows;
 use super::layout::tokens_of_routing;
 use super::rail_hop::{HopRecv, HopSend, RailHop};
@@ -109,7 +109,7 @@ const STREAM_THREADS: u32 = 1024;
 const THREADS: u32 = 256;
 
 /// Rows per chunk of the network hop unless
-/// [`TwoLevelGroup::with_hop_chunk_rows`] says otherwise. 512 rows of hidden
+/// [`TwoLevelPath::with_hop_chunk_rows`] says otherwise. 512 rows of hidden
 /// 7168 are 7.3 MB of bf16 per chunk and rail peer, 147 µs at a 400 Gb/s
 /// NIC's line rate, against a fixed cost per round of the hop: on one H200
 /// at 2 virtual nodes x 2 ranks, 4096 tokens (2026-12-02, BENCHMARKS.md),
@@ -123,7 +123,7 @@ fn grid(items: usize, per_block: usize) -> u32 {
 }
 
 /// An expert-parallel group over a world of several nodes: the node's own
-/// [`EpGroup`] (over [`Communicator::split`]) forwards inside the node, a
+/// [`EpGroup`](crate::EpGroup) (over [`Communicator::split`]) forwards inside the node, a
 /// [`RailHop`] crosses between nodes. Creating it is collective (over the
 /// world); so is every op.
 ///
@@ -132,14 +132,14 @@ fn grid(items: usize, per_block: usize) -> u32 {
 /// captured in a CUDA graph; dispatch, combine and the backward passes do
 /// not wait on the host (on a virtual world the hop takes two host rounds
 /// of the ranks' threads). The caller's buffers are used on `stream` as
-/// they are: unlike [`EpGroup`]'s ops, these do not order themselves after
-/// a buffer's own stream. As on [`EpGroup`], the ops of one group are taken
+/// they are: unlike [`EpGroup`](crate::EpGroup)'s ops, these do not order themselves after
+/// a buffer's own stream. As on [`EpGroup`](crate::EpGroup), the ops of one group are taken
 /// one at a time (threads calling one group are serialised).
-pub struct TwoLevelGroup {
+pub(crate) struct TwoLevelPath {
     comm: Arc<Communicator>,
     cfg: GroupConfig,
     topology: Topology,
-    node: EpGroup,
+    node: NodeGroup,
     hop: RailHop,
     k: Kernels,
     /// This group's number in the process (handles remember it).
@@ -273,9 +273,9 @@ impl Plan {
     }
 }
 
-/// The routing of one batch on the two-level path ([`TwoLevelGroup::layout`]).
-pub struct TwoLevelHandle {
-    node: Handle,
+/// The routing of one batch on the two-level path ([`TwoLevelPath::layout`]).
+pub(crate) struct TwoLevelHandle {
+    node: NodeHandle,
     num_tokens: usize,
     topk: usize,
     /// `[T][N]` each token's row in its stream to each node, -1 if not reached.
@@ -298,12 +298,8 @@ impl TwoLevelHandle {
     /// The node group's handle of the forward batch: its counts are this
     /// rank's receive counts (`host_counts().recv_rows`,
     /// `tokens_per_local_expert`); its rank and expert counts are the node's.
-    pub fn node_handle(&self) -> &Handle {
+    pub fn node_handle(&self) -> &NodeHandle {
         &self.node
-    }
-    /// The receive layout.
-    pub fn layout(&self) -> RecvLayout {
-        self.node.layout()
     }
     /// This rank's tokens in the batch.
     pub fn num_tokens(&self) -> usize {
@@ -330,52 +326,21 @@ impl TwoLevelHandle {
 
 static NEXT_GROUP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-impl TwoLevelGroup {
-    /// Creates the group (collective over the world `comm`): `cfg` as for
-    /// [`EpGroup::new`], with `ranks_per_node` making at least two nodes
-    /// (one node is [`EpGroup`]'s); high-throughput mode only.
+impl TwoLevelPath {
+    /// Creates the path (collective over the world `comm`): `cfg` as for
+    /// [`EpGroup::new`](crate::EpGroup::new), with `ranks_per_node` making at least two nodes;
+    /// high-throughput mode only; every op's network hop in chunks of
+    /// `cfg.hop_chunk_rows` rows.
     ///
-    /// Errors, by field: the checks of [`GroupConfig::validate`] but the
-    /// one-node rule; `ranks_per_node` making one node; more than
-    /// [`MAX_NODES`] nodes; `mode` low-latency; `max_tokens_per_rank` times
-    /// the nodes above 2^20 (a forward batch holds a row per node); a field
-    /// that differs between ranks (every rank fails, naming the field).
-    pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<TwoLevelGroup> {
-        Self::with_hop_chunk_rows(comm, cfg, DEFAULT_HOP_CHUNK_ROWS)
-    }
-
-    /// [`TwoLevelGroup::new`] with every op's network hop in chunks of
-    /// `hop_chunk_rows` rows (at least 1, the same on every rank: an error
-    /// names `hop_chunk_rows` otherwise). Smaller chunks start the
-    /// forwarding (and the return of combine's partials) sooner and cost
-    /// more transfers (and, on a virtual world, more host rounds).
-    ///
-    /// Where the ranks share one GPU (a virtual world), `num_sms` must
-    /// leave one block per rank for combine's hop: at most
-    /// [`residency`](super::residency)'s `max_blocks_per_rank() - 1`;
-    /// an error names `num_sms` otherwise.
-    pub fn with_hop_chunk_rows(
-        comm: &Arc<Communicator>,
-        cfg: GroupConfig,
-        hop_chunk_rows: usize,
-    ) -> Result<TwoLevelGroup> {
+    /// Errors, by field: [`GroupConfig::validate`]'s; a field that differs
+    /// between ranks (every rank fails, naming the field). Where the ranks
+    /// share one GPU (a virtual world), `num_sms` must leave one block per
+    /// rank for combine's hop: at most [`residency`](super::residency)'s
+    /// `max_blocks_per_rank() - 1`; an error names `num_sms` otherwise.
+    pub(crate) fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<TwoLevelPath> {
         let world = comm.world();
-        if hop_chunk_rows == 0 {
-            return Err(Error::arg("hop_chunk_rows", "at least 1 row", 0));
-        }
-        // A chunk's progress count (CombineParams::done) is 32-bit per warp.
-        if hop_chunk_rows.saturating_mul(cfg.hidden / 8) > 1 << 30 {
-            return Err(Error::arg(
-                "hop_chunk_rows",
-                format!(
-                    "at most 2^30 16-byte vectors per chunk ({} rows at hidden {})",
-                    (1usize << 30) / (cfg.hidden / 8).max(1),
-                    cfg.hidden
-                ),
-                hop_chunk_rows,
-            ));
-        }
-        let topology = nodes_of(&cfg, world)?;
+        let hop_chunk_rows = cfg.hop_chunk_rows;
+        let topology = Self::validate(&cfg, world)?;
         let nodes = topology.nodes();
         let ctx = comm.context().clone();
         ctx.bind_to_thread()
@@ -453,8 +418,8 @@ impl TwoLevelGroup {
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
         let node_comm = comm.split(&stream, comm.rank() / topology.ranks_per_node())?;
-        let node = EpGroup::new(&node_comm, node_cfg)?;
-        Ok(TwoLevelGroup {
+        let node = NodeGroup::new(&node_comm, node_cfg)?;
+        Ok(TwoLevelPath {
             comm: comm.clone(),
             cfg,
             topology,
@@ -472,12 +437,28 @@ impl TwoLevelGroup {
     }
 
     /// Checks `cfg` for a world of `world` ranks without a GPU, naming the
-    /// bad field: every check of [`TwoLevelGroup::new`] that needs no peer
+    /// bad field: every check of [`TwoLevelPath::new`] that needs no peer
     /// (those of [`GroupConfig::validate`] but the one-node rule, at least
     /// two and at most [`MAX_NODES`] nodes, high-throughput mode, the forward
     /// batch's size). Returns the world's nodes.
     pub fn validate(cfg: &GroupConfig, world: usize) -> Result<Topology> {
         let topology = nodes_of(cfg, world)?;
+        let rows = cfg.hop_chunk_rows;
+        if rows == 0 {
+            return Err(Error::arg("hop_chunk_rows", "at least 1 row", 0));
+        }
+        // A chunk's progress count (CombineParams::done) is 32-bit per warp.
+        if rows.saturating_mul(cfg.hidden / 8) > 1 << 30 {
+            return Err(Error::arg(
+                "hop_chunk_rows",
+                format!(
+                    "at most 2^30 16-byte vectors per chunk ({} rows at hidden {})",
+                    (1usize << 30) / (cfg.hidden / 8).max(1),
+                    cfg.hidden
+                ),
+                rows,
+            ));
+        }
         forward_tokens(cfg, topology.nodes())?;
         Ok(topology)
     }
@@ -493,7 +474,7 @@ impl TwoLevelGroup {
     /// The node's group: its pool holds caller-supplied receive buffers
     /// (zero copy) and symmetric expert outputs; its `recv_capacity` is
     /// this group's.
-    pub fn node_group(&self) -> &EpGroup {
+    pub fn node_group(&self) -> &NodeGroup {
         &self.node
     }
     /// Rows every rank's receive buffers hold.
@@ -503,10 +484,6 @@ impl TwoLevelGroup {
     /// The world communicator.
     pub fn comm(&self) -> &Arc<Communicator> {
         &self.comm
-    }
-    /// Rows per chunk of the network hop.
-    pub fn hop_chunk_rows(&self) -> usize {
-        self.chunk_rows
     }
 
     /// The parameters every kernel of an op on `h` starts from.
@@ -704,7 +681,7 @@ impl TwoLevelGroup {
         // SAFETY: p mirrors TwoLevelParams; topk_idx holds [T, K] (checked),
         // pos [T, N] and lens [N + 1] were allocated above.
         unsafe { streams.launch(stream, n as u32, STREAM_THREADS, 0, &p)? };
-        // Drained before the pageable copy (see `Handle::host_counts`).
+        // Drained before the pageable copy (see `NodeHandle::host_counts`).
         stream
             .synchronize()
             .map_err(Error::cuda("cuStreamSynchronize"))?;
@@ -800,7 +777,7 @@ impl TwoLevelGroup {
     /// Sends every token to the ranks of its experts: over the network to
     /// its rail peers, then inside each node (the node group's dispatch).
     /// `x` is `[T, H]` bf16, `topk_weights` `[T, K]` f32; `out` as for
-    /// [`EpGroup::dispatch`] (buffers of the node group's pool). The rows
+    /// [`EpGroup::dispatch`](crate::EpGroup::dispatch) (buffers of the node group's pool). The rows
     /// are the flat dispatch's, grouped by forwarding rank, then home node,
     /// then token; `src` gives each row's (home rank, home token).
     pub fn dispatch<'a>(
@@ -867,7 +844,7 @@ impl TwoLevelGroup {
     /// inside each node as the node group's combine (ascending rank), then,
     /// at home, over the nodes ascending (f32 from 0, one bf16 term per
     /// node, one rounding); the same bits on every run. Arguments as for
-    /// [`EpGroup::combine`], in this handle's receive layout.
+    /// [`EpGroup::combine`](crate::EpGroup::combine), in this handle's receive layout.
     pub fn combine(
         &self,
         stream: &Arc<CudaStream>,
@@ -912,7 +889,7 @@ impl TwoLevelGroup {
     /// Backward of dispatch: the gradient of the received tokens combined
     /// home (unweighted, in combine's order), and the gradient of the
     /// received weights routed back to `[T, K]` (`grad_topk_weights`, when
-    /// given). Arguments as for [`EpGroup::dispatch_backward`].
+    /// given). Arguments as for [`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward).
     #[allow(clippy::too_many_arguments)]
     pub fn dispatch_backward(
         &self,
@@ -994,7 +971,7 @@ impl TwoLevelGroup {
     /// every row of the token (over the network to the rail peers, then the
     /// node group's combine backward); with `weights` (expert-major, as
     /// given to combine) each row is scaled by its weight. Arguments as for
-    /// [`EpGroup::combine_backward`].
+    /// [`EpGroup::combine_backward`](crate::EpGroup::combine_backward).
     pub fn combine_backward<'a>(
         &self,
         stream: &Arc<CudaStream>,
@@ -1268,7 +1245,7 @@ fn nodes_of(cfg: &GroupConfig, world: usize) -> Result<Topology> {
     if nodes < 2 {
         return Err(Error::arg(
             "ranks_per_node",
-            format!("fewer than the world size {world} (one node runs on EpGroup)"),
+            format!("fewer than the world size {world} (one node runs on NodeGroup)"),
             cfg.ranks_per_node,
         ));
     }

@@ -24,7 +24,7 @@ use moe_ep::{Mode, RecvLayout};
 /// Largest accepted `--tokens` value (tokens per rank).
 pub const MAX_TOKENS: usize = 65536;
 /// Largest `--tokens` value of `--mode ll` (a low-latency group's most tokens per rank).
-pub const LL_MAX_TOKENS: usize = moe_ep::ops::abi::LL_MAX_TOKENS;
+pub const LL_MAX_TOKENS: usize = moe_ep::ops::LL_MAX_TOKENS;
 /// Tokens per rank when `--tokens` is not given (`--mode ht`).
 pub const DEFAULT_TOKENS: usize = 4096;
 /// Tokens per rank when `--tokens` is not given with `--mode ll` (decode).
@@ -402,7 +402,7 @@ pub struct Opts {
     /// NVLink GB/s against tokens as SVG (needs >= 2 --tokens)
     #[arg(long, value_name = "FILE.svg", value_parser = parse_out_path)]
     pub plot: Option<PathBuf>,
-    /// Ranks per node, 1..=8: the two-level path (TwoLevelGroup), the world
+    /// Ranks per node, 1..=8: the two-level path (an EpGroup of several nodes), the world
     /// as world / N nodes of N ranks, tokens for another node crossing the
     /// network to the rail peer there (--mode ht; ops layout, dispatch,
     /// combine, dispatch-bwd, combine-bwd). Adds "net GB/s" (network bytes

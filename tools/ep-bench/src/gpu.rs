@@ -38,8 +38,7 @@ use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::nccl::{exchange_rows, StartGate};
 use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{
-    bf16, Communicator, EpGroup, Error, ExpertParallel, GroupConfig, RecvLayout, SymmBuffer,
-    UniqueId,
+    bf16, Communicator, EpGroup, Error, GroupConfig, Handle, RecvLayout, SymmBuffer, UniqueId,
 };
 
 use crate::accounting::OpBytes;
@@ -255,10 +254,10 @@ struct HtBufs<'b> {
 /// two-level layout waits on the host, and behind the start gate its stream
 /// would never drain). Another op is an error.
 #[allow(clippy::too_many_arguments)]
-fn time_ht_op<G: ExpertParallel>(
+fn time_ht_op(
     c: &Ctx<'_>,
-    group: &G,
-    handle: &G::Handle,
+    group: &EpGroup,
+    handle: &Handle,
     op: Op,
     k: usize,
     layout: RecvLayout,
@@ -554,7 +553,7 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
                 .map_err(s)?
                 .max_blocks_per_rank();
             // The two-level combine's hop waits with one more block per
-            // rank (TwoLevelGroup::with_hop_chunk_rows).
+            // rank (GroupConfig::hop_chunk_rows).
             let fit = match opts.ranks_per_node {
                 Some(_) => fit.saturating_sub(1).max(1),
                 None => fit,

@@ -195,7 +195,7 @@ fn u32s(v: &[f32]) -> Vec<u32> {
 /// A handle's outputs against the reference's (counted rows only).
 fn compare_handle(
     st: &Arc<CudaStream>,
-    hd: &LlHandle<'_>,
+    hd: &LlHandle,
     want: &LlDispatchOutput,
     hidden: usize,
     topk: usize,
@@ -366,7 +366,7 @@ pub(super) fn run_case(
             )
             .map_err(s)
     };
-    let combine = |hd: &LlHandle<'_>| {
+    let combine = |hd: &LlHandle| {
         group
             .ll_combine(s_, hd, &b.y, None, &mut *b.out.borrow_mut())
             .map_err(s)
@@ -476,7 +476,7 @@ pub(super) fn run_case(
     let bytes = |op: Op| traffic.op(op, rank);
 
     // The timed ops. `pending`: a dispatched batch not yet combined.
-    let pending: RefCell<Option<LlHandle<'_>>> = RefCell::new(None);
+    let pending: RefCell<Option<LlHandle>> = RefCell::new(None);
     let settle = || match pending.borrow_mut().take() {
         Some(hd) => combine(&hd),
         None => Ok(()),

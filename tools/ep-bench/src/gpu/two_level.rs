@@ -1,4 +1,4 @@
-//! `--ranks-per-node N`: one case on the two-level path (`TwoLevelGroup`),
+//! `--ranks-per-node N`: one case on the two-level path (an `EpGroup` of several nodes),
 //! the world as nodes of N ranks.
 //!
 //! Per op it reports, beside the time, the NVLink bytes of the forwarding
@@ -22,9 +22,10 @@
 //! (the received rows as the expert outputs) with
 //! `reference::combine_two_level_emulated`.
 
-use moe_ep::ops::{DeviceRegion, DispatchOut, HopRecv, HopSend, RailHop, TopkIdx, TwoLevelGroup};
+use moe_ep::ops::{DeviceRegion, DispatchOut, HopRecv, HopSend, RailHop, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::{bf16, GroupConfig, RecvLayout, Topology};
+use moe_ep::{EpGroup, Handle};
 
 use super::{
     all_ranks_ok, counts_and_capacity, gather, rank_input, routings, s, time_ht_op, upload, Ctx,
@@ -68,10 +69,10 @@ pub(super) fn run_case(
     cfg.ranks_per_node = g;
     cfg.recv_capacity = cap;
     cfg.num_sms = case.num_sms;
-    let chunk_rows = opts
+    cfg.hop_chunk_rows = opts
         .hop_chunk_rows
         .unwrap_or(moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS);
-    let group = TwoLevelGroup::with_hop_chunk_rows(&c.comm, cfg, chunk_rows).map_err(s)?;
+    let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
     let (x, w, idx) = upload(s_, &me)?;
@@ -81,7 +82,7 @@ pub(super) fn run_case(
     } else {
         1
     };
-    let pool = group.node_group().pool();
+    let pool = group.pool();
     let mut recv = pool.alloc::<bf16>(cap * h).map_err(s)?;
     let mut recv_w = pool.alloc::<f32>(cap * wpr).map_err(s)?;
     let mut out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
@@ -92,8 +93,12 @@ pub(super) fn run_case(
 
     // The bytes of each op on this rank.
     let eb = case.dtype.elem_bytes();
-    let sent: usize = handle.network_rows_sent().iter().sum();
-    let forwarded: usize = handle.network_rows_received().iter().sum();
+    let sent: usize = handle.network_rows_sent().unwrap_or_default().iter().sum();
+    let forwarded: usize = handle
+        .network_rows_received()
+        .unwrap_or_default()
+        .iter()
+        .sum();
     let nvlink_rows = (traffic[rank].nvlink_forward + traffic[rank].nvlink_home) as u64;
     let flat = crate::accounting::Traffic::new(&counts.rank, world, h, eb);
     let row = (h * eb) as u64;
@@ -159,7 +164,7 @@ pub(super) fn run_case(
         mine.push((op.name().to_string(), samples, nv, lg));
         net.push(nb);
     }
-    group.node_group().check().map_err(s)?;
+    group.check().map_err(s)?;
 
     // The same network bytes as the dispatch, by the hop alone.
     if !opts.no_baselines {
@@ -178,15 +183,13 @@ pub(super) fn run_case(
 /// Times [`RailHop::exchange`] of `row` bytes per network row, the
 /// dispatch's pairs (this rank's streams out, its rail peers' in); returns
 /// the samples and the bytes this rank sends.
-fn rail_hop(
-    c: &Ctx<'_>,
-    topo: &Topology,
-    handle: &moe_ep::ops::TwoLevelHandle,
-    row: usize,
-) -> R<(Vec<f64>, u64)> {
+fn rail_hop(c: &Ctx<'_>, topo: &Topology, handle: &Handle, row: usize) -> R<(Vec<f64>, u64)> {
     let (rank, me) = (c.comm.rank(), topo.node_of(c.comm.rank()));
     let hop = RailHop::new(&c.comm, *topo).map_err(s)?;
-    let (sent, recvd) = (handle.network_rows_sent(), handle.network_rows_received());
+    let (sent, recvd) = (
+        handle.network_rows_sent().unwrap_or_default(),
+        handle.network_rows_received().unwrap_or_default(),
+    );
     let total = |v: &[usize]| v.iter().sum::<usize>() * row;
     let src = c.stream.alloc_zeros::<u8>(total(sent).max(1)).map_err(s)?;
     let dst = c.stream.alloc_zeros::<u8>(total(recvd).max(1)).map_err(s)?;
@@ -222,8 +225,8 @@ fn rail_hop(
 #[allow(clippy::too_many_arguments)]
 fn check(
     c: &Ctx<'_>,
-    group: &TwoLevelGroup,
-    handle: &moe_ep::ops::TwoLevelHandle,
+    group: &EpGroup,
+    handle: &Handle,
     shape: &Shape,
     topo: &Topology,
     case: &Case,

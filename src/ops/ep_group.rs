@@ -1,0 +1,573 @@
+//! [`EpGroup`], the one expert-parallel group of every world, and its
+//! [`Handle`]. The group picks its path from
+//! [`GroupConfig::ranks_per_node`]: one node runs the NVLink path (the
+//! node's high-throughput ops: `group.rs`, `layout.rs`, `dispatch.rs`,
+//! `combine.rs`; the low-latency ops: `low_latency.rs`), several nodes the
+//! two-level path (`two_level.rs`: the network hop between rail peers, then
+//! the node's ops). Every op here is the path's own, with its arguments,
+//! errors and results.
+//!
+//! Tests: tests/gpu_intranode.rs, tests/gpu_low_latency.rs and
+//! tests/gpu_guarantees.rs (one node), tests/gpu_two_level.rs (several
+//! nodes, on virtual ranks), tests/cpu_api.rs (the checks a config takes).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, CudaView};
+use half::bf16;
+
+use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
+use super::group::{GroupConfig, NodeGroup};
+use super::handle::{HostCounts, NodeHandle};
+use super::low_latency::{LlCombineSent, LlDispatchSent, LlHandle, LlInput};
+use super::two_level::{TwoLevelHandle, TwoLevelPath};
+use crate::error::{Error, Result};
+use crate::runtime::Communicator;
+use crate::symm::SymmPool;
+use crate::types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
+
+/// One expert-parallel group over a communicator: its experts, buffers and
+/// kernels. Creating it is collective; so is every op (every rank calls the
+/// same ops in the same order).
+///
+/// The path follows [`GroupConfig::ranks_per_node`]: the whole world on one
+/// node (`0`, or the world size) runs over NVLink, in either
+/// [`Mode`](super::Mode); several nodes run the two-level path
+/// (high-throughput only), whose layout waits on the host (the stream
+/// lengths go to every rank before the hop is sized, so it cannot be
+/// captured in a CUDA graph) and whose ops use the caller's buffers on the
+/// op's stream as they are (they do not order themselves after a buffer's
+/// own stream, as the one-node ops do).
+pub struct EpGroup {
+    path: Path,
+}
+
+enum Path {
+    Node(Arc<NodeGroup>),
+    TwoLevel(Box<TwoLevelPath>),
+}
+
+/// The routing of one batch ([`EpGroup::layout`]), for the dispatch,
+/// combine and backward passes of the group that made it.
+pub struct Handle {
+    inner: HandleOf,
+}
+
+enum HandleOf {
+    Node(NodeHandle),
+    TwoLevel(Box<TwoLevelHandle>),
+}
+
+impl EpGroup {
+    /// Creates the group (collective): validates `cfg`
+    /// ([`GroupConfig::validate`]; every rank must pass the same config, a
+    /// field that differs is named on every rank), allocates and zeroes the
+    /// symmetric workspace, loads the kernels. `cfg.ranks_per_node` picks
+    /// the path (see [`EpGroup`]).
+    pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<EpGroup> {
+        let topology = cfg.topology(comm.world())?;
+        let path = if topology.nodes() > 1 {
+            Path::TwoLevel(Box::new(TwoLevelPath::new(comm, cfg)?))
+        } else {
+            Path::Node(Arc::new(NodeGroup::new(comm, cfg)?))
+        };
+        Ok(EpGroup { path })
+    }
+
+    /// The node's group: the whole group on one node, the node stage of the
+    /// two-level path otherwise.
+    fn node(&self) -> &NodeGroup {
+        match &self.path {
+            Path::Node(g) => g,
+            Path::TwoLevel(g) => g.node_group(),
+        }
+    }
+
+    /// The one-node group, or an error naming `ranks_per_node` for `op`.
+    fn one_node(&self, op: &str) -> Result<&Arc<NodeGroup>> {
+        match &self.path {
+            Path::Node(g) => Ok(g),
+            Path::TwoLevel(g) => Err(Error::arg(
+                "ranks_per_node",
+                format!(
+                    "a group of one node for {op} (the low-latency mode runs over NVLink only)"
+                ),
+                format!(
+                    "{} ({} nodes)",
+                    g.config().ranks_per_node,
+                    g.topology().nodes()
+                ),
+            )),
+        }
+    }
+
+    /// Lets this group's ops be called on a stream that captures a CUDA
+    /// graph (stream capture); until then such an op is refused, naming
+    /// `stream`. Every later launch of the graph runs the captured ops
+    /// again, with the buffers and handles they were given.
+    ///
+    /// # Safety
+    /// While a graph that captured an op of this group can still be
+    /// launched, every buffer and handle that op was given (pool buffers
+    /// included: the crate cannot see a graph's launches, so it does not
+    /// order a pool range's reuse after them) must stay alive and keep its
+    /// place, and the group itself must outlive the graph. Launch the
+    /// graph's of every rank the same number of times, in the same order
+    /// relative to the group's other ops (its calls are counted on the
+    /// device, at each launch).
+    ///
+    /// On several nodes this allows the node stage's kernels only: the
+    /// two-level layout waits on the host and is never capturable.
+    pub unsafe fn allow_graph_capture(&self) {
+        // SAFETY: the caller's contract, as documented above.
+        unsafe { self.node().allow_graph_capture() }
+    }
+
+    /// The group's configuration (as given to [`EpGroup::new`]).
+    pub fn config(&self) -> &GroupConfig {
+        match &self.path {
+            Path::Node(g) => g.config(),
+            Path::TwoLevel(g) => g.config(),
+        }
+    }
+
+    /// The world's nodes (one on the NVLink path).
+    pub fn topology(&self) -> Topology {
+        match &self.path {
+            Path::Node(g) => g
+                .config()
+                .topology(g.comm().world())
+                .expect("a valid world"),
+            Path::TwoLevel(g) => g.topology(),
+        }
+    }
+
+    /// True when the group runs the two-level path (several nodes).
+    pub fn is_two_level(&self) -> bool {
+        matches!(self.path, Path::TwoLevel(_))
+    }
+
+    /// Receive capacity in rows (after defaults).
+    pub fn recv_capacity(&self) -> usize {
+        match &self.path {
+            Path::Node(g) => g.recv_capacity(),
+            Path::TwoLevel(g) => g.recv_capacity(),
+        }
+    }
+
+    /// The communicator the group was made on (the whole world).
+    pub fn comm(&self) -> &Arc<Communicator> {
+        match &self.path {
+            Path::Node(g) => g.comm(),
+            Path::TwoLevel(g) => g.comm(),
+        }
+    }
+
+    /// The group's symmetric-memory pool: allocate caller-supplied receive
+    /// buffers here (collectively) for zero copy.
+    ///
+    /// On several nodes: the node stage's pool, where caller-supplied
+    /// receive buffers and symmetric expert outputs live.
+    pub fn pool(&self) -> &SymmPool {
+        self.node().pool()
+    }
+
+    /// Experts on each rank (`num_experts / world`).
+    pub fn experts_per_rank(&self) -> usize {
+        self.config().num_experts / self.comm().world()
+    }
+
+    /// Waits for the group's work on this rank, then learns what every rank
+    /// found since the last check, and clears it: **collective**, call it on
+    /// every rank at the same point (after the same ops, e.g. once per step,
+    /// whatever the step's ops returned); it ends in one host all-gather of
+    /// the communicator. A check with no op of this rank since its last one
+    /// meets no one and returns `Ok` (checking twice in a row is harmless).
+    ///
+    /// `Ok` when no rank found anything. Otherwise every rank gets an
+    /// error: its own (the first its kernels recorded, or the refusal of
+    /// its host) or, where it found none, [`Error::PeerFailed`] naming the
+    /// first rank that did. Then every rank is in the same state again: the
+    /// same call count, the status words cleared (stream-ordered), the
+    /// low-latency buffer sets realigned, and handles made before the error
+    /// refused (`handle`: the error may have skipped their layout or
+    /// dispatch on some rank). After a timeout (on any rank) the group stays
+    /// unusable on every rank: drop it and make a new one.
+    ///
+    /// Errors of the routing (a bad or repeated expert id on any rank),
+    /// ranks that disagree in a layout (topk, layout, alignment), capacity,
+    /// ranks that run different ops, handles or buffers, and a call one
+    /// rank's host refused are found by every rank in the same call: from
+    /// there on every rank's kernels return at entry, writing nothing (and
+    /// telling their peers so), and every op refuses with that error until
+    /// `check`.
+    ///
+    /// On several nodes: the node stage's check (a wait of the network hop
+    /// that times out reports in the op itself).
+    pub fn check(&self) -> Result<()> {
+        self.node().check()
+    }
+
+    /// Refuses a handle of the other path.
+    fn mismatch<T>(&self) -> Result<T> {
+        Err(Error::arg(
+            "handle",
+            "a handle made by this group's layout",
+            "a handle of another group",
+        ))
+    }
+
+    /// Computes the routing layout (collective): tokens per rank and expert,
+    /// every token's row on every receiver, and the count matrix of all
+    /// ranks. `topk_idx` is `[T, topk]` with `T <= max_tokens_per_rank`.
+    ///
+    /// On several nodes the layout waits on the host (a stream sync and a
+    /// host exchange of the stream lengths).
+    pub fn layout(
+        &self,
+        stream: &Arc<CudaStream>,
+        topk_idx: TopkIdx<'_>,
+        topk: usize,
+        layout: RecvLayout,
+    ) -> Result<Handle> {
+        let inner = match &self.path {
+            Path::Node(g) => HandleOf::Node(g.layout(stream, topk_idx, topk, layout)?),
+            Path::TwoLevel(g) => {
+                HandleOf::TwoLevel(Box::new(g.layout(stream, topk_idx, topk, layout)?))
+            }
+        };
+        Ok(Handle { inner })
+    }
+
+    /// Sends every token to the ranks of its experts, writing straight into
+    /// each receiver's buffers (zero copy). `x` is `[T, H]` bf16,
+    /// `topk_weights` `[T, K]` f32, matching the handle's routing.
+    pub fn dispatch<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        x: &dyn DeviceRegion<bf16>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOut<'a>,
+    ) -> Result<Dispatched<'a>> {
+        match (&self.path, &handle.inner) {
+            (Path::Node(g), HandleOf::Node(h)) => g.dispatch(stream, h, x, topk_weights, out),
+            (Path::TwoLevel(g), HandleOf::TwoLevel(h)) => {
+                g.dispatch(stream, h, x, topk_weights, out)
+            }
+            _ => self.mismatch(),
+        }
+    }
+
+    /// Brings expert outputs home and sums them per token in f32, in a fixed
+    /// order (ascending rank; inside a rank ascending row), so the result is
+    /// the same bits on every run. `expert_out` is `[recv_capacity, H]` in the
+    /// handle's layout; `weights` (expert-major only) scales each row; `out`
+    /// is `[T, H]`.
+    ///
+    /// Rank-major with `expert_out` in symmetric memory (the dispatch's
+    /// receive buffer, a pool buffer, a registered window), each home rank
+    /// reads its tokens' rows in place over NVLink: no staging. Any other
+    /// device memory (and expert-major) is read locally and pushed home
+    /// through the group's stage. Every rank must pass the same kind of
+    /// buffer, in the same place (symmetric buffers are collective anyway):
+    /// the kernels compare every rank's choice before they read or wait,
+    /// and a rank that differs makes every rank stop with
+    /// [`Error::InvalidArgument`] naming `expert_out`.
+    pub fn combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        expert_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &mut dyn DeviceRegionMut<bf16>,
+    ) -> Result<()> {
+        match (&self.path, &handle.inner) {
+            (Path::Node(g), HandleOf::Node(h)) => g.combine(stream, h, expert_out, weights, out),
+            (Path::TwoLevel(g), HandleOf::TwoLevel(h)) => {
+                g.combine(stream, h, expert_out, weights, out)
+            }
+            _ => self.mismatch(),
+        }
+    }
+
+    /// Backward of dispatch: the gradient of the received tokens is combined
+    /// home (unweighted), and the gradient of the received top-k weights is
+    /// routed back to `[T, K]` (`grad_topk_weights`, when given). As in
+    /// [`NodeGroup::combine`], rank-major gradients in symmetric memory (both of
+    /// them, when weights are given) are read in place by their home ranks.
+    pub fn dispatch_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_recv_tokens: &dyn DeviceRegion<bf16>,
+        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
+        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
+        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+    ) -> Result<()> {
+        let (gr, grw) = (grad_recv_tokens, grad_recv_topk_weights);
+        let (gt, gw) = (grad_tokens, grad_topk_weights);
+        match (&self.path, &handle.inner) {
+            (Path::Node(g), HandleOf::Node(h)) => g.dispatch_backward(stream, h, gr, grw, gt, gw),
+            (Path::TwoLevel(g), HandleOf::TwoLevel(h)) => {
+                g.dispatch_backward(stream, h, gr, grw, gt, gw)
+            }
+            _ => self.mismatch(),
+        }
+    }
+
+    /// Backward of combine: the gradient of the output `[T, H]` is dispatched
+    /// (no layout work) into `[recv_capacity, H]` rows in the handle's layout;
+    /// padding rows are zero. With `weights` (expert-major, as given to
+    /// combine), each row is scaled by its weight.
+    pub fn combine_backward<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        grad_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
+    ) -> Result<RecvBuf<'a, bf16>> {
+        match (&self.path, &handle.inner) {
+            (Path::Node(g), HandleOf::Node(h)) => {
+                g.combine_backward(stream, h, grad_out, weights, grad_expert_out)
+            }
+            (Path::TwoLevel(g), HandleOf::TwoLevel(h)) => {
+                g.combine_backward(stream, h, grad_out, weights, grad_expert_out)
+            }
+            _ => self.mismatch(),
+        }
+    }
+
+    // ---- low latency: one node only (several refuse, naming ranks_per_node) ----
+
+    /// Sends this rank's tokens to the ranks of their experts (the first
+    /// half of [`NodeGroup::ll_dispatch`], which has the arguments); returns
+    /// at once, without waiting for the other ranks. Put other work on the
+    /// stream, then [`NodeGroup::ll_dispatch_wait`]. The batch takes the
+    /// group's next buffer set: refused while that set's previous batch is
+    /// not combined.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ll_dispatch_send(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: LlInput<'_>,
+        topk_idx: TopkIdx<'_>,
+        topk: usize,
+        topk_weights: &dyn DeviceRegion<f32>,
+        layout: LlLayout,
+        cast_fp8: Option<Fp8Scaling>,
+    ) -> Result<LlDispatchSent> {
+        self.one_node("ll_dispatch_send")?.ll_dispatch_send(
+            stream,
+            x,
+            topk_idx,
+            topk,
+            topk_weights,
+            layout,
+            cast_fp8,
+        )
+    }
+
+    /// Waits (on the stream, bounded by the group's timeout) for every
+    /// rank's rows of a sent dispatch and lays them out: the second half of
+    /// [`NodeGroup::ll_dispatch`].
+    pub fn ll_dispatch_wait(
+        &self,
+        stream: &Arc<CudaStream>,
+        sent: &LlDispatchSent,
+    ) -> Result<LlHandle> {
+        self.one_node("ll_dispatch_wait")?
+            .ll_dispatch_wait(stream, sent)
+    }
+
+    /// Low-latency dispatch (collective): every token of this rank to the
+    /// ranks of its experts, in `layout`, with no layout pass and no host
+    /// synchronisation. Expert-major: `[El, R * M, H]` rows, each local
+    /// expert's (token, expert) pairs packed from its block's start by
+    /// source rank then token, with their `src`; rank-major: `[R, M, H]`
+    /// rows, row `s * M + t` for token `t` of rank `s`, with the token's `K`
+    /// local expert ids (`-1` = not here) and weights. The bits are
+    /// [`crate::reference::ll_dispatch`]'s; see [`LlHandle`] for the outputs.
+    ///
+    /// - `x`: `[T, H]` bf16 rows, or the caller's fp8 rows ([`LlInput`]).
+    /// - `topk_idx`: `[T, topk]` i32 or i64 global expert ids, `-1` = not
+    ///   routed; `T <= max_tokens_per_rank` (`T = 0` is fine). An id outside
+    ///   `[-1, E)` or repeated in a token is found on the device: every
+    ///   rank's later ops refuse with `InvalidDeviceData` until `check()`.
+    /// - `topk_weights`: `[T, topk]` f32 (rank-major: they travel with the
+    ///   rows; expert-major: combine applies them on this rank).
+    /// - `cast_fp8`: cast bf16 rows to fp8 e4m3 on the sender, one scale per
+    ///   128 values ([`crate::reference::quantize_fp8`], bit for bit); needs
+    ///   `hidden` a multiple of 128. `None` with fp8 input.
+    ///
+    /// Every rank must pass the same `topk`, `layout` and kind of rows
+    /// (bf16 or fp8), else every rank's wait reports the mismatch. Errors
+    /// before launch name `mode`, `topk`, `topk_idx`, `topk_weights`, `x`,
+    /// `x_scales`, `hidden` or `cast_fp8`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ll_dispatch(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: LlInput<'_>,
+        topk_idx: TopkIdx<'_>,
+        topk: usize,
+        topk_weights: &dyn DeviceRegion<f32>,
+        layout: LlLayout,
+        cast_fp8: Option<Fp8Scaling>,
+    ) -> Result<LlHandle> {
+        self.one_node("ll_dispatch")?.ll_dispatch(
+            stream,
+            x,
+            topk_idx,
+            topk,
+            topk_weights,
+            layout,
+            cast_fp8,
+        )
+    }
+
+    /// Sends this rank's expert outputs home (the first half of
+    /// [`NodeGroup::ll_combine`], whose docs say what `expert_out` holds);
+    /// returns at once. Then [`NodeGroup::ll_combine_wait`].
+    pub fn ll_combine_send(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &LlHandle,
+        expert_out: &dyn DeviceRegion<bf16>,
+    ) -> Result<LlCombineSent> {
+        self.one_node("ll_combine_send")?
+            .ll_combine_send(stream, handle, expert_out)
+    }
+
+    /// Waits (bounded) for every rank's rows of a sent combine and sums them
+    /// into `out` (the second half of [`NodeGroup::ll_combine`]).
+    pub fn ll_combine_wait(
+        &self,
+        stream: &Arc<CudaStream>,
+        sent: &LlCombineSent,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &mut dyn DeviceRegionMut<bf16>,
+    ) -> Result<()> {
+        self.one_node("ll_combine_wait")?
+            .ll_combine_wait(stream, sent, weights, out)
+    }
+
+    /// Low-latency combine (collective): the expert outputs of `handle`'s
+    /// batch brought home and summed per token in f32 in a fixed order, into
+    /// `out` `[T, H]` bf16 (exactly [`crate::reference::ll_combine_emulated`]).
+    ///
+    /// - `expert_out`: `[rows, H]` bf16 in the dispatch's layout (only
+    ///   counted rows are read; any device memory). Expert-major: one row per
+    ///   (token, expert), unweighted. Rank-major: per token, the sum of this
+    ///   rank's experts' weighted outputs. The rows of this rank's own tokens
+    ///   are not copied: the sum reads them here, in place (the two-phase
+    ///   form copies them in [`NodeGroup::ll_combine_send`], so that
+    ///   `expert_out` may be reused before the wait).
+    /// - `weights`: expert-major only, `[T, K]` f32 applied on this (the
+    ///   home) rank, `out[t] = sum over k ascending of w[t, k] * row(t, k)`;
+    ///   `None` = the `topk_weights` the dispatch was given. Rank-major:
+    ///   `None` (`out[t]` = the sum over ranks ascending of their rows).
+    ///
+    /// A token with no experts gets zeros. Errors before launch name
+    /// `handle` (another group's, or a batch whose set was reused),
+    /// `expert_out`, `weights` or `out`; a batch already combined is
+    /// `InvalidState`.
+    pub fn ll_combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &LlHandle,
+        expert_out: &dyn DeviceRegion<bf16>,
+        weights: Option<&dyn DeviceRegion<f32>>,
+        out: &mut dyn DeviceRegionMut<bf16>,
+    ) -> Result<()> {
+        self.one_node("ll_combine")?
+            .ll_combine(stream, handle, expert_out, weights, out)
+    }
+}
+
+impl Handle {
+    /// The node stage's handle: the whole handle on one node; on several,
+    /// the handle of the forward batch, whose counts are this rank's
+    /// receive counts and whose rank and expert counts are the node's.
+    fn node(&self) -> &NodeHandle {
+        match &self.inner {
+            HandleOf::Node(h) => h,
+            HandleOf::TwoLevel(h) => h.node_handle(),
+        }
+    }
+
+    /// The receive layout.
+    pub fn layout(&self) -> RecvLayout {
+        self.node().layout()
+    }
+
+    /// This rank's tokens `T` in the batch.
+    pub fn num_tokens(&self) -> usize {
+        match &self.inner {
+            HandleOf::Node(h) => h.num_tokens(),
+            HandleOf::TwoLevel(h) => h.num_tokens(),
+        }
+    }
+
+    /// The top-k of the routing the layout was given.
+    pub fn topk(&self) -> usize {
+        match &self.inner {
+            HandleOf::Node(h) => h.topk(),
+            HandleOf::TwoLevel(h) => h.topk(),
+        }
+    }
+
+    /// Unpadded (token, expert) rows per local expert, on the device (i32).
+    pub fn tokens_per_local_expert(&self) -> CudaView<'_, i32> {
+        self.node().tokens_per_local_expert()
+    }
+
+    /// Copies the counts to the host (synchronises `stream`).
+    ///
+    /// On several nodes: the node stage's counts (`recv_rows` and
+    /// `tokens_per_local_expert` are this rank's; the rank and expert
+    /// counts are those of the node's ranks).
+    pub fn host_counts(&self, stream: &Arc<CudaStream>) -> Result<HostCounts> {
+        self.node().host_counts(stream)
+    }
+
+    /// Rows dispatch delivers on this rank (expert-major: padded). On one
+    /// node this reads the counts back (one stream sync, as
+    /// [`host_counts`](Self::host_counts)); on several the layout already
+    /// learned it on the host.
+    pub fn recv_rows(&self, stream: &Arc<CudaStream>) -> Result<usize> {
+        match &self.inner {
+            HandleOf::Node(h) => Ok(h.host_counts(stream)?.recv_rows),
+            HandleOf::TwoLevel(h) => Ok(h.recv_rows()),
+        }
+    }
+
+    /// Network rows this rank sends per remote node in dispatch (and
+    /// receives back in combine), by node, 0 at its own node; `None` on one
+    /// node.
+    pub fn network_rows_sent(&self) -> Option<&[usize]> {
+        match &self.inner {
+            HandleOf::Node(_) => None,
+            HandleOf::TwoLevel(h) => Some(h.network_rows_sent()),
+        }
+    }
+
+    /// Network rows this rank receives per remote node in dispatch; `None`
+    /// on one node.
+    pub fn network_rows_received(&self) -> Option<&[usize]> {
+        match &self.inner {
+            HandleOf::Node(_) => None,
+            HandleOf::TwoLevel(h) => Some(h.network_rows_received()),
+        }
+    }
+
+    /// Tests only (feature `testkit`): the expert-major receivers' rows of
+    /// each received token here, as the senders wrote them (`[R * M, K]`),
+    /// for fault tests that corrupt what a peer wrote.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn meta_for_tests(&self) -> &crate::symm::SymmBuffer<i32> {
+        self.node().meta_for_tests()
+    }
+}
