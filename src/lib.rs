@@ -42,7 +42,7 @@ pub use error::{Error, NcclVersion, Result};
 pub use kernels::NCCL_HEADERS_VERSION_CODE;
 pub use ops::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, EpGroup, GroupConfig, Handle,
-    HostCounts, LlInput, Mode, RecvBuf, TopkIdx,
+    HostCounts, LlDispatchArgs, LlHandle, LlInput, Mode, RecvBuf, TopkIdx,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

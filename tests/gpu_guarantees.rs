@@ -931,12 +931,14 @@ fn ll_round_trip(r: &Rank, group: &EpGroup, seed: u64) -> Result<()> {
         .map_err(Error::cuda("alloc"))?;
     let hd = group.ll_dispatch(
         s,
-        LlInput::Bf16(&x),
-        TopkIdx::I32(&idx),
-        TOPK,
-        &w,
-        LlLayout::RankMajor,
-        None,
+        moe_ep::LlDispatchArgs {
+            x: LlInput::Bf16(&x),
+            topk_idx: TopkIdx::I32(&idx),
+            topk: TOPK,
+            topk_weights: &w,
+            layout: LlLayout::RankMajor,
+            cast_fp8: None,
+        },
     )?;
     let rows = hd
         .tokens()
@@ -987,12 +989,14 @@ fn fault_ll_bad_batch_then_good_batches() {
         let op = group
             .ll_dispatch(
                 s,
-                LlInput::Bf16(&x),
-                TopkIdx::I32(&idx),
-                TOPK,
-                &w,
-                LlLayout::RankMajor,
-                None,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&x),
+                    topk_idx: TopkIdx::I32(&idx),
+                    topk: TOPK,
+                    topk_weights: &w,
+                    layout: LlLayout::RankMajor,
+                    cast_fp8: None,
+                },
             )
             .map(drop);
         let chk = group.check();
@@ -1044,12 +1048,14 @@ fn fault_ll_refused_send_on_one_rank() {
         let op = group
             .ll_dispatch(
                 s,
-                LlInput::Bf16(&xs),
-                TopkIdx::I32(&idx),
-                TOPK,
-                &w,
-                LlLayout::RankMajor,
-                None,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&xs),
+                    topk_idx: TopkIdx::I32(&idx),
+                    topk: TOPK,
+                    topk_weights: &w,
+                    layout: LlLayout::RankMajor,
+                    cast_fp8: None,
+                },
             )
             .map(drop);
         let chk = group.check();

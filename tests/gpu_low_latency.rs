@@ -429,7 +429,17 @@ fn dispatch(
             None,
         ),
     };
-    group.ll_dispatch(s, input, idx, k, &w, layout, cast)
+    group.ll_dispatch(
+        s,
+        moe_ep::LlDispatchArgs {
+            x: input,
+            topk_idx: idx,
+            topk: k,
+            topk_weights: &w,
+            layout: layout,
+            cast_fp8: cast,
+        },
+    )
 }
 
 /// Checks every output of a dispatch against what the reference says this
@@ -673,12 +683,14 @@ fn two_batches_in_flight_alternate_buffer_sets() {
                 );
                 group.ll_dispatch_send(
                     s,
-                    LlInput::Bf16(&x),
-                    TopkIdx::I64(&idx),
-                    k,
-                    &w,
-                    layout,
-                    cast,
+                    moe_ep::LlDispatchArgs {
+                        x: LlInput::Bf16(&x),
+                        topk_idx: TopkIdx::I64(&idx),
+                        topk: k,
+                        topk_weights: &w,
+                        layout: layout,
+                        cast_fp8: cast,
+                    },
                 )
             };
             for pair in 0..2 {
@@ -807,12 +819,14 @@ fn two_phase_form_matches_one_call() {
                 );
                 let sent = group.ll_dispatch_send(
                     s,
-                    LlInput::Bf16(&x),
-                    TopkIdx::I64(&idx),
-                    k,
-                    &w,
-                    layout,
-                    Some(Fp8Scaling::PowerOfTwo),
+                    moe_ep::LlDispatchArgs {
+                        x: LlInput::Bf16(&x),
+                        topk_idx: TopkIdx::I64(&idx),
+                        topk: k,
+                        topk_weights: &w,
+                        layout: layout,
+                        cast_fp8: Some(Fp8Scaling::PowerOfTwo),
+                    },
                 )?;
                 s.memset_zeros(&mut scratch)
                     .map_err(Error::cuda("memset"))?;
@@ -1110,8 +1124,17 @@ fn bad_inputs_are_refused_by_name() {
             )?;
 
             // Combine.
-            let hd =
-                group.ll_dispatch(s, LlInput::Bf16(&x), TopkIdx::I64(&idx), k, &w, em, None)?;
+            let hd = group.ll_dispatch(
+                s,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&x),
+                    topk_idx: TopkIdx::I64(&idx),
+                    topk: k,
+                    topk_weights: &w,
+                    layout: em,
+                    cast_fp8: None,
+                },
+            )?;
             check_dispatch(s, &hd, &f.refs[r.rank], h, k)?;
             let y = up(s, &f.outs[r.rank])?;
             let short_y = y.slice(0..hd.num_rows() * h - 8);
@@ -1160,12 +1183,14 @@ fn bad_inputs_are_refused_by_name() {
             // Rank-major combine takes no weights.
             let hr = group.ll_dispatch(
                 s,
-                LlInput::Bf16(&x),
-                TopkIdx::I64(&idx),
-                k,
-                &w,
-                LlLayout::RankMajor,
-                None,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&x),
+                    topk_idx: TopkIdx::I64(&idx),
+                    topk: k,
+                    topk_weights: &w,
+                    layout: LlLayout::RankMajor,
+                    cast_fp8: None,
+                },
             )?;
             let yr = up(s, &fr.outs[r.rank])?;
             expect_arg(
@@ -1184,8 +1209,17 @@ fn bad_inputs_are_refused_by_name() {
                 LlLayout::RankMajor,
             )?;
             // hd's set (0) takes the next batch: hd is stale.
-            let h3 =
-                group.ll_dispatch(s, LlInput::Bf16(&x), TopkIdx::I64(&idx), k, &w, em, None)?;
+            let h3 = group.ll_dispatch(
+                s,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&x),
+                    topk_idx: TopkIdx::I64(&idx),
+                    topk: k,
+                    topk_weights: &w,
+                    layout: em,
+                    cast_fp8: None,
+                },
+            )?;
             ensure(h3.buffer_set() == hd.buffer_set(), || "set reuse".into())?;
             expect_arg(
                 "a stale handle",
@@ -1218,8 +1252,18 @@ fn try_dispatch(
     w: &dyn DeviceRegion<f32>,
     cast: Option<Fp8Scaling>,
 ) -> Result<()> {
-    g.ll_dispatch(s, x, idx, k, w, LlLayout::ExpertMajor, cast)
-        .map(|_| ())
+    g.ll_dispatch(
+        s,
+        moe_ep::LlDispatchArgs {
+            x: x,
+            topk_idx: idx,
+            topk: k,
+            topk_weights: w,
+            layout: LlLayout::ExpertMajor,
+            cast_fp8: cast,
+        },
+    )
+    .map(|_| ())
 }
 
 /// Runs one bf16 expert-major round trip on `group` against `f` (after an
@@ -1290,12 +1334,14 @@ fn bad_expert_id_is_reported_on_every_rank() {
                 let res = (|| {
                     let hd = group.ll_dispatch(
                         s,
-                        LlInput::Bf16(&x),
-                        TopkIdx::I64(&d_idx),
-                        k,
-                        &w,
-                        LlLayout::ExpertMajor,
-                        None,
+                        moe_ep::LlDispatchArgs {
+                            x: LlInput::Bf16(&x),
+                            topk_idx: TopkIdx::I64(&d_idx),
+                            topk: k,
+                            topk_weights: &w,
+                            layout: LlLayout::ExpertMajor,
+                            cast_fp8: None,
+                        },
                     )?;
                     group.ll_combine(s, &hd, &y, None, &mut out)?;
                     group.check()
@@ -1373,12 +1419,14 @@ fn batch_that_differs_between_ranks_is_refused_everywhere() {
                 let res = (|| {
                     let _hd = group.ll_dispatch(
                         s,
-                        LlInput::Bf16(&x),
-                        TopkIdx::I64(&d_idx),
-                        k,
-                        &w,
-                        layout,
-                        cast,
+                        moe_ep::LlDispatchArgs {
+                            x: LlInput::Bf16(&x),
+                            topk_idx: TopkIdx::I64(&d_idx),
+                            topk: k,
+                            topk_weights: &w,
+                            layout: layout,
+                            cast_fp8: cast,
+                        },
                     )?;
                     group.check()
                 })();

@@ -19,12 +19,12 @@ use half::bf16;
 use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
 use super::group::{GroupConfig, NodeGroup};
 use super::handle::{HostCounts, NodeHandle};
-use super::low_latency::{LlCombineSent, LlDispatchSent, LlHandle, LlInput};
+use super::low_latency::{LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle};
 use super::two_level::{TwoLevelHandle, TwoLevelPath};
 use crate::error::{Error, Result};
 use crate::runtime::Communicator;
 use crate::symm::SymmPool;
-use crate::types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
+use crate::types::{RecvLayout, Topology};
 
 /// One expert-parallel group over a communicator: its experts, buffers and
 /// kernels. Creating it is collective; so is every op (every rank calls the
@@ -347,26 +347,13 @@ impl EpGroup {
     /// stream, then [`NodeGroup::ll_dispatch_wait`]. The batch takes the
     /// group's next buffer set: refused while that set's previous batch is
     /// not combined.
-    #[allow(clippy::too_many_arguments)]
     pub fn ll_dispatch_send(
         &self,
         stream: &Arc<CudaStream>,
-        x: LlInput<'_>,
-        topk_idx: TopkIdx<'_>,
-        topk: usize,
-        topk_weights: &dyn DeviceRegion<f32>,
-        layout: LlLayout,
-        cast_fp8: Option<Fp8Scaling>,
+        args: LlDispatchArgs<'_>,
     ) -> Result<LlDispatchSent> {
-        self.one_node("ll_dispatch_send")?.ll_dispatch_send(
-            stream,
-            x,
-            topk_idx,
-            topk,
-            topk_weights,
-            layout,
-            cast_fp8,
-        )
+        self.one_node("ll_dispatch_send")?
+            .ll_dispatch_send(stream, args)
     }
 
     /// Waits (on the stream, bounded by the group's timeout) for every
@@ -405,26 +392,12 @@ impl EpGroup {
     /// (bf16 or fp8), else every rank's wait reports the mismatch. Errors
     /// before launch name `mode`, `topk`, `topk_idx`, `topk_weights`, `x`,
     /// `x_scales`, `hidden` or `cast_fp8`.
-    #[allow(clippy::too_many_arguments)]
     pub fn ll_dispatch(
         &self,
         stream: &Arc<CudaStream>,
-        x: LlInput<'_>,
-        topk_idx: TopkIdx<'_>,
-        topk: usize,
-        topk_weights: &dyn DeviceRegion<f32>,
-        layout: LlLayout,
-        cast_fp8: Option<Fp8Scaling>,
+        args: LlDispatchArgs<'_>,
     ) -> Result<LlHandle> {
-        self.one_node("ll_dispatch")?.ll_dispatch(
-            stream,
-            x,
-            topk_idx,
-            topk,
-            topk_weights,
-            layout,
-            cast_fp8,
-        )
+        self.one_node("ll_dispatch")?.ll_dispatch(stream, args)
     }
 
     /// Sends this rank's expert outputs home (the first half of

@@ -8,15 +8,27 @@
 //! ([`crate::reference::ll_dispatch`], [`crate::reference::ll_combine_emulated`],
 //! [`crate::reference::quantize_fp8`]) and match it bit for bit.
 //!
-//! ```ignore
-//! let mut cfg = GroupConfig::new(256, 7168, 128);   // experts, hidden, max tokens per rank
+//! ```no_run
+//! # use moe_ep::{bf16, cuda::CudaSlice, Communicator, EpGroup, Fp8Scaling, GroupConfig};
+//! # use moe_ep::{LlDispatchArgs, LlInput, LlLayout, Mode, TopkIdx};
+//! # fn step(comm: &std::sync::Arc<Communicator>, x: &CudaSlice<bf16>, idx: &CudaSlice<i64>,
+//! #         w: &CudaSlice<f32>, y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+//! let stream = comm.context().default_stream();
+//! let mut cfg = GroupConfig::new(256, 7168, 128); // experts, hidden, max tokens per rank
 //! cfg.mode = Mode::LowLatency;
-//! let group = NodeGroup::new(&comm, cfg)?;            // collective; fixes the buffers
-//! let h = group.ll_dispatch(&stream, LlInput::Bf16(&x), TopkIdx::I64(&idx), 8, &w,
-//!                           LlLayout::ExpertMajor, Some(Fp8Scaling::Exact))?;
+//! let group = EpGroup::new(comm, cfg)?; // collective; fixes the buffers
+//! let h = group.ll_dispatch(&stream, LlDispatchArgs {
+//!     x: LlInput::Bf16(x),
+//!     topk_idx: TopkIdx::I64(idx),
+//!     topk: 8,
+//!     topk_weights: w,
+//!     layout: LlLayout::ExpertMajor,
+//!     cast_fp8: Some(Fp8Scaling::Exact),
+//! })?;
 //! // ... experts on h.fp8_codes() / h.fp8_scales(), h.tokens_per_local_expert() rows each,
 //! //     writing bf16 rows in the same layout into y ...
-//! group.ll_combine(&stream, &h, &y, None, &mut out)?; // out [T, H] bf16
+//! group.ll_combine(&stream, &h, y, None, out)?; // out [T, H] bf16
+//! # Ok(()) }
 //! ```
 //!
 //! # Layouts
@@ -441,6 +453,24 @@ pub enum LlInput<'a> {
     },
 }
 
+/// What a low-latency dispatch sends ([`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch),
+/// [`EpGroup::ll_dispatch_send`](crate::EpGroup::ll_dispatch_send)).
+pub struct LlDispatchArgs<'a> {
+    /// This rank's token rows, `[T, H]`.
+    pub x: LlInput<'a>,
+    /// `[T, topk]` expert ids (-1: not routed).
+    pub topk_idx: TopkIdx<'a>,
+    /// Experts per token, 1..=8 (the kernels' `MAX_TOPK`).
+    pub topk: usize,
+    /// `[T, topk]` f32 weights.
+    pub topk_weights: &'a dyn DeviceRegion<f32>,
+    /// The receive layout.
+    pub layout: LlLayout,
+    /// `Some`: bf16 rows cast to fp8 on the sender, per 128 values, with
+    /// this scaling ([`crate::reference::quantize_fp8`], bit for bit).
+    pub cast_fp8: Option<Fp8Scaling>,
+}
+
 /// What a batch is, as the host knows it.
 #[derive(Clone, Copy, Debug)]
 struct LlBatch {
@@ -738,15 +768,9 @@ impl NodeGroup {
     }
 
     /// The checks of a dispatch send (on the op's turn).
-    #[allow(clippy::too_many_arguments)]
-    fn ll_check_send(
-        &self,
-        x: &LlInput<'_>,
-        topk_idx: &TopkIdx<'_>,
-        topk: usize,
-        topk_weights: &dyn DeviceRegion<f32>,
-        cast_fp8: Option<Fp8Scaling>,
-    ) -> Result<(usize, SendCall)> {
+    fn ll_check_send(&self, a: &LlDispatchArgs<'_>) -> Result<(usize, SendCall)> {
+        let (x, topk_idx, topk, topk_weights, cast_fp8) =
+            (&a.x, &a.topk_idx, a.topk, a.topk_weights, a.cast_fp8);
         let h = self.cfg.hidden;
         // topk, then topk_idx's shape and tokens: the layout's checks.
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
@@ -825,19 +849,10 @@ impl NodeGroup {
     }
 
     /// Dispatch send, on the op's turn.
-    #[allow(clippy::too_many_arguments)]
-    fn ll_send(
-        &self,
-        stream: &Arc<CudaStream>,
-        x: LlInput<'_>,
-        topk_idx: TopkIdx<'_>,
-        topk: usize,
-        topk_weights: &dyn DeviceRegion<f32>,
-        layout: LlLayout,
-        cast_fp8: Option<Fp8Scaling>,
-    ) -> Result<LlDispatchSent> {
+    fn ll_send(&self, stream: &Arc<CudaStream>, a: LlDispatchArgs<'_>) -> Result<LlDispatchSent> {
         let ll = self.ll_buffers()?;
-        let (t, call) = self.ll_check_send(&x, &topk_idx, topk, topk_weights, cast_fp8)?;
+        let (t, call) = self.ll_check_send(&a)?;
+        let (layout, topk) = (a.layout, a.topk);
         let (set, generation) = {
             let st = ll.state();
             let set = st.next_set;
@@ -894,17 +909,12 @@ impl NodeGroup {
     }
 
     /// The one-node path of [`EpGroup::ll_dispatch_send`](crate::EpGroup::ll_dispatch_send).
-    #[allow(clippy::too_many_arguments)]
     pub fn ll_dispatch_send(
         &self,
         stream: &Arc<CudaStream>,
-        x: LlInput<'_>,
-        topk_idx: TopkIdx<'_>,
-        topk: usize,
-        topk_weights: &dyn DeviceRegion<f32>,
-        layout: LlLayout,
-        cast_fp8: Option<Fp8Scaling>,
+        args: LlDispatchArgs<'_>,
     ) -> Result<LlDispatchSent> {
+        let layout = args.layout;
         let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_send(turn, layout, arg);
         self.op_with(
             "moe_ep::ll_dispatch_send",
@@ -912,7 +922,7 @@ impl NodeGroup {
             stream,
             None,
             Refuse::With(&refuse),
-            |_| self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8),
+            |_| self.ll_send(stream, args),
         )
     }
 
@@ -968,17 +978,12 @@ impl NodeGroup {
     }
 
     /// The one-node path of [`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch).
-    #[allow(clippy::too_many_arguments)]
     pub fn ll_dispatch(
         self: &Arc<Self>,
         stream: &Arc<CudaStream>,
-        x: LlInput<'_>,
-        topk_idx: TopkIdx<'_>,
-        topk: usize,
-        topk_weights: &dyn DeviceRegion<f32>,
-        layout: LlLayout,
-        cast_fp8: Option<Fp8Scaling>,
+        args: LlDispatchArgs<'_>,
     ) -> Result<LlHandle> {
+        let layout = args.layout;
         let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_send(turn, layout, arg);
         self.op_with(
             "moe_ep::ll_dispatch",
@@ -987,8 +992,7 @@ impl NodeGroup {
             None,
             Refuse::With(&refuse),
             |turn| {
-                let sent =
-                    self.ll_send(stream, x, topk_idx, topk, topk_weights, layout, cast_fp8)?;
+                let sent = self.ll_send(stream, args)?;
                 turn.launched.set(true);
                 self.ll_recv(stream, &sent)
             },

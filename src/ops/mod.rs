@@ -73,7 +73,8 @@ pub use ep_group::{EpGroup, Handle};
 pub use group::{GroupConfig, Mode};
 pub use handle::HostCounts;
 pub use low_latency::{
-    ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchSent, LlHandle, LlInput, LlView,
+    ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
+    LlInput, LlView,
 };
 #[cfg(feature = "raw")]
 pub use rail_hop::{HopRecv, HopSend, RailHop};

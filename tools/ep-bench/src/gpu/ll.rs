@@ -357,12 +357,14 @@ pub(super) fn run_case(
         group
             .ll_dispatch(
                 s_,
-                LlInput::Bf16(&xv),
-                TopkIdx::I64(&idxv),
-                k,
-                &wv,
-                layout,
-                cast,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&xv),
+                    topk_idx: TopkIdx::I64(&idxv),
+                    topk: k,
+                    topk_weights: &wv,
+                    layout: layout,
+                    cast_fp8: cast,
+                },
             )
             .map_err(s)
     };
