@@ -41,8 +41,8 @@ pub use types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
 pub use error::{Error, NcclVersion, Result};
 pub use kernels::NCCL_HEADERS_VERSION_CODE;
 pub use ops::{
-    DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, EpGroup, GroupConfig, Handle,
-    HostCounts, LlDispatchArgs, LlHandle, LlInput, Mode, RecvBuf, TopkIdx,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, EpGroup,
+    GroupConfig, Handle, HostCounts, LlDispatchArgs, LlHandle, LlInput, Mode, RecvBuf, TopkIdx,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

@@ -385,7 +385,16 @@ fn run_case_then(
         .map_err(Error::cuda("alloc"))?;
     let (want_gx, want_gw) = refr::dispatch_backward(shape, inputs, outs, gw_rows, r.rank, layout)?;
     let want_gw_bits: Vec<u32> = want_gw.iter().map(|f| f.to_bits()).collect();
-    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &mut grad_x, Some(&mut grad_w))?;
+    group.dispatch_backward(
+        s,
+        &handle,
+        moe_ep::DispatchBackwardArgs {
+            grad_recv_tokens: &y,
+            grad_recv_topk_weights: Some(&gw_in),
+            grad_tokens: &mut grad_x,
+            grad_topk_weights: Some(&mut grad_w),
+        },
+    )?;
     let check_backward =
         |how: &str, grad_x: &CudaSlice<bf16>, grad_w: &CudaSlice<f32>| -> Result<()> {
             first_diff(
@@ -415,7 +424,16 @@ fn run_case_then(
             .map_err(Error::cuda("htod"))?;
         s.memcpy_htod(&vec![f32::from_bits(u32::MAX); grad_w.len()], &mut grad_w)
             .map_err(Error::cuda("htod"))?;
-        group.dispatch_backward(s, &handle, &ys, Some(&gws), &mut grad_x, Some(&mut grad_w))?;
+        group.dispatch_backward(
+            s,
+            &handle,
+            moe_ep::DispatchBackwardArgs {
+                grad_recv_tokens: &ys,
+                grad_recv_topk_weights: Some(&gws),
+                grad_tokens: &mut grad_x,
+                grad_topk_weights: Some(&mut grad_w),
+            },
+        )?;
         check_backward("symmetric memory: pulled", &grad_x, &grad_w)?;
     }
 
@@ -778,7 +796,16 @@ fn several_handles_in_flight() {
         };
         let backward = |b: usize, grads_in: &mut Vec<_>, out: &mut CudaSlice<bf16>| -> Result<()> {
             let gx = group.combine_backward(s, &handles[b], &bs[b].g, None, None)?;
-            group.dispatch_backward(s, &handles[b], &gx, None, out, None)?;
+            group.dispatch_backward(
+                s,
+                &handles[b],
+                moe_ep::DispatchBackwardArgs {
+                    grad_recv_tokens: &gx,
+                    grad_recv_topk_weights: None,
+                    grad_tokens: out,
+                    grad_topk_weights: None,
+                },
+            )?;
             grads_in.push(gx);
             Ok(())
         };

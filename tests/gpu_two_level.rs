@@ -484,7 +484,16 @@ fn run_case(r: &Rank, run: &Run, f: &Fixture, layout: RecvLayout) -> Result<()> 
         .alloc_zeros::<bf16>((t * h).max(1))
         .map_err(Error::cuda("alloc"))?;
     let mut grad_w = up(s, &vec![f32::from_bits(u32::MAX); (t * k).max(1)])?;
-    group.dispatch_backward(s, &handle, &y, Some(&gw_in), &mut grad_x, Some(&mut grad_w))?;
+    group.dispatch_backward(
+        s,
+        &handle,
+        moe_ep::DispatchBackwardArgs {
+            grad_recv_tokens: &y,
+            grad_recv_topk_weights: Some(&gw_in),
+            grad_tokens: &mut grad_x,
+            grad_topk_weights: Some(&mut grad_w),
+        },
+    )?;
     first_diff(
         "dispatch_backward grad tokens",
         &bits(&down(s, &grad_x, t * h)?),

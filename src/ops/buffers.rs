@@ -241,6 +241,22 @@ pub struct Dispatched<'a> {
     pub src: SymmBuffer<i32>,
 }
 
+/// The gradients of a dispatch backward
+/// ([`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward)): the
+/// received rows' gradients in, the tokens' gradients out.
+pub struct DispatchBackwardArgs<'a> {
+    /// `[recv_capacity, H]` bf16: the gradient of the received tokens, in
+    /// the handle's layout.
+    pub grad_recv_tokens: &'a dyn DeviceRegion<bf16>,
+    /// The gradient of the received weights (as the dispatch wrote them), or
+    /// `None`; given together with `grad_topk_weights`.
+    pub grad_recv_topk_weights: Option<&'a dyn DeviceRegion<f32>>,
+    /// `[T, H]` bf16 out: each token's gradient, summed over its copies.
+    pub grad_tokens: &'a mut dyn DeviceRegionMut<bf16>,
+    /// `[T, K]` f32 out: the gradient of each token's top-k weights, or `None`.
+    pub grad_topk_weights: Option<&'a mut dyn DeviceRegionMut<f32>>,
+}
+
 /// One device address per rank (the same buffer as mapped here).
 pub(crate) type Peers = [u64; MAX_RANKS];
 

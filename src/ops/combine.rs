@@ -18,7 +18,7 @@ use cudarc::driver::CudaStream;
 use half::bf16;
 
 use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
-use super::buffers::{DeviceRegion, DeviceRegionMut, Peers, ROW_ALIGN};
+use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, Peers, ROW_ALIGN};
 use super::group::NodeGroup;
 use super::handle::{NodeHandle, OpTurn};
 use crate::error::{Error, Result};
@@ -254,38 +254,22 @@ impl NodeGroup {
     }
 
     /// The one-node path of [`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward).
-    #[allow(clippy::too_many_arguments)]
     pub fn dispatch_backward(
         &self,
         stream: &Arc<CudaStream>,
         handle: &NodeHandle,
-        grad_recv_tokens: &dyn DeviceRegion<bf16>,
-        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
-        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
-        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        args: DispatchBackwardArgs<'_>,
     ) -> Result<()> {
-        self.dispatch_backward_counting(
-            stream,
-            handle,
-            grad_recv_tokens,
-            grad_recv_topk_weights,
-            grad_tokens,
-            grad_topk_weights,
-            None,
-        )
+        self.dispatch_backward_counting(stream, handle, args, None)
     }
 
     /// [`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward) that counts its finished home rows
     /// (of `grad_tokens`) into `progress`, as [`NodeGroup::combine_counting`].
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn dispatch_backward_counting(
         &self,
         stream: &Arc<CudaStream>,
         handle: &NodeHandle,
-        grad_recv_tokens: &dyn DeviceRegion<bf16>,
-        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
-        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
-        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        args: DispatchBackwardArgs<'_>,
         progress: Option<Progress>,
     ) -> Result<()> {
         self.op(
@@ -293,33 +277,24 @@ impl NodeGroup {
             desc::OP_DISPATCH_BWD,
             stream,
             Some(handle),
-            |turn| {
-                self.dispatch_backward_on_turn(
-                    turn,
-                    stream,
-                    handle,
-                    grad_recv_tokens,
-                    grad_recv_topk_weights,
-                    grad_tokens,
-                    grad_topk_weights,
-                    progress,
-                )
-            },
+            |turn| self.dispatch_backward_on_turn(turn, stream, handle, args, progress),
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn dispatch_backward_on_turn(
         &self,
         turn: &OpTurn<'_>,
         stream: &Arc<CudaStream>,
         handle: &NodeHandle,
-        grad_recv_tokens: &dyn DeviceRegion<bf16>,
-        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
-        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
-        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        args: DispatchBackwardArgs<'_>,
         progress: Option<Progress>,
     ) -> Result<()> {
+        let DispatchBackwardArgs {
+            grad_recv_tokens,
+            grad_recv_topk_weights,
+            grad_tokens,
+            grad_topk_weights,
+        } = args;
         Self::check_meta(handle)?;
         let (t, k, h, cap) = (
             handle.num_tokens,

@@ -16,7 +16,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, CudaView};
 use half::bf16;
 
-use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
+use super::buffers::{
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
+};
 use super::group::{GroupConfig, NodeGroup};
 use super::handle::{HostCounts, NodeHandle};
 use super::low_latency::{LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle};
@@ -300,18 +302,11 @@ impl EpGroup {
         &self,
         stream: &Arc<CudaStream>,
         handle: &Handle,
-        grad_recv_tokens: &dyn DeviceRegion<bf16>,
-        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
-        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
-        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        args: DispatchBackwardArgs<'_>,
     ) -> Result<()> {
-        let (gr, grw) = (grad_recv_tokens, grad_recv_topk_weights);
-        let (gt, gw) = (grad_tokens, grad_topk_weights);
         match (&self.path, &handle.inner) {
-            (Path::Node(g), HandleOf::Node(h)) => g.dispatch_backward(stream, h, gr, grw, gt, gw),
-            (Path::TwoLevel(g), HandleOf::TwoLevel(h)) => {
-                g.dispatch_backward(stream, h, gr, grw, gt, gw)
-            }
+            (Path::Node(g), HandleOf::Node(h)) => g.dispatch_backward(stream, h, args),
+            (Path::TwoLevel(g), HandleOf::TwoLevel(h)) => g.dispatch_backward(stream, h, args),
             _ => self.mismatch(),
         }
     }

@@ -46,12 +46,11 @@ mod dispatch;
 mod ep_group;
 mod group;
 mod handle;
+// the inter-node hop's rows per rail peer (public for the reference tests)
 #[cfg(feature = "raw")]
 pub mod hop_plan;
 #[cfg(not(feature = "raw"))]
-#[cfg_attr(not(feature = "raw"), allow(dead_code))]
-// the inter-node path's plans (the chunk rounds are not used by the ops yet)
-pub(crate) mod hop_plan;
+mod hop_plan;
 mod layout;
 mod low_latency;
 #[cfg(feature = "raw")]
@@ -68,7 +67,9 @@ pub use crate::types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
 pub const LL_MAX_TOKENS: usize = abi::LL_MAX_TOKENS;
 /// Most ranks on one NVLink node.
 pub const MAX_NODE_RANKS: usize = abi::MAX_RANKS;
-pub use buffers::{DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx};
+pub use buffers::{
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
+};
 pub use ep_group::{EpGroup, Handle};
 pub use group::{GroupConfig, Mode};
 pub use handle::HostCounts;

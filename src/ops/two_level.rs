@@ -58,7 +58,8 @@ use half::bf16;
 
 use super::abi::{ChunkWaitParams, TwoLevelParams, MAX_NODES};
 use super::buffers::{
-    DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, RecvBuf, TopkIdx, ROW_ALIGN,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
+    ROW_ALIGN,
 };
 use super::combine::Progress;
 use super::dispatch::Arrival;
@@ -890,16 +891,18 @@ impl TwoLevelPath {
     /// home (unweighted, in combine's order), and the gradient of the
     /// received weights routed back to `[T, K]` (`grad_topk_weights`, when
     /// given). Arguments as for [`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward).
-    #[allow(clippy::too_many_arguments)]
     pub fn dispatch_backward(
         &self,
         stream: &Arc<CudaStream>,
         handle: &TwoLevelHandle,
-        grad_recv_tokens: &dyn DeviceRegion<bf16>,
-        grad_recv_topk_weights: Option<&dyn DeviceRegion<f32>>,
-        grad_tokens: &mut dyn DeviceRegionMut<bf16>,
-        grad_topk_weights: Option<&mut dyn DeviceRegionMut<f32>>,
+        args: DispatchBackwardArgs<'_>,
     ) -> Result<()> {
+        let DispatchBackwardArgs {
+            grad_recv_tokens,
+            grad_recv_topk_weights,
+            grad_tokens,
+            grad_topk_weights,
+        } = args;
         let _range = nvtx::range("moe_ep::two_level::dispatch_backward");
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         self.check_handle(handle)?;
@@ -936,15 +939,14 @@ impl TwoLevelPath {
             let mut view = fwd.slice_mut(0..plan.fwd_rows * h);
             let mut view_w = fwd_w.as_mut().map(|w| w.slice_mut(0..plan.fwd_rows * k));
             let gw = view_w.as_mut().map(|v| v as &mut dyn DeviceRegionMut<f32>);
-            self.node.dispatch_backward_counting(
-                stream,
-                &handle.node,
+            let args = DispatchBackwardArgs {
                 grad_recv_tokens,
                 grad_recv_topk_weights,
-                &mut view,
-                gw,
-                Some(progress),
-            )
+                grad_tokens: &mut view,
+                grad_topk_weights: gw,
+            };
+            self.node
+                .dispatch_backward_counting(stream, &handle.node, args, Some(progress))
         })?;
         let summed = self.node_sum(stream, handle, &fwd, &net, grad_tokens.device_ptr());
         self.rejoin(stream)?;

@@ -303,10 +303,12 @@ fn time_ht_op(
                 .dispatch_backward(
                     s_,
                     handle,
-                    &*b.recv,
-                    Some(&*b.recv_w),
-                    &mut *b.out,
-                    Some(&mut *b.grad_w),
+                    moe_ep::DispatchBackwardArgs {
+                        grad_recv_tokens: &*b.recv,
+                        grad_recv_topk_weights: Some(&*b.recv_w),
+                        grad_tokens: &mut *b.out,
+                        grad_topk_weights: Some(&mut *b.grad_w),
+                    },
                 )
                 .map_err(s)
         }),
