@@ -793,7 +793,15 @@ fn combine_emulated_impl(
         for d in 0..shape.num_ranks {
             // The destination's partial, sent home as bf16 and summed there
             // in f32; nothing where t was not sent to d.
-            if rank_partial(shape, inputs, &cp, expert_out, d, t, weighted, &mut partial) {
+            if rank_partial(
+                shape,
+                inputs,
+                &cp,
+                expert_out,
+                (d, t),
+                weighted,
+                &mut partial,
+            ) {
                 add_bf16(&mut home_acc, &partial);
             }
         }
@@ -806,14 +814,12 @@ fn combine_emulated_impl(
 /// `0.0` over `t`'s rows on `d` in ascending row order: `acc = w.mul_add(x,
 /// acc)` (weighted) or `acc = acc + x`, `x` the bf16 value as f32. Returns
 /// false (and leaves `partial` zero) where `t` was not sent to `d`.
-#[allow(clippy::too_many_arguments)]
 fn rank_partial(
     shape: &Shape,
     inputs: &[RankInput],
     cp: &CombinePlan,
     expert_out: &[Vec<bf16>],
-    d: usize,
-    t: usize,
+    (d, t): (usize, usize),
     weighted: bool,
     partial: &mut [f32],
 ) -> bool {

@@ -436,7 +436,7 @@ fn dispatch(
             topk_idx: idx,
             topk: k,
             topk_weights: &w,
-            layout: layout,
+            layout,
             cast_fp8: cast,
         },
     )
@@ -688,7 +688,7 @@ fn two_batches_in_flight_alternate_buffer_sets() {
                         topk_idx: TopkIdx::I64(&idx),
                         topk: k,
                         topk_weights: &w,
-                        layout: layout,
+                        layout,
                         cast_fp8: cast,
                     },
                 )
@@ -824,7 +824,7 @@ fn two_phase_form_matches_one_call() {
                         topk_idx: TopkIdx::I64(&idx),
                         topk: k,
                         topk_weights: &w,
-                        layout: layout,
+                        layout,
                         cast_fp8: Some(Fp8Scaling::PowerOfTwo),
                     },
                 )?;
@@ -1255,7 +1255,7 @@ fn try_dispatch(
     g.ll_dispatch(
         s,
         moe_ep::LlDispatchArgs {
-            x: x,
+            x,
             topk_idx: idx,
             topk: k,
             topk_weights: w,
@@ -1424,7 +1424,7 @@ fn batch_that_differs_between_ranks_is_refused_everywhere() {
                             topk_idx: TopkIdx::I64(&d_idx),
                             topk: k,
                             topk_weights: &w,
-                            layout: layout,
+                            layout,
                             cast_fp8: cast,
                         },
                     )?;

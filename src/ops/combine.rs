@@ -20,7 +20,7 @@ use half::bf16;
 use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
 use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, Peers, ROW_ALIGN};
 use super::group::NodeGroup;
-use super::handle::{NodeHandle, OpTurn};
+use super::handle::{NodeHandle, OnTurn, OpTurn};
 use crate::error::{Error, Result};
 use crate::types::RecvLayout;
 
@@ -201,21 +201,35 @@ impl NodeGroup {
             desc::OP_COMBINE,
             stream,
             Some(handle),
-            |turn| self.combine_on_turn(turn, stream, handle, expert_out, weights, out, progress),
+            |turn| {
+                self.combine_on_turn(
+                    OnTurn {
+                        turn,
+                        stream,
+                        handle,
+                    },
+                    expert_out,
+                    weights,
+                    out,
+                    progress,
+                )
+            },
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn combine_on_turn(
         &self,
-        turn: &OpTurn<'_>,
-        stream: &Arc<CudaStream>,
-        handle: &NodeHandle,
+        at: OnTurn<'_, '_>,
         expert_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
         progress: Option<Progress>,
     ) -> Result<()> {
+        let OnTurn {
+            turn,
+            stream,
+            handle,
+        } = at;
         Self::check_meta(handle)?;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         self.check_region(

@@ -19,7 +19,7 @@ use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
 };
 use super::group::NodeGroup;
-use super::handle::{NodeHandle, OpTurn};
+use super::handle::{NodeHandle, OnTurn};
 use crate::error::{Error, Result};
 use crate::symm::SymmBuffer;
 use crate::types::RecvLayout;
@@ -62,17 +62,19 @@ enum Rows {
 impl NodeGroup {
     /// Launches the dispatch kernel of `handle`'s layout that `rows` asks
     /// for: `x` (`[T, H]` bf16, local) into `recv_x` on every rank.
-    #[allow(clippy::too_many_arguments)]
     fn launch_dispatch(
         &self,
-        turn: &OpTurn<'_>,
-        stream: &Arc<CudaStream>,
-        handle: &NodeHandle,
+        at: OnTurn<'_, '_>,
         x: u64,
         recv_x: Located,
         rows: Rows,
         arrival: Option<&Arrival>,
     ) -> Result<()> {
+        let OnTurn {
+            turn,
+            stream,
+            handle,
+        } = at;
         let none = ([0u64; MAX_RANKS], 0);
         let (f, op, topk_w, scale_w, recv_w, recv_idx, recv_src) = match rows {
             Rows::Tokens {
@@ -163,21 +165,35 @@ impl NodeGroup {
             desc::OP_DISPATCH,
             stream,
             Some(handle),
-            |turn| self.dispatch_on_turn(turn, stream, handle, x, topk_weights, out, arrival),
+            |turn| {
+                self.dispatch_on_turn(
+                    OnTurn {
+                        turn,
+                        stream,
+                        handle,
+                    },
+                    x,
+                    topk_weights,
+                    out,
+                    arrival,
+                )
+            },
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn dispatch_on_turn<'a>(
         &self,
-        turn: &OpTurn<'_>,
-        stream: &Arc<CudaStream>,
-        handle: &NodeHandle,
+        at: OnTurn<'_, '_>,
         x: &dyn DeviceRegion<bf16>,
         topk_weights: &dyn DeviceRegion<f32>,
         out: DispatchOut<'a>,
         arrival: Option<&Arrival>,
     ) -> Result<Dispatched<'a>> {
+        let OnTurn {
+            turn,
+            stream,
+            handle,
+        } = at;
         let (t, k, h, cap) = (
             handle.num_tokens,
             handle.topk,
@@ -210,7 +226,17 @@ impl NodeGroup {
             recv_idx: self.located(&idx, "recv_topk_idx")?,
             recv_src: self.located(&src, "recv_src")?,
         };
-        self.launch_dispatch(turn, stream, handle, x.device_ptr(), recv_x, rows, arrival)?;
+        self.launch_dispatch(
+            OnTurn {
+                turn,
+                stream,
+                handle,
+            },
+            x.device_ptr(),
+            recv_x,
+            rows,
+            arrival,
+        )?;
         Ok(Dispatched {
             tokens,
             topk_weights: weights,
@@ -250,9 +276,11 @@ impl NodeGroup {
             Some(handle),
             |turn| {
                 self.combine_backward_on_turn(
-                    turn,
-                    stream,
-                    handle,
+                    OnTurn {
+                        turn,
+                        stream,
+                        handle,
+                    },
                     grad_out,
                     weights,
                     grad_expert_out,
@@ -262,17 +290,19 @@ impl NodeGroup {
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn combine_backward_on_turn<'a>(
         &self,
-        turn: &OpTurn<'_>,
-        stream: &Arc<CudaStream>,
-        handle: &NodeHandle,
+        at: OnTurn<'_, '_>,
         grad_out: &dyn DeviceRegion<bf16>,
         weights: Option<&dyn DeviceRegion<f32>>,
         grad_expert_out: Option<&'a mut dyn DeviceRegionMut<bf16>>,
         arrival: Option<&Arrival>,
     ) -> Result<RecvBuf<'a, bf16>> {
+        let OnTurn {
+            turn,
+            stream,
+            handle,
+        } = at;
         let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
         self.check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let scale_w = match (weights, handle.layout) {
@@ -298,9 +328,11 @@ impl NodeGroup {
         )?;
         let recv_x = self.located(&out, "grad_expert_out")?;
         self.launch_dispatch(
-            turn,
-            stream,
-            handle,
+            OnTurn {
+                turn,
+                stream,
+                handle,
+            },
             grad_out.device_ptr(),
             recv_x,
             Rows::Gradient { scale_w },

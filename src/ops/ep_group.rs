@@ -55,6 +55,9 @@ pub struct Handle {
     inner: HandleOf,
 }
 
+// The one-node handle stays inline: it is the common case, and boxing it
+// would cost a heap allocation per layout.
+#[allow(clippy::large_enum_variant)]
 enum HandleOf {
     Node(NodeHandle),
     TwoLevel(Box<TwoLevelHandle>),

@@ -306,6 +306,15 @@ impl Drop for OpStreams {
     }
 }
 
+/// Where an op runs once it has its turn: the turn, the op's stream and
+/// its handle (what every launcher of the one-node ops takes first).
+#[derive(Clone, Copy)]
+pub(crate) struct OnTurn<'a, 't> {
+    pub(crate) turn: &'a OpTurn<'t>,
+    pub(crate) stream: &'a Arc<CudaStream>,
+    pub(crate) handle: &'a NodeHandle,
+}
+
 impl Drop for OpTurn<'_> {
     /// After the op's launches: every buffer's own stream waits for them.
     fn drop(&mut self) {

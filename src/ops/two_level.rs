@@ -521,14 +521,11 @@ impl TwoLevelPath {
     /// from this rank's send range `net` into its rail peers' forward
     /// batches, or back (combine's way) from its forward batch `own` into
     /// the homes' landing ranges `net`.
-    #[allow(clippy::too_many_arguments)]
     fn hop(
         &self,
         stream: &Arc<CudaStream>,
         h: &Plan,
-        own: u64,
-        net: u64,
-        row_bytes: usize,
+        (own, net, row_bytes): (u64, u64, usize),
         forward: bool,
         chunk: Option<usize>,
     ) -> Result<()> {
@@ -723,18 +720,14 @@ impl TwoLevelPath {
         self.hop(
             stream,
             &plan,
-            dptr(&own_ids),
-            dptr(&net_ids),
-            4 * topk,
+            (dptr(&own_ids), dptr(&net_ids), 4 * topk),
             true,
             None,
         )?;
         self.hop(
             stream,
             &plan,
-            origin.device_ptr(),
-            dptr(&net_origin),
-            8,
+            (origin.device_ptr(), dptr(&net_origin), 8),
             true,
             None,
         )?;
@@ -812,8 +805,7 @@ impl TwoLevelPath {
         self.pack_rows(
             stream,
             handle,
-            x.device_ptr(),
-            topk_weights.device_ptr(),
+            (x.device_ptr(), topk_weights.device_ptr()),
             &fwd_x,
             &net_x,
             Some((&fwd_w, &net_w)),
@@ -953,7 +945,13 @@ impl TwoLevelPath {
         summed?;
         if let (Some(g), Some(fwd_w)) = (grad_topk_weights, fwd_w) {
             let net_w = alloc::<f32>(stream, plan.sent_rows * k)?;
-            self.hop(stream, plan, dptr(&fwd_w), dptr(&net_w), 4 * k, false, None)?;
+            self.hop(
+                stream,
+                plan,
+                (dptr(&fwd_w), dptr(&net_w), 4 * k),
+                false,
+                None,
+            )?;
             let mut p = self.params(handle);
             p.own_w = dptr(&fwd_w);
             p.net_w = dptr(&net_w);
@@ -998,7 +996,7 @@ impl TwoLevelPath {
         let plan = &handle.plan;
         let fwd = alloc::<bf16>(stream, plan.fwd_rows * h)?;
         let net = alloc::<bf16>(stream, plan.sent_rows * h)?;
-        self.pack_rows(stream, handle, grad_out.device_ptr(), 0, &fwd, &net, None)?;
+        self.pack_rows(stream, handle, (grad_out.device_ptr(), 0), &fwd, &net, None)?;
         let arrival =
             self.hop_forward_in_chunks(stream, handle, &[(dptr(&fwd), dptr(&net), 2 * h)])?;
         let view = fwd.slice(0..plan.fwd_rows * h);
@@ -1036,7 +1034,7 @@ impl TwoLevelPath {
         let me = self.topology.node_of(self.comm.rank());
         let sent = (0..ch.rounds).try_for_each(|c| {
             for &(own, net, row_bytes) in pieces {
-                self.hop(hs, plan, own, net, row_bytes, true, Some(c))?;
+                self.hop(hs, plan, (own, net, row_bytes), true, Some(c))?;
             }
             for m in (0..self.topology.nodes()).filter(|&m| m != me) {
                 if !chunk_range(plan.recv_rows[m], c, self.chunk_rows).is_empty() {
@@ -1120,7 +1118,7 @@ impl TwoLevelPath {
                 // (sized for every chunk a combine sends).
                 unsafe { self.k.wait_chunks.launch(hs, 1, MAX_NODES as u32, 0, &w)? };
             }
-            self.hop(hs, plan, own, home, 2 * h, false, Some(c))
+            self.hop(hs, plan, (own, home, 2 * h), false, Some(c))
         });
         // The hop's rounds, whatever happened, before `stream`'s later work
         // (the home's sum, the buffers' release).
@@ -1139,13 +1137,11 @@ impl TwoLevelPath {
 
     /// Copies each token's row of `x` (and, with `w`, its weights masked
     /// to the node) to its row for every node it reaches.
-    #[allow(clippy::too_many_arguments)]
     fn pack_rows(
         &self,
         stream: &Arc<CudaStream>,
         handle: &TwoLevelHandle,
-        x: u64,
-        topk_w: u64,
+        (x, topk_w): (u64, u64),
         own_x: &CudaSlice<bf16>,
         net_x: &CudaSlice<bf16>,
         w: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,

@@ -434,7 +434,6 @@ pub fn pack_network_rows(
 ///
 /// Errors, each naming the argument: `streams` not of `T x N`, `recv_rows`
 /// not one count per node, `own` or `landed` shorter than the rows read.
-#[allow(clippy::too_many_arguments)]
 pub fn node_sum(
     shape: &Shape,
     topo: &Topology,
@@ -622,7 +621,15 @@ pub fn combine_two_level_emulated(
             node_acc.fill(0.0);
             let mut reached = false;
             for d in topo.node_ranks(m) {
-                if rank_partial(shape, inputs, &cp, expert_out, d, t, weighted, &mut partial) {
+                if rank_partial(
+                    shape,
+                    inputs,
+                    &cp,
+                    expert_out,
+                    (d, t),
+                    weighted,
+                    &mut partial,
+                ) {
                     add_bf16(&mut node_acc, &partial);
                     reached = true;
                 }

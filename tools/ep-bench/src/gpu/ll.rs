@@ -362,7 +362,7 @@ pub(super) fn run_case(
                     topk_idx: TopkIdx::I64(&idxv),
                     topk: k,
                     topk_weights: &wv,
-                    layout: layout,
+                    layout,
                     cast_fp8: cast,
                 },
             )
