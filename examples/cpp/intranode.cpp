@@ -1,16 +1,18 @@
-// moe-ep from C++17 through the C ABI (include/moe_ep.h): layout, dispatch,
+// moe-ep from C++17 through the C ABI (capi/include/moe_ep.h): layout, dispatch,
 // identity experts and combine on every rank, the round trip checked bit
 // for bit on the host, both backward passes checked against it, and the
 // ops timed with CUDA events. With --ll, then the low-latency mode: bf16
 // and fp8-cast dispatch, identity experts, combine, each checked bit for
 // bit and timed.
 //
-//   make -C examples/cpp                  # after `cargo build --release`
-//   examples/cpp/intranode --virtual 4    # 4 virtual ranks on GPU 0
-//   examples/cpp/intranode --gpus 2       # 2 GPUs, one NCCL rank each (--gpus 1 too)
-//   examples/cpp/intranode                # every local GPU (a power of two), or 2 virtual ranks
-//   examples/cpp/intranode --gpus 2 --ll  # and the low-latency round trips
-//   examples/cpp/intranode --virtual 4 --ranks-per-node 2  # 2 nodes of 2: the two-level path
+//   capi/install.sh PREFIX                # the library, header and packages
+//   cmake -S examples/cpp -B target/cpp -DCMAKE_PREFIX_PATH=PREFIX
+//   cmake --build target/cpp              # (CMakeLists.txt has the options)
+//   target/cpp/intranode --virtual 4      # 4 virtual ranks on GPU 0
+//   target/cpp/intranode --gpus 2         # 2 GPUs, one NCCL rank each (--gpus 1 too)
+//   target/cpp/intranode                  # every local GPU (a power of two), or 2 virtual ranks
+//   target/cpp/intranode --gpus 2 --ll    # and the low-latency round trips
+//   target/cpp/intranode --virtual 4 --ranks-per-node 2  # 2 nodes of 2: the two-level path
 //
 // One thread per rank. Exit status 0 when every rank's checks pass.
 #include "moe_ep.h"

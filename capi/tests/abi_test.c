@@ -1,5 +1,6 @@
 /* The C ABI without a GPU: version, versioned structs, argument checks, no
- * driver. Built by tests/capi.rs against libmoe_ep.a and libmoe_ep.so.
+ * driver. Built by capi/tests/capi.rs against libmoe_ep.a and libmoe_ep.so,
+ * of the build and of a package capi/install.sh installed.
  *
  *   abi_test          run the checks (exit status 0 when all pass)
  *   abi_test layout   print every struct's size, magic and field offsets

@@ -1,18 +1,23 @@
-//! The C ABI from C, without a GPU: `include/moe_ep.h` compiles as C11 and
-//! C++17 (warnings as errors), `tests/capi/abi_test.c` links against the
+//! The C ABI from C, without a GPU: `capi/include/moe_ep.h` compiles as C11
+//! and C++17 (warnings as errors), `capi/tests/abi_test.c` links against the
 //! static and the shared library and passes its checks against each (version,
 //! bad struct sizes and magics, NULL and bad arguments named, no driver is
 //! an error code), and every struct's size, field offsets and init macro as
-//! the C compiler sees them equal the Rust mirrors in `moe_ep::capi`.
+//! the C compiler sees them equal the Rust mirrors of this crate. The shared
+//! library carries its SONAME, and `capi/install.sh` installs a package that
+//! `pkg-config --cflags --libs moe_ep` links the C test against (shared and
+//! static).
 //!
-//! Needs `cc` and `c++` on the PATH (`CC` / `CXX` override them).
+//! Needs `cc`, `c++`, `readelf` and `pkg-config` on the PATH (`CC`, `CXX`,
+//! `READELF`, `PKG_CONFIG` override them). In this file `moe_ep` is this
+//! crate (its library's name) and `moe_ep_rust` moe-ep's Rust API.
 
 use std::collections::BTreeMap;
 use std::mem::{offset_of, size_of};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use moe_ep::capi::*;
+use moe_ep::*;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -71,31 +76,47 @@ fn header_compiles_as_c11_and_cxx17() {
         .arg(header()));
 }
 
-/// Builds the C test against one of the libraries into `name`.
-fn build_c_test(name: &str, link: &[&str]) -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+fn tmp(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+/// Builds the C test into `name`, with `flags` (include paths, libraries).
+fn build_c_test_with(name: &str, flags: &[&str]) -> PathBuf {
+    let out = tmp(name);
     run(Command::new(tool("CC", "cc"))
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
-        .arg(Path::new(ROOT).join("include"))
-        .arg(Path::new(ROOT).join("tests/capi/abi_test.c"))
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic"])
+        .arg(Path::new(ROOT).join("tests/abi_test.c"))
         .arg("-o")
         .arg(&out)
-        .args(link));
+        .args(flags));
     out
 }
 
-/// The C test against libmoe_ep.so of `lib_dir()`, found there at run time
-/// through DT_RPATH, which (unlike RUNPATH) comes before the
-/// LD_LIBRARY_PATH that cargo gives tests (the profile directory first).
-fn shared_test() -> PathBuf {
+/// Builds the C test against one of the libraries of the build into `name`.
+fn build_c_test(name: &str, link: &[&str]) -> PathBuf {
+    let inc = format!("-I{}", Path::new(ROOT).join("include").display());
+    build_c_test_with(name, &[&[inc.as_str()], link].concat())
+}
+
+/// The C test against libmoe_ep.so of `lib_dir()`, into `name`. The program
+/// needs the library by its SONAME, which cargo does not make: a directory
+/// of this test holds it as a link to the built file, and the program finds
+/// it there through DT_RPATH, which (unlike RUNPATH) comes before the
+/// LD_LIBRARY_PATH that cargo gives tests.
+fn shared_test(name: &str) -> PathBuf {
     let dir = lib_dir();
-    let d = dir.to_str().unwrap();
+    let sodir = tmp(&format!("{name}-lib"));
+    std::fs::create_dir_all(&sodir).unwrap();
+    let link = sodir.join(SONAME);
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(dir.join("libmoe_ep.so"), &link).unwrap();
+    let (d, s) = (dir.to_str().unwrap(), sodir.to_str().unwrap());
     build_c_test(
-        "abi_test_shared",
+        name,
         &[
             &format!("-L{d}"),
             "-lmoe_ep",
-            &format!("-Wl,-rpath,{d}"),
+            &format!("-Wl,-rpath,{s}"),
             "-Wl,--disable-new-dtags",
         ],
     )
@@ -117,7 +138,7 @@ fn c_test_passes_against_the_static_and_the_shared_library() {
             "-lutil",
         ],
     );
-    for exe in [stat, shared_test()] {
+    for exe in [stat, shared_test("abi_test_shared")] {
         let text = run(&mut Command::new(&exe));
         println!("{}:\n{text}", exe.display());
         assert!(text.contains("passed: 0 failures"), "{text}");
@@ -279,7 +300,7 @@ fn rust_layout() -> BTreeMap<String, usize> {
 
 #[test]
 fn struct_layouts_agree_with_the_c_compiler() {
-    let text = run(Command::new(shared_test()).arg("layout"));
+    let text = run(Command::new(shared_test("abi_test_layout")).arg("layout"));
     let c: BTreeMap<String, usize> = text
         .lines()
         .map(|l| {
@@ -387,9 +408,10 @@ fn ll_buffer_bytes_agree_with_the_rust_api() {
         let (mut sym, mut local) = (0u64, 0u64);
         let st = unsafe { moe_ep_ll_buffer_bytes(&c, world, &mut sym, &mut local) };
         assert_eq!(st, MOE_EP_OK);
-        let mut cfg = moe_ep::GroupConfig::new(experts as usize, hidden as usize, tokens as usize);
-        cfg.mode = moe_ep::Mode::LowLatency;
-        let want = moe_ep::ops::ll_buffer_bytes(&cfg, world as usize);
+        let mut cfg =
+            moe_ep_rust::GroupConfig::new(experts as usize, hidden as usize, tokens as usize);
+        cfg.mode = moe_ep_rust::Mode::LowLatency;
+        let want = moe_ep_rust::ops::ll_buffer_bytes(&cfg, world as usize);
         assert_eq!((sym, local), (want.symmetric, want.local), "world {world}");
         c.mode = MOE_EP_MODE_HIGH_THROUGHPUT;
         let (mut sym2, mut local2) = (0u64, 0u64);
@@ -398,5 +420,104 @@ fn ll_buffer_bytes_agree_with_the_rust_api() {
             MOE_EP_OK
         );
         assert_eq!((sym2, local2), (sym, local));
+    }
+}
+
+/// The dynamic section of an ELF file as readelf prints it.
+fn dynamic_section(file: &Path) -> String {
+    run(Command::new(tool("READELF", "readelf")).arg("-d").arg(file))
+}
+
+/// libmoe_ep.so is named by its ABI major (`SONAME`, `libmoe_ep.so.<major>`),
+/// and a program linked against it needs that name.
+#[test]
+fn the_shared_library_carries_its_soname() {
+    assert!(
+        SONAME.starts_with("libmoe_ep.so.") && SONAME[13..].parse::<u32>().is_ok(),
+        "{SONAME}"
+    );
+    let so = dynamic_section(&lib_dir().join("libmoe_ep.so"));
+    assert!(
+        so.contains(&format!("Library soname: [{SONAME}]")),
+        "no SONAME {SONAME}:\n{so}"
+    );
+    let exe = dynamic_section(&shared_test("abi_test_soname"));
+    assert!(
+        exe.contains(&format!("Shared library: [{SONAME}]")),
+        "{exe}"
+    );
+}
+
+/// `capi/install.sh --lib-dir` of this build into a fresh prefix: the
+/// files of the layout, and the C test linked through pkg-config against
+/// the shared and the static library, each passing its checks.
+#[test]
+fn the_installed_package_links_through_pkg_config() {
+    let prefix = tmp("install-prefix");
+    let _ = std::fs::remove_dir_all(&prefix);
+    run(Command::new("bash")
+        .arg(Path::new(ROOT).join("install.sh"))
+        .arg("--lib-dir")
+        .arg(lib_dir())
+        .arg(&prefix));
+    let lib = prefix.join("lib");
+    let version = format!("{}.{ABI_VERSION}", &SONAME[13..]);
+    let real = format!("{SONAME}.{ABI_VERSION}");
+    for f in [
+        "include/moe_ep.h",
+        "lib/libmoe_ep.a",
+        "lib/pkgconfig/moe_ep.pc",
+        "lib/cmake/moe_ep/moe_epConfig.cmake",
+        "lib/cmake/moe_ep/moe_epConfigVersion.cmake",
+    ] {
+        assert!(prefix.join(f).is_file(), "{f} not installed");
+    }
+    assert!(std::fs::symlink_metadata(lib.join(&real))
+        .unwrap()
+        .is_file());
+    for (link, to) in [(SONAME, real.as_str()), ("libmoe_ep.so", SONAME)] {
+        let target = std::fs::read_link(lib.join(link)).unwrap();
+        assert_eq!(target, Path::new(to), "{link}");
+    }
+    let config = std::fs::read_to_string(lib.join("cmake/moe_ep/moe_epConfig.cmake")).unwrap();
+    for want in ["moe_ep::moe_ep ", "moe_ep::moe_ep_static ", &real] {
+        assert!(config.contains(want), "moe_epConfig.cmake lacks {want}");
+    }
+    let pc = std::fs::read_to_string(lib.join("pkgconfig/moe_ep.pc")).unwrap();
+    assert!(pc.contains(&format!("Version: {version}\n")), "{pc}");
+
+    let pkg_config = |args: &[&str]| -> Vec<String> {
+        let out = run(Command::new(tool("PKG_CONFIG", "pkg-config"))
+            .env("PKG_CONFIG_PATH", lib.join("pkgconfig"))
+            .args(args)
+            .arg("moe_ep"));
+        out.split_whitespace().map(str::to_string).collect()
+    };
+    assert_eq!(pkg_config(&["--modversion"]), [version]);
+    // Shared: `pkg-config --cflags --libs moe_ep`, found at run time
+    // through the prefix's SONAME link.
+    let mut flags = pkg_config(&["--cflags", "--libs"]);
+    flags.push(format!("-Wl,-rpath,{}", lib.display()));
+    flags.push("-Wl,--disable-new-dtags".into());
+    let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let shared = build_c_test_with("abi_test_pc_shared", &refs);
+    assert!(dynamic_section(&shared).contains(&format!("Shared library: [{SONAME}]")));
+    // Static: `pkg-config --static`, libmoe_ep.a in place of -lmoe_ep (what
+    // Libs.private adds is all the staticlib needs).
+    let a = lib.join("libmoe_ep.a").display().to_string();
+    let flags: Vec<String> = pkg_config(&["--cflags", "--static", "--libs"])
+        .into_iter()
+        .map(|f| if f == "-lmoe_ep" { a.clone() } else { f })
+        .collect();
+    let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let stat = build_c_test_with("abi_test_pc_static", &refs);
+    assert!(!dynamic_section(&stat).contains("libmoe_ep"));
+    for exe in [shared, stat] {
+        let text = run(&mut Command::new(&exe));
+        assert!(
+            text.contains("passed: 0 failures"),
+            "{}:\n{text}",
+            exe.display()
+        );
     }
 }

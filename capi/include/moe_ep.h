@@ -2,8 +2,11 @@
  * moe_ep.h: the C ABI of moe-ep (expert-parallel layout, dispatch and
  * combine over NVLink), for C and C++ runtimes.
  *
- * Link against libmoe_ep.so (or libmoe_ep.a plus -lpthread -ldl -lm -lrt
- * -lgcc_s). The kernels are embedded in the library; the CUDA driver
+ * Link against libmoe_ep.so (or libmoe_ep.a plus -lgcc_s -lutil -lrt
+ * -lpthread -lm -ldl -lc); capi/install.sh PREFIX installs both with this
+ * header, a pkg-config file (pkg-config --cflags --libs moe_ep) and a CMake
+ * package (find_package(moe_ep): moe_ep::moe_ep, moe_ep::moe_ep_static).
+ * The kernels are embedded in the library; the CUDA driver
  * (libcuda) and NCCL (libnccl.so.2, or MOE_EP_NCCL_LIBRARY) are loaded at
  * run time, so nothing here needs the CUDA toolkit or NCCL headers: a
  * cudaStream_t or CUstream converts to moe_ep_stream_t, an ncclComm_t to
@@ -67,7 +70,16 @@ extern "C" {
  * moe_ep_abi_version() is at least N (check it once at start-up); a change
  * that broke this would come with a new library name. ABI 2 added the
  * low-latency mode (MOE_EP_MODE_LOW_LATENCY and the moe_ep_ll_* calls), ABI 3
- * moe_ep_group_config_t.ranks_per_node. */
+ * moe_ep_group_config_t.ranks_per_node.
+ *
+ * That name is the shared library's SONAME, libmoe_ep.so.1: its number is
+ * the ABI's major version, which only such a breaking change raises, so a
+ * program linked against any ABI of major 1 loads every later library of
+ * major 1 and never one of another major. The library is installed as
+ * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.3) with the
+ * links libmoe_ep.so.1 and libmoe_ep.so; the pkg-config and CMake packages
+ * have the version <major>.<MOE_EP_ABI_VERSION> (1.3): a caller of ABI N
+ * asks for at least 1.N. */
 #define MOE_EP_VERSION_MAJOR 0
 #define MOE_EP_VERSION_MINOR 1
 #define MOE_EP_VERSION_PATCH 0

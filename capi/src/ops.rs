@@ -1,0 +1,385 @@
+//! High-throughput ops: the layout's handle `moe_ep_handle_t` ([`CHandle`],
+//! of either kind of group) and the calls `moe_ep_layout`,
+//! `moe_ep_handle_*`, `moe_ep_dispatch`, `moe_ep_dispatched_*`,
+//! `moe_ep_combine`, `moe_ep_combine_backward` and
+//! `moe_ep_dispatch_backward`.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use moe_ep::bf16;
+use moe_ep::cuda::{CudaStream, DeviceSlice};
+use moe_ep::error::{Error, Result};
+use moe_ep::ops::{
+    DeviceRegion, DeviceRegionMut, DispatchOut, Handle, RecvBuf, RecvLayout, TwoLevelHandle,
+};
+
+use crate::buffers::{disjoint, span_of, CBuffer, CDispatched, CRegion, CTopkIdx, Kept};
+use crate::group::{stream_of, CGroup, GroupOf};
+use crate::status::{
+    boxed, ffi, obj, out_ptr, unboxed, Status, MOE_EP_LAYOUT_EXPERT_MAJOR, MOE_EP_LAYOUT_RANK_MAJOR,
+};
+use crate::structs::{
+    head, read_in, write_out, CBuf, CBufMut, CCombineArgs, CCombineBackwardArgs, CDispatchArgs,
+    CDispatchBackwardArgs, CHandleCounts, CLayoutArgs, CRecvBuffers, Versioned,
+};
+
+/// `moe_ep_handle_t`: a layout of either kind of group.
+pub struct CHandle(HandleOf);
+// (Boxed as a whole: a moe_ep_handle_t is a box.)
+#[allow(clippy::large_enum_variant)]
+enum HandleOf {
+    Node(Handle),
+    Nodes(TwoLevelHandle),
+}
+
+impl CHandle {
+    /// The layout of this rank's node group: the rows this rank receives.
+    fn node(&self) -> &Handle {
+        match &self.0 {
+            HandleOf::Node(h) => h,
+            HandleOf::Nodes(h) => h.node_handle(),
+        }
+    }
+    /// This rank's tokens and their top-k, as the layout was given them.
+    fn tokens_topk(&self) -> (usize, usize) {
+        match &self.0 {
+            HandleOf::Node(h) => (h.num_tokens(), h.topk()),
+            HandleOf::Nodes(h) => (h.num_tokens(), h.topk()),
+        }
+    }
+}
+
+/// `$body` with the group and the handle of an op as `$g` and `$h`, both of
+/// one node or both of several; a handle of the other kind is refused
+/// naming `handle` (the groups refuse another group's handle of their kind).
+macro_rules! on_kind {
+    ($group:expr, $handle:expr, |$g:ident, $h:ident| $body:expr) => {
+        match (&$group.0, &$handle.0) {
+            (GroupOf::Node($g), HandleOf::Node($h)) => $body,
+            (GroupOf::Nodes($g), HandleOf::Nodes($h)) => $body,
+            (GroupOf::Node(_), HandleOf::Nodes(_)) => Err(Error::arg(
+                "handle",
+                "a handle made by this group's layout (one node)",
+                "a handle of a group of several nodes",
+            )),
+            (GroupOf::Nodes(_), HandleOf::Node(_)) => Err(Error::arg(
+                "handle",
+                "a handle made by this group's layout (several nodes)",
+                "a handle of a group of one node",
+            )),
+        }
+    };
+}
+// ---- ops ------------------------------------------------------------------
+
+/// The group, its stream and the handle of an op (see `on_kind`).
+unsafe fn op<'a>(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+) -> Result<(&'a CGroup, Arc<CudaStream>, &'a CHandle)> {
+    // SAFETY: the header's contract for handles and streams.
+    unsafe {
+        let g = obj(group, "group")?;
+        let h = obj(handle, "handle")?;
+        let s = stream_of(g.comm().context(), stream)?;
+        Ok((g, s, h))
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_layout(
+    group: *const CGroup,
+    stream: *mut c_void,
+    args: *const CLayoutArgs,
+    out: *mut *mut CHandle,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let idx = CTopkIdx::new(a.topk_idx, a.topk_idx_dtype)?;
+        let layout = match (a.layout, a.alignment) {
+            (MOE_EP_LAYOUT_RANK_MAJOR, 0) => RecvLayout::RankMajor,
+            (MOE_EP_LAYOUT_RANK_MAJOR, al) => {
+                return Err(Error::arg("alignment", "0 for a rank-major layout", al))
+            }
+            (MOE_EP_LAYOUT_EXPERT_MAJOR, al) => RecvLayout::ExpertMajor {
+                alignment: al as usize,
+            },
+            (l, _) => {
+                return Err(Error::arg(
+                    "layout",
+                    "MOE_EP_LAYOUT_RANK_MAJOR or MOE_EP_LAYOUT_EXPERT_MAJOR",
+                    l,
+                ))
+            }
+        };
+        layout.validate()?;
+        let g = unsafe { obj(group, "group") }?;
+        let out = out_ptr(out, "out")?;
+        let s = unsafe { stream_of(g.comm().context(), stream) }?;
+        let h = match &g.0 {
+            GroupOf::Node(g) => HandleOf::Node(g.layout(&s, idx.get(), a.topk as usize, layout)?),
+            GroupOf::Nodes(g) => {
+                HandleOf::Nodes(g.layout(&s, idx.get(), a.topk as usize, layout)?)
+            }
+        };
+        unsafe { *out = boxed(CHandle(h)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_destroy(handle: *mut CHandle) -> Status {
+    ffi(|| {
+        // SAFETY: a handle of ours, destroyed once; its arrays are freed
+        // in the order of the stream its layout ran on.
+        unsafe { unboxed(handle) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_counts(
+    handle: *const CHandle,
+    stream: *mut c_void,
+    out: *mut CHandleCounts,
+) -> Status {
+    ffi(|| {
+        unsafe { head(out, "out") }?;
+        let handle = unsafe { obj(handle, "handle") }?;
+        let h = handle.node();
+        // The context of the handle's arrays (a view of them names their
+        // stream, as the arena does inside moe-ep).
+        let ctx = h.tokens_per_local_expert().stream().context().clone();
+        let s = unsafe { stream_of(&ctx, stream) }?;
+        let c = h.host_counts(&s)?;
+        let (num_tokens, topk) = handle.tokens_topk();
+        let v = CHandleCounts {
+            num_tokens: num_tokens as u64,
+            topk: topk as u64,
+            recv_rows: c.recv_rows as u64,
+            recv_tokens: c.recv_tokens as u64,
+            num_local_experts: c.tokens_per_local_expert.len() as u64,
+            ..CHandleCounts::init()
+        };
+        unsafe { write_out(out, "out", &v) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_tokens_per_local_expert(
+    handle: *const CHandle,
+    out: *mut CBuf,
+) -> Status {
+    ffi(|| {
+        let h = unsafe { obj(handle, "handle") }?.node();
+        let out = out_ptr(out, "out")?;
+        let v = h.tokens_per_local_expert();
+        let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
+        unsafe {
+            *out = CBuf {
+                ptr: p as *const c_void,
+                len: n,
+            }
+        };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatch(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CDispatchArgs,
+    out: *mut *mut CDispatched,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let x = CRegion::<bf16>::new("x", a.x.ptr, a.x.len)?;
+        let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
+        let mut rt = CRegion::<bf16>::opt("recv_tokens", a.recv_tokens.ptr, a.recv_tokens.len)?;
+        let mut rw = CRegion::<f32>::opt(
+            "recv_topk_weights",
+            a.recv_topk_weights.ptr,
+            a.recv_topk_weights.len,
+        )?;
+        disjoint(
+            &[
+                span_of("recv_tokens", &rt),
+                span_of("recv_topk_weights", &rw),
+            ],
+            &[Some(x.span("x")), Some(w.span("topk_weights"))],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let out = out_ptr(out, "out")?;
+        let d = on_kind!(g, h, |g, h| g.dispatch(
+            &s,
+            h,
+            &x,
+            &w,
+            DispatchOut {
+                recv_tokens: rt.as_mut().map(|r| r as &mut dyn DeviceRegionMut<bf16>),
+                recv_topk_weights: rw.as_mut().map(|r| r as &mut dyn DeviceRegionMut<f32>),
+            },
+        ))?;
+        let kept = CDispatched {
+            tokens: Kept::of(d.tokens),
+            topk_weights: Kept::of(d.topk_weights),
+            topk_idx: d.topk_idx,
+            src: d.src,
+        };
+        unsafe { *out = boxed(kept) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatched_buffers(
+    dispatched: *const CDispatched,
+    out: *mut CRecvBuffers,
+) -> Status {
+    ffi(|| {
+        unsafe { head(out, "out") }?;
+        let d = unsafe { obj(dispatched, "dispatched") }?;
+        let v = CRecvBuffers {
+            tokens: CBufMut::of(d.tokens.ptr, d.tokens.len),
+            topk_weights: CBufMut::of(d.topk_weights.ptr, d.topk_weights.len),
+            topk_idx: CBufMut::of(d.topk_idx.device_ptr(), d.topk_idx.len()),
+            src: CBufMut::of(d.src.device_ptr(), d.src.len()),
+            ..CRecvBuffers::init()
+        };
+        unsafe { write_out(out, "out", &v) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatched_destroy(dispatched: *mut CDispatched) -> Status {
+    ffi(|| {
+        // SAFETY: a result of ours, destroyed once.
+        unsafe { unboxed(dispatched) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_combine(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CCombineArgs,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let y = CRegion::<bf16>::new("expert_out", a.expert_out.ptr, a.expert_out.len)?;
+        let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
+        let mut o = CRegion::<bf16>::new("out", a.out.ptr as *const c_void, a.out.len)?;
+        disjoint(
+            &[Some(o.span("out"))],
+            &[Some(y.span("expert_out")), span_of("weights", &w)],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        on_kind!(g, h, |g, h| g.combine(
+            &s,
+            h,
+            &y,
+            w.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+            &mut o,
+        ))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_combine_backward(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CCombineBackwardArgs,
+    out: *mut *mut CBuffer,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let go = CRegion::<bf16>::new("grad_out", a.grad_out.ptr, a.grad_out.len)?;
+        let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
+        let mut ge = CRegion::<bf16>::opt(
+            "grad_expert_out",
+            a.grad_expert_out.ptr,
+            a.grad_expert_out.len,
+        )?;
+        disjoint(
+            &[span_of("grad_expert_out", &ge)],
+            &[Some(go.span("grad_out")), span_of("weights", &w)],
+        )?;
+        if ge.is_none() {
+            out_ptr(out, "out")?;
+        }
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let r = on_kind!(g, h, |g, h| g.combine_backward(
+            &s,
+            h,
+            &go,
+            w.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+            ge.as_mut().map(|r| r as &mut dyn DeviceRegionMut<bf16>),
+        ))?;
+        let pool = match r {
+            RecvBuf::Pool(b) => boxed(CBuffer::Bf16(b)),
+            RecvBuf::Caller(_) => std::ptr::null_mut(),
+        };
+        if !out.is_null() {
+            unsafe { *out = pool };
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatch_backward(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CDispatchBackwardArgs,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let gr = CRegion::<bf16>::new(
+            "grad_recv_tokens",
+            a.grad_recv_tokens.ptr,
+            a.grad_recv_tokens.len,
+        )?;
+        let grw = CRegion::<f32>::opt(
+            "grad_recv_topk_weights",
+            a.grad_recv_topk_weights.ptr,
+            a.grad_recv_topk_weights.len,
+        )?;
+        let mut gt = CRegion::<bf16>::new(
+            "grad_tokens",
+            a.grad_tokens.ptr as *const c_void,
+            a.grad_tokens.len,
+        )?;
+        let mut gtw = CRegion::<f32>::opt(
+            "grad_topk_weights",
+            a.grad_topk_weights.ptr,
+            a.grad_topk_weights.len,
+        )?;
+        disjoint(
+            &[
+                Some(gt.span("grad_tokens")),
+                span_of("grad_topk_weights", &gtw),
+            ],
+            &[
+                Some(gr.span("grad_recv_tokens")),
+                span_of("grad_recv_topk_weights", &grw),
+            ],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        on_kind!(g, h, |g, h| g.dispatch_backward(
+            &s,
+            h,
+            &gr,
+            grw.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+            &mut gt,
+            gtw.as_mut().map(|w| w as &mut dyn DeviceRegionMut<f32>),
+        ))
+    })
+}
