@@ -7,12 +7,6 @@
 //! the pinned toolchain that `scripts/setup-cuda.sh` installs from PyPI into
 //! `.toolchain/` of the checkout. NCCL headers: `NCCL_INCLUDE_DIR`, then
 //! `NCCL_HOME/include`, then `.toolchain/`, then `/usr/include`.
-//! `MOE_EP_KERNEL_DEFINES="NAME=VALUE ..."` passes macros to every kernel
-//! (the compile-time switches: `MOE_EP_PREFETCH`, documented in
-//! kernels-cuda/common.cuh, `MOE_EP_EM_MIN_STAGES`, the expert-major
-//! combine's stage count, in kernels-cuda/combine_push.cu, and
-//! `MOE_EP_SCAN_VEC`, the layout scan's vector loads, in
-//! kernels-cuda/layout.cu).
 
 use std::env;
 use std::fmt::Write as _;
@@ -37,7 +31,6 @@ fn main() {
         "NCCL_INCLUDE_DIR",
         "NCCL_HOME",
         "MOE_EP_PTXAS_REPORT",
-        "MOE_EP_KERNEL_DEFINES",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -149,9 +142,6 @@ fn compile(
     if cubin {
         // Register / spill report: MOE_EP_PTXAS_REPORT=1 cargo build shows it.
         cmd.arg("-Xptxas=-v");
-    }
-    if let Ok(defs) = env::var("MOE_EP_KERNEL_DEFINES") {
-        cmd.args(defs.split_whitespace().map(|d| format!("-D{d}")));
     }
     let output = cmd
         .output()

@@ -48,13 +48,12 @@ __device__ __forceinline__ void row_chunks(const int4* y, int u, int n16, int li
 
 // Expert-major combine: items (row pieces of one token) in flight per block.
 constexpr int kEmStages = 8;
-// MOE_EP_EM_MIN_STAGES: the fewest stages the pieces are cut for (a
-// build-time knob for measuring, MOE_EP_KERNEL_DEFINES; 2 and 4 measured
-// slower than 3 at world 1, BENCHMARKS.md).
-#ifndef MOE_EP_EM_MIN_STAGES
-#define MOE_EP_EM_MIN_STAGES 3
-#endif
-constexpr int kEmMinStages = MOE_EP_EM_MIN_STAGES;
+// The fewest stages the pieces are cut for. Measured at world 1 (one H200,
+// 2026-12-01, the working tree after b518b47; BENCHMARKS.md, raw output
+// docs/perf-log/raw/2026-12-01-em-combine-variants.txt), combine at 4096
+// tokens: in 200 KiB, 3 (halves at hidden 7168, top-8) 477.89 µs against
+// 576.72 for 4; in 128 KiB, 2 / 3 / 4: 546.16 / 606.48 / 672.02.
+constexpr int kEmMinStages = 3;
 
 // Which rank's stream a flattened index over the ranges [lo[s], hi[s]) of
 // every s != me falls in; returns s and turns *i into the row (lo[s] + rest).

@@ -54,23 +54,12 @@ MOE_EP_DEVICE void st_na_v4(int4* p, int4 v) {
 }
 
 // Asks L2 to fetch [p, p + bytes) now (bytes: a multiple of 16, p 16-byte
-// aligned); no registers held, no completion to wait for.
-// MOE_EP_PREFETCH=0 turns every such hint off: a compile-time switch kept
-// (MOE_EP_KERNEL_DEFINES="MOE_EP_PREFETCH=0", see build.rs), because
-// its measurements disagree (docs/perf-log/2026-11-30.md: no clear change
-// up to a9cf28f; at d9131bf, dispatch without it 204 / 214 / 199 µs against
-// 190 / 221 / 205 at 16 / 24 / 32 SMs), so the variant is still worth
-// building on other machines and sizes.
-#ifndef MOE_EP_PREFETCH
-#define MOE_EP_PREFETCH 1
-#endif
+// aligned); no registers held, no completion to wait for. Measured on and
+// off (2 x H200, 4096 tokens, rank-major; docs/perf-log/2026-11-30.md): no
+// clear change up to a9cf28f; at d9131bf the dispatch without it 204 / 214
+// / 199 µs against 190 / 221 / 205 with it at 16 / 24 / 32 SMs.
 MOE_EP_DEVICE void prefetch_l2(const void* p, uint32_t bytes) {
-#if MOE_EP_PREFETCH
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-#else
-  (void)p;
-  (void)bytes;
-#endif
 }
 
 // ---- bulk asynchronous copies (TMA, sm_90) ----

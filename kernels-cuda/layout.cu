@@ -13,7 +13,7 @@
 //
 // The layout runs cold between a model's other kernels, so its code is kept
 // small (error reports out of unrolled loops, the slot search rolled but
-// for top-k rows of at most 8 ids in 16-byte vectors, MOE_EP_SCAN_VEC).
+// for top-k rows of at most 8 ids in 16-byte vectors).
 //
 // Rust launcher: src/ops/layout.rs. Tests: tests/gpu_intranode.rs (every
 // case runs the layout; host_counts against the CPU reference), and the
@@ -36,19 +36,16 @@ __device__ __forceinline__ int expert_groups(int E) {
 constexpr int kRounds = 4096 / MOE_EP_SCAN_THREADS;
 static_assert(kRounds >= 1 && kRounds * MOE_EP_SCAN_THREADS == 4096, "scan threads");
 
-// MOE_EP_SCAN_VEC=1: where a token's K ids fill whole 16-byte vectors (K *
-// sizeof(Idx) a multiple of 16, at most kVecIds ids, topk_idx 16-byte
-// aligned), scan_bins loads them with 16-byte loads issued together, the
-// next round's before this round's ballots, instead of one scalar load per
-// slot in turn (the scan waits on each of those loads). The same slots
-// either way; the unrolled search over 8 ids makes the scan kernels' code
-// about 1.2x. 0: the scalar loop everywhere, today's code, kept to measure
-// one against the other (MOE_EP_KERNEL_DEFINES="MOE_EP_SCAN_VEC=0", see
-// build.rs).
-#ifndef MOE_EP_SCAN_VEC
-#define MOE_EP_SCAN_VEC 1
-#endif
-#if MOE_EP_SCAN_VEC
+// Where a token's K ids fill whole 16-byte vectors (K * sizeof(Idx) a
+// multiple of 16, at most kVecIds ids, topk_idx 16-byte aligned), scan_bins
+// loads them with 16-byte loads issued together, the next round's before
+// this round's ballots, instead of one scalar load per slot in turn (the
+// scan waits on each of those loads); other rows take the scalar loop. The
+// same slots either way; the unrolled search over 8 ids makes the scan
+// kernels' code about 1.2x. Measured against the scalar loop everywhere on
+// 2026-12-02 (commit 8fbbdb5, one H200, world 1, 4096 tokens, expert:128,
+// 24 SMs): 22.08-22.85 against 25.41-26.83 us (BENCHMARKS.md; raw output
+// docs/perf-log/raw/2026-12-02-layout-scan-vec-ab.txt).
 // Ids held per token: top-8 in int64 (4 vectors) or int32 (2 vectors); the
 // slot search over them is unrolled, so more would grow the code.
 constexpr int kVecIds = 8;
@@ -75,7 +72,6 @@ struct Vec16<long long> {
     return (uint32_t)(x >> 32) == 0u && off < lim;
   }
 };
-#endif
 
 // Slot k's value v (an id less lo) into sl: byte g = k when v is in bin g.
 // Called for k from K - 1 down to 0, so the lowest matching slot stays.
@@ -105,7 +101,6 @@ __device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int
   __shared__ uint64_t scratch[33];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned below = (1u << lane) - 1u;
-#if MOE_EP_SCAN_VEC
   using V = typename Vec16<Idx>::T;
   constexpr int kPer = 16 / (int)sizeof(Idx), kVec = kVecIds / kPer;
   const int nvec = K / kPer;
@@ -127,21 +122,17 @@ __device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int
   V buf[2][kVec];
 #pragma unroll
   for (int i = 0; i < kVec; ++i) buf[0][i] = buf[1][i] = Vec16<Idx>::none();
-#endif
   for (int t0 = 0; t0 < T; t0 += blockDim.x * kRounds) {
     const int tw = t0 + warp * 32 * kRounds;
     uint32_t slots[kRounds];  // byte g: the token's slot in bin g (0xff: none)
     uint32_t hits[kRounds][kBins];
     uint64_t mine = 0;        // the warp's hits per bin, lane 0's copy counted
-#if MOE_EP_SCAN_VEC
     const V* row0 = reinterpret_cast<const V*>(idx + (size_t)(tw + lane) * K);
     if (vec) load(buf[0], row0, tw + lane);
-#endif
 #pragma unroll
     for (int j = 0; j < kRounds; ++j) {
       const int t = tw + j * 32 + lane;
       uint32_t sl = 0xffffffffu;
-#if MOE_EP_SCAN_VEC
       if (vec) {
         if (j + 1 < kRounds) load(buf[(j + 1) & 1], row0 + (j + 1) * 32 * nvec, t + 32);
         if (t < T) {
@@ -156,9 +147,7 @@ __device__ void scan_bins(const Idx* idx, int T, int K, long lo, long width, int
             }
           }
         }
-      } else
-#endif
-      if (t < T) {
+      } else if (t < T) {
         // Kept rolled: unrolled, this loop made the scan kernel's code 182 KB
         // instead of 104 KB, and cold code (other work fills the L2 between
         // layouts) costs more than the rolled loop.

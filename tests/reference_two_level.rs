@@ -19,16 +19,14 @@
 //!   their lengths are the traffic's network rows, paired between rail
 //!   peers by `ops::hop_plan::hop_rows`, and a token's place in a stream is
 //!   its row in the forward batch. The hop on the host: rows packed per
-//!   node (`pack_network_rows`), moved by `ops::hop_plan::hop_rounds`'
-//!   chunk rounds into the landing ranges, give each rail peer exactly its
-//!   forward batch.
+//!   node (`pack_network_rows`), each stream moved whole into its rail
+//!   peer's landing range, give each rail peer exactly its forward batch.
 //! * The combine is each node's intra-node combine over its forward batches,
 //!   then one f32 sum of the nodes' bf16 partials per token, nodes
 //!   ascending (bit for bit): the rail peers' partials moved home on the
-//!   host by `ops::hop_plan::hop_rounds_at` (each home's segment, where it
-//!   lies in the peer's output), then `node_sum`, reading each node's
-//!   partial where the streams put it (a hand case for its order and its
-//!   own row).
+//!   host (each home's segment, from where it lies in the peer's output),
+//!   then `node_sum`, reading each node's partial where the streams put it
+//!   (a hand case for its order and its own row).
 //! * The combine: with one node (and with one rank per node) bit for bit
 //!   [`combine_emulated`]; on several nodes within bf16 rounding of
 //!   [`combine_f64`] with one more rounding per node; hand cases for the
@@ -687,55 +685,6 @@ fn prop_forward_batches_are_the_rows_that_reach_each_node() {
     }
 }
 
-#[test]
-fn prop_hop_rounds_of_the_traffic_pair_up_chunk_by_chunk() {
-    use moe_ep::ops::hop_plan::hop_rounds;
-    let mut moved = 0;
-    for (world, g) in TOPOLOGIES.into_iter().filter(|&(w, g)| w != g) {
-        let t = topo(world, g);
-        for seed in 0..SEEDS {
-            let (shape, inputs) = gen_case(seed, &t);
-            let traffic = two_level_traffic(&shape, &t, &inputs).unwrap();
-            let row = 2 * shape.hidden + 8 * shape.topk;
-            for chunks in [1, 8] {
-                let plans: Vec<_> = traffic
-                    .iter()
-                    .enumerate()
-                    .map(|(a, tr)| {
-                        hop_rounds(
-                            &t,
-                            a,
-                            &tr.net_sent,
-                            &tr.net_recv,
-                            row,
-                            chunks,
-                            1 << 20,
-                            1 << 40,
-                        )
-                        .unwrap()
-                    })
-                    .collect();
-                for (a, plan) in plans.iter().enumerate() {
-                    for (c, round) in plan.iter().enumerate() {
-                        for s in &round.sends {
-                            let r = plans[s.peer][c].recvs.iter().find(|r| r.peer == a);
-                            assert_eq!(
-                                r.map(|r| r.bytes),
-                                Some(s.bytes),
-                                "{world}/{g} seed {seed}"
-                            );
-                            moved += s.bytes;
-                        }
-                    }
-                    let sent: usize = plan.iter().flat_map(|r| &r.sends).map(|s| s.bytes).sum();
-                    assert_eq!(sent, traffic[a].net_sent.iter().sum::<usize>() * row);
-                }
-            }
-        }
-    }
-    assert!(moved > 0, "no bytes moved");
-}
-
 /// Each rank's streams: their lengths to the other nodes are the traffic's
 /// network rows (sent, and through `hop_rows` received), and a token's
 /// place in the stream to node `m` (its own node too) is its row among the
@@ -794,15 +743,16 @@ fn prop_node_streams_are_the_traffic_in_the_forward_batches_order() {
 }
 
 /// The whole dispatch hop on the host: each rank packs its rows for every
-/// other node (node order, token order), the chunk rounds of `hop_rounds`
-/// move them (addresses as offsets into host buffers) into the rail peers'
-/// landing ranges, and each rail peer's forward input (landed rows of the
-/// nodes before its own, its own tokens, the landed rows after) is the
-/// reference's forward batch, row for row and slot for slot.
+/// other node (node order, token order), each stream moves whole into its
+/// rail peer's landing range (streams back to back, nodes ascending, their
+/// lengths paired by `hop_rows`), and each rail peer's forward input
+/// (landed rows of the nodes before its own, its own tokens, the landed
+/// rows after) is the reference's forward batch, row for row and slot for
+/// slot.
 #[test]
-#[allow(clippy::needless_range_loop)] // ranks, nodes and rounds index several tables each
+#[allow(clippy::needless_range_loop)] // ranks and nodes index several tables each
 fn prop_pack_hop_and_land_make_the_forward_batches() {
-    use moe_ep::ops::hop_plan::{hop_rounds, hop_rows};
+    use moe_ep::ops::hop_plan::hop_rows;
     for (world, g) in TOPOLOGIES.into_iter().filter(|&(w, g)| w != g) {
         let t = topo(world, g);
         for seed in 0..SEEDS / 4 {
@@ -861,20 +811,25 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
             let mut land: Vec<Vec<u8>> = (0..world)
                 .map(|a| vec![0u8; recv_counts(a).iter().sum::<usize>() * row_bytes])
                 .collect();
-            let plans: Vec<_> = (0..world)
-                .map(|a| {
-                    let (sends, recvs) = rows_of(a);
-                    hop_rounds(&t, a, &sends, &recvs, row_bytes, 8, 0, 0).unwrap()
-                })
-                .collect();
-            for c in 0..8 {
-                for a in 0..world {
-                    for s in &plans[a][c].sends {
-                        let d = plans[s.peer][c].recvs.iter().find(|r| r.peer == a).unwrap();
-                        let (src, dst) = (s.src as usize, d.dst as usize);
-                        land[s.peer][dst..dst + s.bytes]
-                            .copy_from_slice(&send[a][src..src + s.bytes]);
-                    }
+            // Rows before each node's stream (0 rows at the own node).
+            let starts = |rows: &[usize]| -> Vec<usize> {
+                rows.iter()
+                    .scan(0, |at, &r| {
+                        *at += r;
+                        Some(*at - r)
+                    })
+                    .collect()
+            };
+            for a in 0..world {
+                let (sends, me) = (rows_of(a).0, t.node_of(a));
+                let send_at = starts(&sends);
+                for m in (0..n).filter(|&m| m != me) {
+                    let peer = t.rail_peer(a, m);
+                    let recvs = recv_counts(peer);
+                    assert_eq!(recvs[me], sends[m], "{n} x {g} seed {seed}: {a} to {peer}");
+                    let (src, dst) = (send_at[m] * row_bytes, starts(&recvs)[me] * row_bytes);
+                    let bytes = sends[m] * row_bytes;
+                    land[peer][dst..dst + bytes].copy_from_slice(&send[a][src..src + bytes]);
                 }
             }
             for m in 0..n {
@@ -912,7 +867,7 @@ fn prop_pack_hop_and_land_make_the_forward_batches() {
 /// nodes ascending: bit for bit `combine_two_level_emulated`.
 #[test]
 fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
-    use moe_ep::ops::hop_plan::{hop_rounds_at, hop_rows, HopRound, HopSide};
+    use moe_ep::ops::hop_plan::hop_rows;
     let mut compared = 0;
     for_each_combine(&[(4, 2), (8, 4), (8, 2), (8, 1)], 0x5EA1, |c| {
         let (shape, t, h) = (c.shape, c.t, c.shape.hidden);
@@ -967,11 +922,11 @@ fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
         let want =
             combine_two_level_emulated(shape, t, c.inputs, c.out, c.home, c.layout, c.weighted)
                 .unwrap();
-        // The return hop on the host: every rank of the home's rail sends
-        // the home of each other node its segment of its partials (the
-        // segments lie in node order, its own among them), moved by
-        // hop_rounds_at into the homes' landing ranges (streams back to
-        // back, nodes ascending), 2H bytes a row.
+        // The return hop on the host: every rank of the home's rail on
+        // another node sends the home its segment of its partials (the
+        // segments lie in node order, its own among them), whole, into the
+        // home's landing range (streams back to back, nodes ascending), 2H
+        // bytes a row.
         let (n, i, me) = (t.nodes(), t.local_index(c.home), t.node_of(c.home));
         let streams: Vec<NodeStreams> = (0..t.world())
             .map(|a| node_streams(shape, t, c.inputs, a).unwrap())
@@ -988,43 +943,22 @@ fn prop_node_combines_then_the_node_sum_are_the_two_level_combine() {
                 .collect()
         };
         let row = 2 * h;
-        let plans: Vec<Vec<HopRound>> = (0..n)
-            .map(|m| {
-                let (own_streams, from_homes) = hop_rows(t, rail(m), &lens).unwrap();
-                let segments: Vec<usize> = (0..n).map(|nd| streams[rail(nd)].len[m]).collect();
-                let (seg_at, land_at) = (starts(&segments), starts(&own_streams));
-                let send = HopSide {
-                    rows: &from_homes,
-                    at: &seg_at,
-                    base: 0,
-                };
-                let recv = HopSide {
-                    rows: &own_streams,
-                    at: &land_at,
-                    base: 0,
-                };
-                hop_rounds_at(t, rail(m), send, recv, row, 4).unwrap()
-            })
-            .collect();
         let partial_bytes: Vec<Vec<u8>> = node_sums
             .iter()
             .map(|p| p.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect())
             .collect();
         let (own_streams, recv_rows) = hop_rows(t, c.home, &lens).unwrap();
-        let mut land = vec![0u8; own_streams.iter().sum::<usize>() * row];
-        for c_round in 0..4 {
-            for (m, plan) in plans.iter().enumerate() {
-                for snd in plan[c_round].sends.iter().filter(|snd| snd.peer == c.home) {
-                    let r = plans[me][c_round].recvs.iter().find(|r| r.peer == rail(m));
-                    let r = r.expect("the home receives what its rail peer sends");
-                    assert_eq!(r.bytes, snd.bytes);
-                    let (src, dst) = (snd.src as usize, r.dst as usize);
-                    land[dst..dst + snd.bytes]
-                        .copy_from_slice(&partial_bytes[m][src..src + snd.bytes]);
-                }
-            }
-        }
         let land_at = starts(&own_streams);
+        let mut land = vec![0u8; own_streams.iter().sum::<usize>() * row];
+        for m in (0..n).filter(|&m| m != me) {
+            // Rail peer rail(m)'s rows from each node, its home segment among them.
+            let (_, from_homes) = hop_rows(t, rail(m), &lens).unwrap();
+            let segments: Vec<usize> = (0..n).map(|nd| streams[rail(nd)].len[m]).collect();
+            assert_eq!(from_homes[me], own_streams[m], "the home gets what it sent");
+            let (src, dst) = (starts(&segments)[me] * row, land_at[m] * row);
+            let bytes = own_streams[m] * row;
+            land[dst..dst + bytes].copy_from_slice(&partial_bytes[m][src..src + bytes]);
+        }
         let landed: Vec<Vec<bf16>> = (0..n)
             .map(|m| {
                 let bytes = &land[land_at[m] * row..(land_at[m] + own_streams[m]) * row];

@@ -15,9 +15,6 @@ use crate::kernels::MODULES;
 pub struct Module {
     name: &'static str,
     raw: sys::CUmodule,
-    /// Which image loaded: "sm_90a cubin" or "compute_90 PTX".
-    #[cfg_attr(not(feature = "raw"), allow(dead_code))] // read by the raw tools only
-    pub image: &'static str,
     funcs: Mutex<HashMap<&'static str, sys::CUfunction>>,
     ctx: Arc<CudaContext>,
 }
@@ -55,27 +52,25 @@ impl Module {
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
         // SAFETY: the images are complete cubin / NUL-terminated PTX from build.rs.
-        let (raw, image) =
-            match unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) } {
-                Ok(m) => (m, "sm_90a cubin"),
-                Err(cubin_err) => {
-                    match unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) } {
-                        Ok(m) => (m, "compute_90 PTX"),
-                        Err(ptx_err) => {
-                            return Err(Error::Module {
-                                module: name,
-                                detail: format!(
+        let raw = match unsafe { result::module::load_data(cubin.as_ptr() as *const c_void) } {
+            Ok(m) => m,
+            Err(cubin_err) => {
+                match unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) } {
+                    Ok(m) => m,
+                    Err(ptx_err) => {
+                        return Err(Error::Module {
+                            module: name,
+                            detail: format!(
                         "cubin: {cubin_err}; PTX: {ptx_err} (moe-ep needs an sm_90 or newer GPU)"
                     ),
-                            })
-                        }
+                        })
                     }
                 }
-            };
+            }
+        };
         Ok(Module {
             name,
             raw,
-            image,
             funcs: Mutex::new(HashMap::new()),
             ctx: ctx.clone(),
         })

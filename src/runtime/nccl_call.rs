@@ -1,11 +1,12 @@
 //! Thin checked NCCL calls.
 //!
-//! One function per C call of [`crate::sys::nccl::NcclLib`]: it loads the
-//! library on first use, converts integer arguments, and turns a code other
-//! than `ncclSuccess` into [`Error::Nccl`] with NCCL's own message. Counts are
-//! in elements of `datatype`, sizes and offsets in bytes, ranks are world
-//! ranks. Device buffers are raw device addresses as `*const/*mut c_void`;
-//! streams are CUDA streams (`CUstream` cast to `*mut c_void`).
+//! One function per C call of [`crate::sys::nccl::NcclLib`] that the crate,
+//! its tools or the C ABI make: it loads the library on first use, converts
+//! integer arguments, and turns a code other than `ncclSuccess` into
+//! [`Error::Nccl`] with NCCL's own message. Counts are in elements of
+//! `datatype`, sizes and offsets in bytes, ranks are world ranks. Device
+//! buffers are raw device addresses as `*const/*mut c_void`; streams are
+//! CUDA streams (`CUstream` cast to `*mut c_void`).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt;
@@ -13,8 +14,8 @@ use std::ptr;
 
 use crate::error::{Error, Result};
 use crate::sys::nccl::{
-    cudaStream_t, nccl, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclSuccess,
-    ncclUniqueId, ncclWindow_t, NcclConfig, NCCL_UNIQUE_ID_BYTES,
+    cudaStream_t, nccl, ncclComm_t, ncclDataType_t, ncclResult_t, ncclSuccess, ncclUniqueId,
+    ncclWindow_t, NCCL_UNIQUE_ID_BYTES,
 };
 
 /// `comm` argument of [`check`] for calls without a communicator: NCCL's
@@ -110,26 +111,6 @@ pub unsafe fn comm_init_rank(world: usize, id: ncclUniqueId, rank: usize) -> Res
     Ok(comm)
 }
 
-/// As [`comm_init_rank`] with a configuration (`ncclCommInitRankConfig`).
-///
-/// # Safety
-/// As [`comm_init_rank`]; in addition `config` must come from
-/// [`NcclConfig::initializer`] and its string fields must be null or valid
-/// NUL-terminated strings.
-pub unsafe fn comm_init_rank_config(
-    world: usize,
-    id: ncclUniqueId,
-    rank: usize,
-    config: &mut NcclConfig,
-) -> Result<ncclComm_t> {
-    let lib = nccl()?;
-    let (world, rank) = (int_arg("world", world)?, int_arg("rank", rank)?);
-    let mut comm: ncclComm_t = ptr::null_mut();
-    let rc = (lib.comm_init_rank_config)(&mut comm, world, id, rank, config);
-    check("ncclCommInitRankConfig", rc, NO_COMM)?;
-    Ok(comm)
-}
-
 /// The ranks of `comm` that give the same `color` as a new communicator,
 /// ranked by `key` (`ncclCommSplit`, the parent's configuration inherited).
 /// Collective over `comm`.
@@ -200,10 +181,12 @@ pub unsafe fn comm_count(comm: ncclComm_t) -> Result<usize> {
     int_out("ncclCommCount", v)
 }
 
-/// CUDA device ordinal the communicator runs on (`ncclCommCuDevice`).
+/// CUDA device ordinal the communicator runs on (`ncclCommCuDevice`; for the
+/// C ABI, through the feature `raw`).
 ///
 /// # Safety
 /// `comm` must be a live communicator (NCCL rejects null).
+#[cfg(feature = "raw")]
 pub unsafe fn comm_cu_device(comm: ncclComm_t) -> Result<usize> {
     let lib = nccl()?;
     let mut v: c_int = 0;
@@ -342,18 +325,20 @@ pub unsafe fn recv(
 }
 
 /// Reduces `count` elements across ranks with `op` into `recv` on every rank
-/// (`ncclAllReduce`; in place when `send == recv`).
+/// (`ncclAllReduce`; in place when `send == recv`; for the testkit and the
+/// raw API).
 ///
 /// # Safety
 /// `comm` must be live; `send`/`recv` must be device memory of `count`
 /// elements each, valid until `stream` has run the call; `stream` must be a
 /// live stream of the communicator's device.
+#[cfg(any(feature = "raw", feature = "testkit"))]
 pub unsafe fn all_reduce(
     send: *const c_void,
     recv: *mut c_void,
     count: usize,
     datatype: ncclDataType_t,
-    op: ncclRedOp_t,
+    op: crate::sys::nccl::ncclRedOp_t,
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> Result<()> {
@@ -366,7 +351,9 @@ pub unsafe fn all_reduce(
 /// (`ncclAllGather`).
 ///
 /// # Safety
-/// As [`all_reduce`], with `recv` holding `world * send_count` elements.
+/// `comm` must be live; `send` must be device memory of `send_count`
+/// elements and `recv` of `world * send_count`, valid until `stream` has run
+/// the call; `stream` must be a live stream of the communicator's device.
 pub unsafe fn all_gather(
     send: *const c_void,
     recv: *mut c_void,
@@ -378,44 +365,6 @@ pub unsafe fn all_gather(
     let lib = nccl()?;
     let rc = (lib.all_gather)(send, recv, send_count, datatype, comm, stream);
     check("ncclAllGather", rc, Some(comm))
-}
-
-/// Copies `count` elements from `send` on rank `root` to `recv` on every rank
-/// (`ncclBroadcast`; `send` is read on `root` only).
-///
-/// # Safety
-/// As [`all_reduce`].
-pub unsafe fn broadcast(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: usize,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> Result<()> {
-    let lib = nccl()?;
-    let root = int_arg("root", root)?;
-    let rc = (lib.broadcast)(send, recv, count, datatype, root, comm, stream);
-    check("ncclBroadcast", rc, Some(comm))
-}
-
-/// Sends block `j` (`count` elements) of `send` to rank `j` and receives
-/// rank `j`'s block into block `j` of `recv` (`ncclAlltoAll`).
-///
-/// # Safety
-/// As [`all_reduce`], with `send` and `recv` holding `world * count` elements.
-pub unsafe fn all_to_all(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> Result<()> {
-    let lib = nccl()?;
-    let rc = (lib.all_to_all)(send, recv, count, datatype, comm, stream);
-    check("ncclAlltoAll", rc, Some(comm))
 }
 
 /// Load/store address of byte `offset` of window `win` on world rank `peer`
