@@ -14,7 +14,7 @@
 #      NCCL's own send / receive of the same bytes (the rail-hop row), the
 #      ops in 512-row chunks against one chunk (the overlap's gain), and
 #      the C++ example if .gpu/ex/ holds it (examples/cpp/intranode and
-#      target/release/libmoe_ep.so beside it).
+#      libmoe_ep.so.1 from capi/install.sh beside it, or on LD_LIBRARY_PATH).
 # Logs land in $OUT (or /tmp), one file per step; the summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
