@@ -407,7 +407,7 @@ pub struct LlSignal {
 
 /// The low-latency buffers as the kernels see them (`LlBufs` in abi.cuh):
 /// base addresses, the bytes of one set, and each region's byte offset
-/// inside a set (see `src/ops/low_latency.rs` for the sizes).
+/// inside a set (see `src/ops/low_latency/` for the sizes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LlBufs {

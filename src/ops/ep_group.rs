@@ -1,10 +1,9 @@
 //! [`EpGroup`], the one expert-parallel group of every world, and its
 //! [`Handle`]. The group picks its path from
 //! [`GroupConfig::ranks_per_node`]: one node runs the NVLink path (the
-//! node's high-throughput ops: `group.rs`, `layout.rs`, `dispatch.rs`,
-//! `combine.rs`; the low-latency ops: `low_latency.rs`), several nodes the
-//! two-level path (`two_level.rs`: the network hop between rail peers, then
-//! the node's ops). Every op here is the path's own, with its arguments,
+//! node's high-throughput ops in `ops/node/`, the low-latency ops in
+//! `ops/low_latency/`), several nodes the two-level path (`ops/two_level/`:
+//! the network hop between rail peers, then the node's ops). Every op here is the path's own, with its arguments,
 //! errors and results.
 //!
 //! Tests: tests/gpu_intranode.rs, tests/gpu_low_latency.rs and
@@ -19,9 +18,10 @@ use half::bf16;
 use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
 };
-use super::group::{GroupConfig, NodeGroup};
-use super::handle::{HostCounts, NodeHandle};
-use super::low_latency::{LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle};
+use super::config::GroupConfig;
+use super::low_latency::handle::{LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle};
+use super::node::group::NodeGroup;
+use super::node::handle::{HostCounts, NodeHandle};
 use super::two_level::{TwoLevelHandle, TwoLevelPath};
 use crate::error::{Error, Result};
 use crate::runtime::Communicator;
@@ -299,7 +299,7 @@ impl EpGroup {
     /// Backward of dispatch: the gradient of the received tokens is combined
     /// home (unweighted), and the gradient of the received top-k weights is
     /// routed back to `[T, K]` (`grad_topk_weights`, when given). As in
-    /// [`NodeGroup::combine`], rank-major gradients in symmetric memory (both of
+    /// [`EpGroup::combine`](Self::combine), rank-major gradients in symmetric memory (both of
     /// them, when weights are given) are read in place by their home ranks.
     pub fn dispatch_backward(
         &self,
@@ -340,9 +340,9 @@ impl EpGroup {
     // ---- low latency: one node only (several refuse, naming ranks_per_node) ----
 
     /// Sends this rank's tokens to the ranks of their experts (the first
-    /// half of [`NodeGroup::ll_dispatch`], which has the arguments); returns
+    /// half of [`EpGroup::ll_dispatch`](Self::ll_dispatch), which has the arguments); returns
     /// at once, without waiting for the other ranks. Put other work on the
-    /// stream, then [`NodeGroup::ll_dispatch_wait`]. The batch takes the
+    /// stream, then [`EpGroup::ll_dispatch_wait`](Self::ll_dispatch_wait). The batch takes the
     /// group's next buffer set: refused while that set's previous batch is
     /// not combined.
     pub fn ll_dispatch_send(
@@ -356,7 +356,7 @@ impl EpGroup {
 
     /// Waits (on the stream, bounded by the group's timeout) for every
     /// rank's rows of a sent dispatch and lays them out: the second half of
-    /// [`NodeGroup::ll_dispatch`].
+    /// [`EpGroup::ll_dispatch`](Self::ll_dispatch).
     pub fn ll_dispatch_wait(
         &self,
         stream: &Arc<CudaStream>,
@@ -375,7 +375,7 @@ impl EpGroup {
     /// local expert ids (`-1` = not here) and weights. The bits are
     /// [`crate::reference::ll_dispatch`]'s; see [`LlHandle`] for the outputs.
     ///
-    /// - `x`: `[T, H]` bf16 rows, or the caller's fp8 rows ([`LlInput`]).
+    /// - `x`: `[T, H]` bf16 rows, or the caller's fp8 rows ([`LlInput`](crate::LlInput)).
     /// - `topk_idx`: `[T, topk]` i32 or i64 global expert ids, `-1` = not
     ///   routed; `T <= max_tokens_per_rank` (`T = 0` is fine). An id outside
     ///   `[-1, E)` or repeated in a token is found on the device: every
@@ -399,8 +399,8 @@ impl EpGroup {
     }
 
     /// Sends this rank's expert outputs home (the first half of
-    /// [`NodeGroup::ll_combine`], whose docs say what `expert_out` holds);
-    /// returns at once. Then [`NodeGroup::ll_combine_wait`].
+    /// [`EpGroup::ll_combine`](Self::ll_combine), whose docs say what `expert_out` holds);
+    /// returns at once. Then [`EpGroup::ll_combine_wait`](Self::ll_combine_wait).
     pub fn ll_combine_send(
         &self,
         stream: &Arc<CudaStream>,
@@ -412,7 +412,7 @@ impl EpGroup {
     }
 
     /// Waits (bounded) for every rank's rows of a sent combine and sums them
-    /// into `out` (the second half of [`NodeGroup::ll_combine`]).
+    /// into `out` (the second half of [`EpGroup::ll_combine`](Self::ll_combine)).
     pub fn ll_combine_wait(
         &self,
         stream: &Arc<CudaStream>,
@@ -433,7 +433,7 @@ impl EpGroup {
     ///   (token, expert), unweighted. Rank-major: per token, the sum of this
     ///   rank's experts' weighted outputs. The rows of this rank's own tokens
     ///   are not copied: the sum reads them here, in place (the two-phase
-    ///   form copies them in [`NodeGroup::ll_combine_send`], so that
+    ///   form copies them in [`EpGroup::ll_combine_send`](Self::ll_combine_send), so that
     ///   `expert_out` may be reused before the wait).
     /// - `weights`: expert-major only, `[T, K]` f32 applied on this (the
     ///   home) rank, `out[t] = sum over k ascending of w[t, k] * row(t, k)`;

@@ -1,20 +1,23 @@
 //! The group and its ops: layout, dispatch, combine, their backward
 //! passes, and the low-latency mode.
 //!
-//! [`EpGroup`] and [`Handle`] (`ep_group.rs`) pick the path of a world:
-//! - one node, NVLink: the group, its kernels and its per-op entry in
-//!   `group.rs` and `handle.rs`; [`layout`](EpGroup::layout) in `layout.rs`
+//! [`EpGroup`] and [`Handle`] (`ep_group.rs`) pick the path of a world,
+//! one folder each:
+//! - `node/`: one node, NVLink: the group, its kernels, an op's turn and
+//!   the device's errors; [`layout`](EpGroup::layout) in `layout_op.rs`
 //!   (`kernels-cuda/layout.cu`), [`dispatch`](EpGroup::dispatch) and the
-//!   combine backward in `dispatch.rs` (`dispatch.cu`),
+//!   combine backward in `dispatch_op.rs` (`dispatch.cu`),
 //!   [`combine`](EpGroup::combine) and the dispatch backward in
-//!   `combine.rs` (`combine_pull.cu`, `combine_push.cu`); the low-latency
-//!   ops in `low_latency.rs` (`low_latency.cu`);
-//! - several nodes: the two-level path in `two_level.rs`
-//!   (`kernels-cuda/two_level.cu`), the network hop between rail peers
-//!   (`RailHop`, public with the feature `raw`) in `rail_hop.rs`, its chunk
-//!   plans in `hop_plan.rs`.
+//!   `combine_op.rs` (`combine_pull.cu`, `combine_push.cu`);
+//! - `low_latency/`: the low-latency ops of a one-node group of
+//!   [`Mode::LowLatency`] (`low_latency.cu`): its buffers, handle and ops;
+//! - `two_level/`: several nodes (`kernels-cuda/two_level.cu`): the row
+//!   plan, the path's group and ops, the network hop between rail peers
+//!   (`RailHop`, public with the feature `raw`) in `rail_hop.rs`, its rows
+//!   per rail peer in `hop_plan.rs`.
 //!
-//! Beside them: the buffer types in `buffers.rs`, the parameter structs the
+//! Beside them, used by every path: [`GroupConfig`] and [`Mode`] in
+//! `config.rs`, the buffer types in `buffers.rs`, the parameter structs the
 //! kernels see in `abi.rs` (mirrors of `kernels-cuda/abi.cuh`), the
 //! residency check in `residency.rs`; the layouts and [`Topology`] live in
 //! [`crate::types`].
@@ -41,24 +44,10 @@
 
 pub(crate) mod abi;
 mod buffers;
-mod combine;
-mod dispatch;
+mod config;
 mod ep_group;
-mod group;
-mod handle;
-// the inter-node hop's rows per rail peer (public for the reference tests)
-#[cfg(feature = "raw")]
-pub mod hop_plan;
-#[cfg(not(feature = "raw"))]
-mod hop_plan;
-mod layout;
 mod low_latency;
-#[cfg(feature = "raw")]
-pub mod rail_hop;
-#[cfg(not(feature = "raw"))]
-#[cfg_attr(not(feature = "raw"), allow(dead_code))]
-// the inter-node path's hop (some of its accessors serve the raw API only)
-pub(crate) mod rail_hop;
+mod node;
 mod residency;
 mod two_level;
 
@@ -70,14 +59,17 @@ pub const MAX_NODE_RANKS: usize = abi::MAX_RANKS;
 pub use buffers::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
 };
+pub use config::{GroupConfig, Mode, DEFAULT_HOP_CHUNK_ROWS};
 pub use ep_group::{EpGroup, Handle};
-pub use group::{GroupConfig, Mode};
-pub use handle::HostCounts;
 pub use low_latency::{
     ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
     LlInput, LlView,
 };
-#[cfg(feature = "raw")]
-pub use rail_hop::{HopRecv, HopSend, RailHop};
+pub use node::HostCounts;
 pub use residency::{residency, Residency};
-pub use two_level::DEFAULT_HOP_CHUNK_ROWS;
+#[cfg(feature = "raw")]
+pub use two_level::hop_plan;
+#[cfg(feature = "raw")]
+pub use two_level::rail_hop;
+#[cfg(feature = "raw")]
+pub use two_level::rail_hop::{HopRecv, HopSend, RailHop};

@@ -106,7 +106,7 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
 /// virtual ranks on one H200), for a group of either mode (the
 /// low-latency kernels are counted too).
 pub fn residency(comm: &Arc<Communicator>, num_experts: usize) -> Result<Residency> {
-    let k = super::group::Kernels::load(comm, super::group::Mode::LowLatency)?;
+    let k = super::node::kernels::Kernels::load(comm, super::config::Mode::LowLatency)?;
     measure(comm, &k.with_smem(num_experts))
 }
 

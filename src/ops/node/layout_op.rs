@@ -1,7 +1,8 @@
 //! The layout op ([`EpGroup::layout`](crate::EpGroup::layout)): from a batch's routing, every
 //! token's row on every receiver and the count matrix of all ranks, kept in
-//! a [`Handle`](crate::Handle); the kernels' view of a [`RecvLayout`] (defined in
-//! `src/types/`, below both the ops and the CPU reference).
+//! a [`Handle`](crate::Handle), and the routing checks every path's layout
+//! makes (`tokens_of_routing`). The kernels' view of a [`RecvLayout`] and
+//! the exchange's shared memory are in `kernels.rs`.
 //!
 //! Kernels: `kernels-cuda/layout.cu` (`moe_ep_layout_scan_i32` / `_i64`: the
 //! scan, then the exchange in the scan's last block). Tests:
@@ -13,58 +14,17 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::abi::{
-    desc, layout_check_blocks, layout_info_len, LayoutKind, LayoutParams, MAX_TOPK, SCAN_EXPERTS,
-    SCAN_THREADS,
-};
-use super::buffers::TopkIdx;
-use super::group::{GroupConfig, NodeGroup, MAX_EXPERTS};
-use super::handle::{ArenaOffsets, NodeHandle, OpTurn};
+use super::group::NodeGroup;
+use super::handle::{ArenaOffsets, NodeHandle};
+use super::kernels::exchange_smem;
+use super::turn::OpTurn;
 use crate::error::{Error, Result};
+use crate::ops::abi::{
+    desc, layout_check_blocks, layout_info_len, LayoutParams, MAX_TOPK, SCAN_EXPERTS, SCAN_THREADS,
+};
+use crate::ops::buffers::TopkIdx;
+use crate::ops::config::GroupConfig;
 use crate::types::RecvLayout;
-
-/// Largest expert-major alignment the kernels take.
-const MAX_ALIGNMENT: usize = 4096;
-
-impl RecvLayout {
-    /// The kernels' view: the layout kind and the alignment in rows (1 for
-    /// rank-major). Handles are made by [`EpGroup::layout`](crate::EpGroup::layout), which checked
-    /// the alignment ([`RecvLayout::check_for_kernels`]).
-    pub(crate) fn kind(self) -> (LayoutKind, i32) {
-        match self {
-            RecvLayout::RankMajor => (LayoutKind::RankMajor, 1),
-            RecvLayout::ExpertMajor { alignment } => (LayoutKind::ExpertMajor, alignment as i32),
-        }
-    }
-
-    /// Refuses an alignment the kernels cannot take, naming `layout`.
-    pub(crate) fn check_for_kernels(self) -> Result<()> {
-        match self {
-            RecvLayout::ExpertMajor { alignment }
-                if alignment == 0 || alignment > MAX_ALIGNMENT =>
-            {
-                Err(Error::arg(
-                    "layout",
-                    format!("ExpertMajor alignment in 1..={MAX_ALIGNMENT}"),
-                    alignment,
-                ))
-            }
-            _ => Ok(()),
-        }
-    }
-}
-
-/// Dynamic shared memory of the layout exchange (every scan block asks for
-/// it; the last one runs the exchange): two int32 per expert.
-pub(crate) fn exchange_smem(num_experts: usize) -> u32 {
-    (2 * num_experts * 4) as u32
-}
-
-/// The most [`exchange_smem`] asks for: 128 KiB at [`MAX_EXPERTS`], above
-/// the 48 KiB a launch gets without raising the kernel's limit.
-pub(crate) fn exchange_smem_limit() -> u32 {
-    exchange_smem(MAX_EXPERTS)
-}
 
 /// The tokens of a `[T, topk]` routing of `idx_len` entries, after the
 /// checks every layout makes: `topk` in `1..=MAX_TOPK` and at most the
@@ -193,18 +153,5 @@ impl NodeGroup {
         }
         turn.launched.set(true);
         Ok(handle)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exchange_smem_is_two_words_per_expert_up_to_the_limit() {
-        assert_eq!(exchange_smem(256), 2 * 256 * 4);
-        // The most experts: 128 KiB, what the exchange's limit is raised to.
-        assert_eq!(exchange_smem(MAX_EXPERTS), 128 * 1024);
-        assert_eq!(exchange_smem_limit(), 128 * 1024);
     }
 }

@@ -14,13 +14,14 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::abi::{desc, DispatchParams, DESC_WORDS, MAX_RANKS, THREADS};
-use super::buffers::{
+use super::group::NodeGroup;
+use super::handle::NodeHandle;
+use super::turn::OnTurn;
+use crate::error::{Error, Result};
+use crate::ops::abi::{desc, DispatchParams, DESC_WORDS, MAX_RANKS, THREADS};
+use crate::ops::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
 };
-use super::group::NodeGroup;
-use super::handle::{NodeHandle, OnTurn};
-use crate::error::{Error, Result};
 use crate::symm::SymmBuffer;
 use crate::types::RecvLayout;
 

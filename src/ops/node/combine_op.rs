@@ -17,11 +17,12 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
-use super::buffers::{DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, Peers, ROW_ALIGN};
 use super::group::NodeGroup;
-use super::handle::{NodeHandle, OnTurn, OpTurn};
+use super::handle::NodeHandle;
+use super::turn::{OnTurn, OpTurn};
 use crate::error::{Error, Result};
+use crate::ops::abi::{desc, CombineParams, COMBINE_SMEM, DESC_WORDS, EM_COMBINE_SMEM, THREADS};
+use crate::ops::buffers::{DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, Peers, ROW_ALIGN};
 use crate::types::RecvLayout;
 
 /// Every rank's expert outputs (and weight gradients, when they travel) as

@@ -1,6 +1,6 @@
 //! The two-level path's network hop between rail peers: how many rows each
 //! rank sends to and receives from each of its rail peers ([`hop_rows`]),
-//! from the stream lengths every rank's layout gives. `two_level.rs` plans
+//! from the stream lengths every rank's layout gives. `two_level/plan.rs` plans
 //! the hop's chunks from them (`docs/rdma-model.md`, "Pipelining").
 //!
 //! Tests: the unit tests below, and against `reference::two_level_traffic`

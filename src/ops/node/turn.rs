@@ -1,214 +1,30 @@
-//! [`Handle`](crate::Handle): the routing of one batch, computed by [`EpGroup::layout`](crate::EpGroup::layout)
-//! and reused by its dispatch, combine and both backward passes; the
-//! device arrays it owns (one arena per layout, plus the expert-major
-//! receivers' `meta` in symmetric memory), [`HostCounts`], and the
-//! [`OpCommon`] every kernel's parameters start with.
+//! An op's turn on the one-node group: [`OpTurn`] (held while the op
+//! checks its arguments and enqueues its kernels), the entry every op
+//! starts with ([`NodeGroup::op`]: the group's turn and call number, the
+//! error an earlier call left, the stream's context, the handle), the
+//! refusal that tells the peers when an op fails before it launched
+//! ([`Refuse`]), the ordering of the op with its buffers' streams, the
+//! checks of the buffers themselves (length, alignment, device memory of
+//! the group's GPU: [`NodeGroup::check_region`]; symmetric and located:
+//! [`NodeGroup::located`]) and what every kernel's parameters start with
+//! ([`NodeGroup::op_common`]).
 //!
-//! Tests: `tests/gpu_intranode.rs` (`host_counts` against the CPU
-//! reference in every case; pipelined handles; a handle of another group
-//! refused).
+//! Kernels: `moe_ep_publish_refusal` (`kernels-cuda/layout.cu`). Tests:
+//! `tests/gpu_intranode.rs` (refused calls on one rank; zero copy into
+//! caller buffers; a plain buffer refused with `Error::NotSymmetric`; a
+//! handle of another group refused).
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use cudarc::driver::CudaStream;
 
-use super::abi::{
-    self, count_row, desc, info_offsets, LayoutBufs, OpCommon, RefusalParams, DESC_WORDS,
-    SCAN_THREADS,
-};
-use super::buffers::DeviceRegion;
-use super::group::NodeGroup;
+use super::group::{NodeGroup, OpStreams, Turns};
+use super::handle::NodeHandle;
 use crate::error::{Error, Result};
+use crate::ops::abi::{self, desc, OpCommon, RefusalParams, DESC_WORDS, MAX_RANKS, SCAN_THREADS};
+use crate::ops::buffers::{check_len, DeviceRegion, DeviceRegionMut, Peers, RecvBuf};
 use crate::runtime::nvtx::{self, Range};
-use crate::symm::SymmBuffer;
-use crate::types::RecvLayout;
-use std::sync::atomic::Ordering;
-
-/// The routing of one batch, computed by [`EpGroup::layout`](crate::EpGroup::layout) and reused by
-/// its dispatch, combine and both backward passes.
-pub struct NodeHandle {
-    pub(crate) layout: RecvLayout,
-    pub(crate) num_tokens: usize,
-    pub(crate) topk: usize,
-    /// One stream-ordered allocation (one alloc, one memset per layout):
-    /// the normalised routing `[T, K]`, rank positions `[T, R]`, expert
-    /// positions `[T, K]` and the info words, at `arena_at`.
-    pub(crate) arena: CudaSlice<i32>,
-    pub(crate) arena_at: ArenaOffsets,
-    /// Expert-major: per received token, the rows of its experts here
-    /// (`[R * max_tokens, K]`, written by the senders, so symmetric).
-    /// Allocated for every layout (`[R * max_tokens, MAX_TOPK]`) so that
-    /// every rank's pool allocations match whatever layout each asked for;
-    /// unused by rank-major handles.
-    pub(crate) meta: SymmBuffer<i32>,
-    /// Set once a dispatch or combine backward of this handle is enqueued:
-    /// they write `meta` (on every rank) before the expert-major combine
-    /// and dispatch backward can read it.
-    pub(crate) meta_written: std::sync::atomic::AtomicBool,
-    /// The group whose layout made it ([`NodeGroup::id`]).
-    pub(crate) group: u64,
-    /// Its layout's call number: the handle's id in every op's descriptor
-    /// (the same on every rank for the same layout call).
-    pub(crate) id: u64,
-    /// The group's count of cleared errors when it was made (a handle of
-    /// an earlier count is refused).
-    pub(crate) epoch: u64,
-    pub(crate) world: usize,
-    pub(crate) experts: usize,
-}
-
-impl NodeHandle {
-    /// Expert-major: every rank's `meta` as mapped here (the senders of a
-    /// dispatch write them); zeros for rank-major.
-    pub(crate) fn meta_peers(&self) -> Result<[u64; super::abi::MAX_RANKS]> {
-        let mut peers = [0u64; super::abi::MAX_RANKS];
-        if matches!(self.layout, RecvLayout::ExpertMajor { .. }) {
-            for (rank, p) in peers.iter_mut().enumerate().take(self.world) {
-                *p = self.meta.peer_ptr(rank).ok_or_else(|| {
-                    Error::InvalidState(format!("meta buffer of rank {rank} not reachable"))
-                })?;
-            }
-        }
-        Ok(peers)
-    }
-}
-
-/// Where each of a handle's arrays starts in its arena (i32 elements, each
-/// start a multiple of 64 elements).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ArenaOffsets {
-    topk_norm: usize,
-    rank_pos: usize,
-    expert_pos: usize,
-    info: usize,
-    info_len: usize,
-    pub(crate) total: usize,
-}
-
-impl ArenaOffsets {
-    pub(crate) fn new(t: usize, k: usize, r: usize, info_len: usize) -> ArenaOffsets {
-        let up = |n: usize| n.max(1).div_ceil(64) * 64;
-        let rank_pos = up(t * k);
-        let expert_pos = rank_pos + up(t * r);
-        let info = expert_pos + up(t * k);
-        ArenaOffsets {
-            topk_norm: 0,
-            rank_pos,
-            expert_pos,
-            info,
-            info_len,
-            total: info + up(info_len),
-        }
-    }
-}
-
-/// The count matrix of a handle, copied to the host on request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HostCounts {
-    /// Rows received here in the handle's layout (expert-major: padded).
-    pub recv_rows: usize,
-    /// Tokens received here (one per (source token, this rank)).
-    pub recv_tokens: usize,
-    /// (token, expert) pairs per local expert, unpadded.
-    pub tokens_per_local_expert: Vec<usize>,
-    /// `rank_counts[s * R + d]`: tokens rank s sends to rank d.
-    pub rank_counts: Vec<u32>,
-    /// `expert_counts[s * E + e]`: tokens rank s sends to expert e.
-    pub expert_counts: Vec<u32>,
-}
-
-impl NodeHandle {
-    /// Tests only (feature `testkit`): the expert-major receivers' rows of
-    /// each received token here, as the senders wrote them (`[R * M, K]`),
-    /// for fault tests that corrupt what a peer wrote.
-    #[cfg(feature = "testkit")]
-    #[doc(hidden)]
-    pub fn meta_for_tests(&self) -> &SymmBuffer<i32> {
-        &self.meta
-    }
-    /// The receive layout this handle was computed for.
-    pub fn layout(&self) -> RecvLayout {
-        self.layout
-    }
-    /// Tokens of this rank.
-    pub fn num_tokens(&self) -> usize {
-        self.num_tokens
-    }
-    /// Top-k.
-    pub fn topk(&self) -> usize {
-        self.topk
-    }
-    /// Unpadded (token, expert) rows per local expert, on the device (i32).
-    pub fn tokens_per_local_expert(&self) -> CudaView<'_, i32> {
-        let el = self.experts / self.world;
-        let o = info_offsets(self.world, self.experts, el);
-        let at = self.arena_at.info;
-        self.arena
-            .slice(at + o.expert_count..at + o.expert_count + el)
-    }
-    fn info(&self) -> CudaView<'_, i32> {
-        let a = self.arena_at;
-        self.arena.slice(a.info..a.info + a.info_len)
-    }
-    /// Copies the counts to the host (synchronises `stream`).
-    pub fn host_counts(&self, stream: &Arc<CudaStream>) -> Result<HostCounts> {
-        // NOTE: the stream is drained before the copy into pageable memory:
-        // the driver moves pageable copies of all threads through shared
-        // staging buffers, so a copy waiting here behind this rank's kernels
-        // (which wait for the other ranks) would hold up a virtual sibling's
-        // own copies, and with them its next launch.
-        stream
-            .synchronize()
-            .map_err(Error::cuda("cuStreamSynchronize"))?;
-        let info: Vec<i32> = stream
-            .clone_dtoh(&self.info())
-            .map_err(Error::cuda("cuMemcpyDtoH"))?;
-        stream
-            .synchronize()
-            .map_err(Error::cuda("cuStreamSynchronize"))?;
-        let (r, e) = (self.world, self.experts);
-        let el = e / r;
-        let o = info_offsets(r, e, el);
-        let n = count_row(r, e);
-        let mut rank_counts = vec![0u32; r * r];
-        let mut expert_counts = vec![0u32; r * e];
-        for s in 0..r {
-            for d in 0..r {
-                rank_counts[s * r + d] = info[o.counts + s * n + e + d] as u32;
-            }
-            for x in 0..e {
-                expert_counts[s * e + x] = info[o.counts + s * n + x] as u32;
-            }
-        }
-        let recv_tokens = info[o.src_u_off + r] as usize;
-        let recv_rows = match self.layout {
-            RecvLayout::RankMajor => recv_tokens,
-            RecvLayout::ExpertMajor { .. } => info[o.expert_start + el] as usize,
-        };
-        Ok(HostCounts {
-            recv_rows,
-            recv_tokens,
-            tokens_per_local_expert: (0..el).map(|j| info[o.expert_count + j] as usize).collect(),
-            rank_counts,
-            expert_counts,
-        })
-    }
-    /// The device addresses of the handle's arrays, as the kernels see them.
-    fn bufs(&self) -> LayoutBufs {
-        let (base, a) = (self.arena.device_ptr(), self.arena_at);
-        let at = |off: usize| base + (off * std::mem::size_of::<i32>()) as u64;
-        LayoutBufs {
-            topk: at(a.topk_norm),
-            rank_pos: at(a.rank_pos),
-            expert_pos: at(a.expert_pos),
-            info: at(a.info),
-            meta: match self.layout {
-                RecvLayout::ExpertMajor { .. } => self.meta.device_ptr(),
-                RecvLayout::RankMajor => 0,
-            },
-        }
-    }
-}
 
 /// An op's turn on its group, held while the op checks its arguments and
 /// enqueues its kernels: ops of one group never interleave (two threads on
@@ -230,80 +46,6 @@ pub(crate) struct OpTurn<'a> {
     stream: Option<Arc<CudaStream>>,
     /// Set by the first launch: a refusal after it publishes nothing.
     pub(crate) launched: std::cell::Cell<bool>,
-}
-
-/// What the group's turn guards: the stream of its last op, the calls made
-/// so far, a refusal of this rank's host not yet cleared by `check`, and
-/// how many errors `check` has cleared (handles made before are refused).
-#[derive(Default)]
-pub(crate) struct Turns {
-    pub(crate) last: Option<Arc<CudaStream>>,
-    pub(crate) calls: u64,
-    pub(crate) refused: Option<String>,
-    pub(crate) epoch: u64,
-    /// An op was called since the last check that met the other ranks.
-    pub(crate) unchecked: bool,
-}
-
-/// The op's stream and the other streams its buffers are ordered on
-/// ([`DeviceRegion::home_stream`]), while the op holds the group's turn.
-#[derive(Default)]
-pub(crate) struct OpStreams {
-    op: Option<Arc<CudaStream>>,
-    homes: Vec<Arc<CudaStream>>,
-}
-
-impl OpStreams {
-    /// Orders `op` after the work enqueued so far on `home` (a buffer's own
-    /// stream, when it is not the op's), once per op; [`OpStreams::finish`]
-    /// orders `home` after the op.
-    pub(crate) fn order_with(&mut self, home: &Arc<CudaStream>) -> Result<()> {
-        let Some(op) = self.op.clone() else {
-            return Ok(());
-        };
-        if home.cu_stream() == op.cu_stream()
-            || self.homes.iter().any(|h| h.cu_stream() == home.cu_stream())
-        {
-            return Ok(());
-        }
-        op.join(home).map_err(Error::cuda("cuStreamWaitEvent"))?;
-        self.homes.push(home.clone());
-        Ok(())
-    }
-    /// Tells `r` that the op uses it on the op's stream (symmetric buffers
-    /// order their release by it), and orders the op with `r`'s own stream.
-    pub(crate) fn use_region<T>(&mut self, r: &dyn DeviceRegion<T>) -> Result<()> {
-        if let Some(home) = r.home_stream() {
-            self.order_with(home)?;
-        }
-        match &self.op {
-            Some(op) => r.used_on(op),
-            None => Ok(()),
-        }
-    }
-    /// A new op on `op`.
-    pub(crate) fn start(op: &Arc<CudaStream>) -> OpStreams {
-        OpStreams {
-            op: Some(op.clone()),
-            homes: Vec::new(),
-        }
-    }
-    /// After the op's launches: every buffer's own stream waits for them
-    /// (what it does next with the buffer comes after the op).
-    pub(crate) fn finish(&mut self) {
-        let Some(op) = self.op.take() else { return };
-        for home in self.homes.drain(..) {
-            if let Err(e) = home.join(&op) {
-                eprintln!("moe-ep: ordering a buffer's stream after the op failed: {e}");
-            }
-        }
-    }
-}
-
-impl Drop for OpStreams {
-    fn drop(&mut self) {
-        self.finish();
-    }
 }
 
 /// Where an op runs once it has its turn: the turn, the op's stream and
@@ -654,5 +396,194 @@ pub(crate) fn refused_arg(e: &Error) -> u64 {
         Error::InvalidArgument { arg, .. } => abi::arg_id(arg),
         Error::NotSymmetric { what } => abi::arg_id(what),
         _ => 0,
+    }
+}
+
+impl NodeGroup {
+    /// Checks a buffer before it goes to a kernel: at least `want` elements
+    /// (holding `what`), its address aligned to `align` bytes, and device
+    /// memory of this group's GPU (not host memory, not another GPU's);
+    /// each failure is an `InvalidArgument` naming `arg`. An empty region is
+    /// never touched and passes.
+    pub(crate) fn check_region<T>(
+        &self,
+        arg: &'static str,
+        r: &dyn DeviceRegion<T>,
+        want: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<()> {
+        if let Some(home) = r.home_stream() {
+            self.order_with(home)?;
+        }
+        self.mark_used(r)?;
+        self.check_region_only(arg, r, want, what, align)
+    }
+
+    /// [`NodeGroup::check_region`] for an op that is not this group's own (the
+    /// two-level path's, around its node group's ops): the region is
+    /// ordered with the op through `order`, the op's own ordering.
+    pub(crate) fn check_region_in<T>(
+        &self,
+        order: &mut OpStreams,
+        arg: &'static str,
+        r: &dyn DeviceRegion<T>,
+        want: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<()> {
+        order.use_region(r)?;
+        self.check_region_only(arg, r, want, what, align)
+    }
+
+    /// The checks of [`NodeGroup::check_region`] without the ordering.
+    fn check_region_only<T>(
+        &self,
+        arg: &'static str,
+        r: &dyn DeviceRegion<T>,
+        want: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<()> {
+        check_len(arg, r.len(), want, what)?;
+        r.num_bytes_checked(arg)?;
+        if want == 0 {
+            return Ok(());
+        }
+        let ptr = r.device_ptr();
+        self.check_device_memory(arg, ptr, r.num_bytes_checked(arg)?)?;
+        if !(ptr as usize).is_multiple_of(align) {
+            return Err(Error::arg(
+                arg,
+                format!("a {align}-byte aligned device address ({what})"),
+                format!("{ptr:#x}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `[ptr, ptr + bytes)` must be device memory of this group's GPU, in
+    /// one allocation. A registered window of the group's communicator is
+    /// known to be (the whole range inside it); anything else is asked of
+    /// the driver (one `cuPointerGetAttributes` call: the memory type, the
+    /// GPU and the allocation's range, so that a length longer than the
+    /// allocation, which a C caller can give, is refused).
+    fn check_device_memory(&self, arg: &'static str, ptr: u64, bytes: usize) -> Result<()> {
+        use cudarc::driver::sys::{self, CUpointer_attribute};
+        if crate::symm::segment_of(&self.comm, ptr, bytes.max(1)).is_some() {
+            return Ok(());
+        }
+        if let Some(seg) = crate::symm::segment_of(&self.comm, ptr, 1) {
+            return Err(Error::arg(
+                arg,
+                format!(
+                    "{bytes} bytes inside the symmetric window they start in ({} bytes from its base {:#x})",
+                    seg.size(),
+                    seg.base()
+                ),
+                format!("{ptr:#x} + {bytes} bytes, past the window's end"),
+            ));
+        }
+        let mut kind: u32 = 0;
+        let mut ordinal: i32 = -1;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
+        let mut attrs = [
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut data = [
+            &mut kind as *mut u32 as *mut std::ffi::c_void,
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            &mut start as *mut u64 as *mut std::ffi::c_void,
+            &mut size as *mut usize as *mut std::ffi::c_void,
+        ];
+        // SAFETY: four attributes, each with an out-parameter of its size
+        // (an unsigned int, an int, a CUdeviceptr, a size_t); any `ptr` value
+        // is accepted (memory CUDA does not know leaves the memory type 0).
+        let rc =
+            unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+        if rc != sys::CUresult::CUDA_SUCCESS
+            || kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+        {
+            return Err(Error::arg(
+                arg,
+                "device memory of the group's GPU",
+                format!(
+                    "{ptr:#x}: not device memory (host memory, or no allocation known to CUDA)"
+                ),
+            ));
+        }
+        let mine = self.comm.context().ordinal() as i32;
+        if ordinal != mine {
+            return Err(Error::arg(
+                arg,
+                format!("device memory of the group's GPU {mine}"),
+                format!("{ptr:#x}: memory of GPU {ordinal}"),
+            ));
+        }
+        // A range the driver knows (start and size both set) must hold all
+        // of the region's bytes.
+        if start != 0 && size != 0 {
+            let end = start.saturating_add(size as u64);
+            if ptr.saturating_add(bytes as u64) > end {
+                return Err(Error::arg(
+                    arg,
+                    format!(
+                        "{bytes} bytes inside one allocation (the one at {ptr:#x} is [{start:#x}, {end:#x}), {size} bytes)"
+                    ),
+                    format!("{} bytes past its end", ptr + bytes as u64 - end),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A receive buffer for `rows` rows of `per_row` elements: the caller's
+    /// (checked to be long enough, as `arg` holding `what`) or a new one
+    /// from the pool.
+    pub(crate) fn recv_buf<'a, T: Copy>(
+        &self,
+        callers: Option<&'a mut dyn DeviceRegionMut<T>>,
+        arg: &'static str,
+        per_row: usize,
+        what: &str,
+        align: usize,
+    ) -> Result<RecvBuf<'a, T>> {
+        let want = self.recv_capacity * per_row;
+        match callers {
+            Some(b) => {
+                self.check_region(arg, &*b, want, what, align)?;
+                Ok(RecvBuf::Caller(b))
+            }
+            None => Ok(RecvBuf::Pool(self.pool.alloc(want)?)),
+        }
+    }
+
+    /// Every rank's address of `buf`, which must lie in a registered window
+    /// of this communicator (same offset on every rank, by the collective
+    /// allocation contract), and where it lies (the window's id and the
+    /// offset in it: the descriptor word the kernels compare between ranks
+    /// before they touch a peer's copy); `Error::NotSymmetric` naming `arg`
+    /// otherwise.
+    pub(crate) fn located<T>(
+        &self,
+        buf: &dyn DeviceRegion<T>,
+        arg: &'static str,
+    ) -> Result<(Peers, u64)> {
+        self.mark_used(buf)?;
+        let (ptr, bytes) = (buf.device_ptr(), buf.num_bytes_checked(arg)?);
+        let seg = crate::symm::segment_of(&self.comm, ptr, bytes)
+            .ok_or(Error::NotSymmetric { what: arg })?;
+        let mut out = [0u64; MAX_RANKS];
+        for (rank, p) in out.iter_mut().enumerate().take(self.comm.world()) {
+            *p = seg
+                .peer_base(rank)
+                .ok_or(Error::NotSymmetric { what: arg })?
+                + (ptr - seg.base());
+        }
+        Ok((out, seg.place_of(ptr)))
     }
 }
