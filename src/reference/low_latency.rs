@@ -85,9 +85,10 @@
 //! [`check_close_bf16`](super::check_close_bf16) at `terms = 1`: only the
 //! final rounding is a bf16 one.
 
+use super::flat::{check_rank, check_rank_inputs, RowSrc};
 use super::fp8::{check_fp8_hidden, check_fp8_tokens};
-use super::{check_rank, check_rank_inputs, Fp8Scaling, Fp8Tokens, RankInput, RowSrc, Shape};
 use super::{quantize_fp8, FP8_BLOCK};
+use super::{Fp8Scaling, Fp8Tokens, RankInput, Shape};
 use crate::error::{Error, Result};
 pub use crate::types::LlLayout;
 use half::bf16;

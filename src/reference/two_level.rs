@@ -47,10 +47,11 @@
 
 use half::bf16;
 
-use super::{
-    add_bf16, check_inputs, check_rank, check_rank_inputs, check_rank_major_unweighted,
-    combine_plan, dispatch, rank_partial, DispatchOutput, RankInput, Shape,
+use super::flat::{
+    add_bf16, check_inputs, check_per_rank, check_rank, check_rank_inputs,
+    check_rank_major_unweighted, combine_plan, dispatch, rank_partial, DispatchOutput,
 };
+use super::{RankInput, Shape};
 use crate::error::{Error, Result};
 use crate::types::{RecvLayout, Topology};
 
@@ -607,7 +608,7 @@ pub fn combine_two_level_emulated(
     check_rank_major_unweighted(layout, weighted)?;
     let cp = combine_plan(shape, inputs, home, layout)?;
     check_topology(shape, topo)?;
-    super::check_per_rank("expert_out", expert_out, &cp.plans, shape.hidden, "hidden")?;
+    check_per_rank("expert_out", expert_out, &cp.plans, shape.hidden, "hidden")?;
     let h = shape.hidden;
     let mut out = Vec::with_capacity(cp.home_tokens * h);
     let mut acc = vec![0.0f32; h];
