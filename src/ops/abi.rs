@@ -258,7 +258,7 @@ pub struct Workspace {
 }
 
 /// How received rows are laid out (`LayoutKind` in abi.cuh); the kernels'
-/// view of [`RecvLayout`](super::RecvLayout).
+/// view of [`RecvLayout`](crate::RecvLayout).
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LayoutKind {

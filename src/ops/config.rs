@@ -66,7 +66,7 @@ pub struct GroupConfig {
     /// Rows per chunk of the two-level path's network hop (each chunk's
     /// NVLink work overlaps the next chunk's transfer); at least 1, at most
     /// 2^30 16-byte vectors a chunk. A world of one node has no hop and
-    /// does not read it. Default [`DEFAULT_HOP_CHUNK_ROWS`](crate::ops::DEFAULT_HOP_CHUNK_ROWS).
+    /// does not read it. Default [`DEFAULT_HOP_CHUNK_ROWS`].
     pub hop_chunk_rows: usize,
 }
 

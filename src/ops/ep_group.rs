@@ -34,7 +34,7 @@ use crate::types::{RecvLayout, Topology};
 ///
 /// The path follows [`GroupConfig::ranks_per_node`]: the whole world on one
 /// node (`0`, or the world size) runs over NVLink, in either
-/// [`Mode`](super::Mode); several nodes run the two-level path
+/// [`Mode`](crate::Mode); several nodes run the two-level path
 /// (high-throughput only), whose layout waits on the host (the stream
 /// lengths go to every rank before the hop is sized, so it cannot be
 /// captured in a CUDA graph) and whose ops use the caller's buffers on the

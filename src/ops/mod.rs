@@ -3,8 +3,8 @@
 //!
 //! [`EpGroup`] and [`Handle`] (`ep_group.rs`) pick the path of a world,
 //! one folder each:
-//! - `node/`: one node, NVLink: the group, its kernels, an op's turn and
-//!   the device's errors; [`layout`](EpGroup::layout) in `layout_op.rs`
+//! - `node/`: one node, NVLink: the group, its kernels and their residency
+//!   check ([`residency`]), an op's turn and the device's errors; [`layout`](EpGroup::layout) in `layout_op.rs`
 //!   (`kernels-cuda/layout.cu`), [`dispatch`](EpGroup::dispatch) and the
 //!   combine backward in `dispatch_op.rs` (`dispatch.cu`),
 //!   [`combine`](EpGroup::combine) and the dispatch backward in
@@ -18,8 +18,7 @@
 //!
 //! Beside them, used by every path: [`GroupConfig`] and [`Mode`] in
 //! `config.rs`, the buffer types in `buffers.rs`, the parameter structs the
-//! kernels see in `abi.rs` (mirrors of `kernels-cuda/abi.cuh`), the
-//! residency check in `residency.rs`; the layouts and [`Topology`] live in
+//! kernels see in `abi.rs` (mirrors of `kernels-cuda/abi.cuh`); the layouts and [`Topology`] live in
 //! [`crate::types`].
 //!
 //! ```no_run
@@ -48,7 +47,6 @@ mod config;
 mod ep_group;
 mod low_latency;
 mod node;
-mod residency;
 mod two_level;
 
 pub use crate::types::{Fp8Scaling, LlLayout, RecvLayout, Topology};
@@ -65,8 +63,8 @@ pub use low_latency::{
     ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
     LlInput, LlView,
 };
+pub use node::residency::{residency, Residency};
 pub use node::HostCounts;
-pub use residency::{residency, Residency};
 #[cfg(feature = "raw")]
 pub use two_level::hop_plan;
 #[cfg(feature = "raw")]

@@ -1,6 +1,6 @@
 //! The low-latency (decode) mode: [`EpGroup::ll_dispatch`](crate::EpGroup::ll_dispatch) and
 //! [`EpGroup::ll_combine`](crate::EpGroup::ll_combine) (and their two-phase forms) of a group made with
-//! [`Mode::LowLatency`](super::Mode::LowLatency). There is no layout pass:
+//! [`Mode::LowLatency`](crate::Mode::LowLatency). There is no layout pass:
 //! every row has a fixed place that depends only on its source rank and
 //! token, and counts travel with the data, so a call needs no host work
 //! beyond its checks, never synchronises the host, allocates nothing and is

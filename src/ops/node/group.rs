@@ -107,7 +107,7 @@ impl NodeGroup {
         // buffers).
         let k = Kernels::load(comm, cfg.mode)?;
         let local = cfg.validate_one_node(world).and_then(|_| {
-            crate::ops::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
+            super::residency::measure(comm, &k.with_smem(cfg.num_experts))?.check(cfg.num_sms)
         });
         let recv_capacity = if cfg.recv_capacity == 0 {
             world * cfg.max_tokens_per_rank

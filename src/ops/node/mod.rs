@@ -2,7 +2,8 @@
 //! high-throughput ops.
 //!
 //! - the group ([`NodeGroup`](group::NodeGroup): creation, workspace,
-//!   what it holds) in `group.rs`, its kernels in `kernels.rs`;
+//!   what it holds) in `group.rs`, its kernels in `kernels.rs`, whether
+//!   every rank's blocks fit the GPU at once in `residency.rs`;
 //! - an op's turn on the group (entry, refusal, stream ordering, buffer
 //!   checks, the kernels' common parameters) in `turn.rs`; what the device
 //!   found, as an error (`check`, the status words decoded) in
@@ -25,6 +26,7 @@ pub(crate) mod group;
 pub(crate) mod handle;
 pub(crate) mod kernels;
 pub(crate) mod layout_op;
+pub(crate) mod residency;
 pub(crate) mod turn;
 
 pub use handle::HostCounts;

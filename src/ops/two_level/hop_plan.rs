@@ -7,7 +7,7 @@
 //! and `reference::node_streams` in `tests/reference_two_level.rs`.
 
 use crate::error::{Error, Result};
-use crate::ops::Topology;
+use crate::types::Topology;
 
 /// This rank's `send_rows` and `recv_rows` of the hop, from every
 /// rank's stream lengths: `lens[r * N + m]` is rank `r`'s stream to node `m`

@@ -119,7 +119,7 @@ impl TwoLevelPath {
     /// Errors, by field: [`GroupConfig::validate`]'s; a field that differs
     /// between ranks (every rank fails, naming the field). Where the ranks
     /// share one GPU (a virtual world), `num_sms` must leave one block per
-    /// rank for combine's hop: at most [`residency`](super::residency)'s
+    /// rank for combine's hop: at most [`residency`](crate::ops::residency)'s
     /// `max_blocks_per_rank() - 1`; an error names `num_sms` otherwise.
     pub(crate) fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<TwoLevelPath> {
         let world = comm.world();
@@ -169,7 +169,7 @@ impl TwoLevelPath {
         // Where ranks share a GPU, every block of every rank must be
         // resident at once (`residency`); combine's hop adds one block per
         // rank beside the node combine (moe_ep_two_level_wait_chunks).
-        let r = crate::ops::residency::residency(comm, node_cfg.num_experts)?;
+        let r = crate::ops::node::residency::residency(comm, node_cfg.num_experts)?;
         if r.ranks_per_gpu > 1 && node_cfg.num_sms + 1 > r.max_blocks_per_rank() {
             return Err(Error::arg(
                 "num_sms",

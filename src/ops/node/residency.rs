@@ -13,8 +13,8 @@
 
 use std::sync::Arc;
 
-use super::abi::THREADS;
 use crate::error::{Error, Result};
+use crate::ops::abi::THREADS;
 use crate::runtime::{Communicator, Function};
 
 /// What one GPU holds of a group's kernels.
@@ -83,7 +83,7 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
         .max(0) as usize;
     // Every kernel is sized at THREADS per block, the layout scan's blocks
     // too (SCAN_THREADS: the same number, held here).
-    const _: () = assert!(super::abi::SCAN_THREADS == THREADS);
+    const _: () = assert!(crate::ops::abi::SCAN_THREADS == THREADS);
     let mut least: Option<(usize, &'static str)> = None;
     for (f, smem) in kernels {
         let n = f.max_blocks_per_sm(THREADS, *smem)?;
@@ -106,7 +106,7 @@ pub(crate) fn measure(comm: &Communicator, kernels: &[(&Function, u32)]) -> Resu
 /// virtual ranks on one H200), for a group of either mode (the
 /// low-latency kernels are counted too).
 pub fn residency(comm: &Arc<Communicator>, num_experts: usize) -> Result<Residency> {
-    let k = super::node::kernels::Kernels::load(comm, super::config::Mode::LowLatency)?;
+    let k = super::kernels::Kernels::load(comm, crate::ops::config::Mode::LowLatency)?;
     measure(comm, &k.with_smem(num_experts))
 }
 
