@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use moe_ep::cuda::{CudaContext, CudaStream};
 use moe_ep::error::{Error, Result};
-use moe_ep::ops::{EpGroup, ExpertParallel, GroupConfig, Mode, TwoLevelGroup};
+use moe_ep::ops::{EpGroup, GroupConfig, Mode};
 use moe_ep::runtime::{Communicator, UniqueId};
 use moe_ep::symm::SymmPool;
 
@@ -23,38 +23,31 @@ use crate::structs::{read_in, CGroupConfig, CUniqueId};
 
 /// `moe_ep_comm_t`.
 pub struct CComm(Arc<Communicator>);
-/// `moe_ep_group_t`: a group of one node (the NVLink path; shared with the
-/// low-latency handles made by it) or of several (`ranks_per_node` below
-/// the world: the two-level path); the ops take either.
-pub struct CGroup(pub(crate) GroupOf);
-pub(crate) enum GroupOf {
-    Node(Arc<EpGroup>),
-    Nodes(Box<TwoLevelGroup>),
-}
+/// `moe_ep_group_t`: a group of one node (the NVLink path) or of several
+/// (`ranks_per_node` below the world: the two-level path), as
+/// `EpGroup::new` picks; shared with the low-latency handles made by it.
+pub struct CGroup(pub(crate) Arc<EpGroup>);
 impl CGroup {
     pub(crate) fn comm(&self) -> &Arc<Communicator> {
-        match &self.0 {
-            GroupOf::Node(g) => g.comm(),
-            GroupOf::Nodes(g) => g.comm(),
-        }
+        self.0.comm()
     }
-    /// The group of one node, which the low-latency mode needs; a group of
+    /// The group, which the low-latency mode needs of one node; a group of
     /// several nodes is refused naming `group`.
     pub(crate) fn node(&self) -> Result<&Arc<EpGroup>> {
-        match &self.0 {
-            GroupOf::Node(g) => Ok(g),
-            GroupOf::Nodes(g) => Err(Error::arg(
+        if self.0.is_two_level() {
+            return Err(Error::arg(
                 "group",
                 "a low-latency group (MOE_EP_MODE_LOW_LATENCY, one node)",
-                format!("a high-throughput group of {} nodes", g.topology().nodes()),
-            )),
+                format!(
+                    "a high-throughput group of {} nodes",
+                    self.0.topology().nodes()
+                ),
+            ));
         }
+        Ok(&self.0)
     }
     pub(crate) fn pool(&self) -> &SymmPool {
-        match &self.0 {
-            GroupOf::Node(g) => g.pool(),
-            GroupOf::Nodes(g) => ExpertParallel::pool(&**g),
-        }
+        self.0.pool()
     }
 }
 
@@ -284,10 +277,7 @@ pub unsafe extern "C" fn moe_ep_group_config_validate(
     ffi(|| {
         let cfg = group_config(&unsafe { read_in(cfg, "cfg") }?)?;
         let world = usize::try_from(world).map_err(|_| Error::arg("world", ">= 1", world))?;
-        match cfg.topology(world)?.nodes() {
-            1 => cfg.validate(world),
-            _ => TwoLevelGroup::validate(&cfg, world).map(drop),
-        }
+        cfg.validate(world)
     })
 }
 
@@ -302,10 +292,7 @@ pub unsafe extern "C" fn moe_ep_group_create(
         let c = unsafe { obj(comm, "comm") }?;
         let out = out_ptr(out, "out")?;
         // One node: the NVLink path; several: the two-level path.
-        let g = match cfg.topology(c.0.world())?.nodes() {
-            1 => GroupOf::Node(Arc::new(EpGroup::new(&c.0, cfg)?)),
-            _ => GroupOf::Nodes(Box::new(TwoLevelGroup::new(&c.0, cfg)?)),
-        };
+        let g = Arc::new(EpGroup::new(&c.0, cfg)?);
         unsafe { *out = boxed(CGroup(g)) };
         Ok(())
     })
@@ -323,10 +310,7 @@ pub unsafe extern "C" fn moe_ep_group_destroy(group: *mut CGroup) -> Status {
 
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_group_check(group: *const CGroup) -> Status {
-    ffi(|| match &unsafe { obj(group, "group") }?.0 {
-        GroupOf::Node(g) => g.check(),
-        GroupOf::Nodes(g) => ExpertParallel::check(&**g),
-    })
+    ffi(|| unsafe { obj(group, "group") }?.0.check())
 }
 
 #[no_mangle]
@@ -335,10 +319,7 @@ pub unsafe extern "C" fn moe_ep_group_allow_graph_capture(group: *const CGroup) 
         let g = unsafe { obj(group, "group") }?;
         // SAFETY: the C caller takes on the contract the header states
         // (that of EpGroup::allow_graph_capture).
-        match &g.0 {
-            GroupOf::Node(g) => unsafe { g.allow_graph_capture() },
-            GroupOf::Nodes(g) => unsafe { g.node_group().allow_graph_capture() },
-        }
+        unsafe { g.0.allow_graph_capture() };
         Ok(())
     })
 }
@@ -348,10 +329,7 @@ pub unsafe extern "C" fn moe_ep_group_recv_capacity(group: *const CGroup, out: *
     ffi(|| {
         let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
-        let cap = match &g.0 {
-            GroupOf::Node(g) => g.recv_capacity(),
-            GroupOf::Nodes(g) => g.recv_capacity(),
-        };
+        let cap = g.0.recv_capacity();
         unsafe { *out = cap as u64 };
         Ok(())
     })

@@ -12,8 +12,8 @@ use moe_ep::bf16;
 use moe_ep::cuda::CudaStream;
 use moe_ep::error::{Error, Result};
 use moe_ep::ops::{
-    DeviceRegion, EpGroup, Fp8Scaling, LlCombineSent, LlDispatchSent, LlHandle, LlInput, LlLayout,
-    TopkIdx,
+    DeviceRegion, EpGroup, Fp8Scaling, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
+    LlInput, LlLayout, TopkIdx,
 };
 
 use crate::buffers::{disjoint, span_of, CRegion, CTopkIdx};
@@ -31,12 +31,9 @@ use crate::structs::{
 
 /// `moe_ep_ll_handle_t`: one low-latency batch, and the group it belongs to.
 pub struct CLlHandle {
-    // NOTE: the batch's `LlHandle` borrows `*group`; its lifetime is
-    // extended to 'static (`extend`), which is sound because `group` is
-    // never replaced, keeps the group at its address (an `Arc`'s
-    // allocation) while the handle lives, and is declared after `batch`, so
-    // dropped after it. Nothing 'static leaves this struct: the accessors
-    // copy addresses out.
+    // The batch's `LlHandle` holds its own reference to the group; `group`
+    // is the same one, for the ops that need the group before the batch
+    // is received.
     batch: Mutex<LlBatchState>,
     group: Arc<EpGroup>,
     num_tokens: usize,
@@ -51,7 +48,7 @@ pub struct CLlHandle {
 #[derive(Default)]
 struct LlBatchState {
     sent: Option<LlDispatchSent>,
-    views: Option<LlHandle<'static>>,
+    views: Option<LlHandle>,
     combine: Option<LlCombineSent>,
     combined: bool,
 }
@@ -66,15 +63,6 @@ impl LlBatchState {
             (None, None, false) => (MOE_EP_LL_RECEIVED, "MOE_EP_LL_RECEIVED"),
         }
     }
-}
-
-/// # Safety
-/// `h` borrows the `EpGroup` of the [`CLlHandle`] it is stored in (see the
-/// note there).
-unsafe fn extend(h: LlHandle<'_>) -> LlHandle<'static> {
-    // SAFETY: only the lifetime changes; the caller's contract keeps the
-    // group alive and in place for as long as the result lives.
-    unsafe { std::mem::transmute::<LlHandle<'_>, LlHandle<'static>>(h) }
 }
 
 impl CLlHandle {
@@ -206,17 +194,23 @@ unsafe fn ll_dispatch_impl(
             TopkIdx::I64(r) => r.len(),
         };
         let num_tokens = idx_len.checked_div(topk).unwrap_or(0);
-        // The handle's own reference to the group, which its batch borrows.
+        let args = |x, topk_idx| LlDispatchArgs {
+            x,
+            topk_idx,
+            topk,
+            topk_weights: w,
+            layout,
+            cast_fp8: cast,
+        };
         let group = g.node()?.clone();
         let mut batch = LlBatchState::default();
         let buffer_set = if wait {
-            let h = group.ll_dispatch(&s, x, idx, topk, w, layout, cast)?;
+            let h = group.ll_dispatch(&s, args(x, idx))?;
             let set = h.buffer_set();
-            // SAFETY: `h` borrows `group`, which moves into the same handle.
-            batch.views = Some(unsafe { extend(h) });
+            batch.views = Some(h);
             set
         } else {
-            let sent = group.ll_dispatch_send(&s, x, idx, topk, w, layout, cast)?;
+            let sent = group.ll_dispatch_send(&s, args(x, idx))?;
             let set = sent.buffer_set();
             batch.sent = Some(sent);
             set
@@ -291,10 +285,9 @@ pub unsafe extern "C" fn moe_ep_ll_dispatch_wait(
         let (_, s, h) = unsafe { ll_op(group, stream, handle) }?;
         let mut st = h.lock();
         CLlHandle::expect_state("moe_ep_ll_dispatch_wait", &st, MOE_EP_LL_SENT)?;
-        let sent = st.sent.as_ref().map(LlDispatchSent::again);
-        let r = h.group.ll_dispatch_wait(&s, sent.expect("a sent batch"))?;
-        // SAFETY: `r` borrows `h.group`, the handle's own reference.
-        st.views = Some(unsafe { extend(r) });
+        let sent = st.sent.as_ref().expect("a sent batch");
+        let r = h.group.ll_dispatch_wait(&s, sent)?;
+        st.views = Some(r);
         st.sent = None;
         Ok(())
     })
@@ -382,10 +375,9 @@ pub unsafe extern "C" fn moe_ep_ll_combine_wait(
         let (g, s, h) = unsafe { ll_op(group, stream, handle) }?;
         let mut st = h.lock();
         CLlHandle::expect_state("moe_ep_ll_combine_wait", &st, MOE_EP_LL_COMBINE_SENT)?;
-        let sent = st.combine.as_ref().map(LlCombineSent::again);
+        let sent = st.combine.as_ref().expect("a sent combine");
         let w = b.w.as_ref().map(|w| w as &dyn DeviceRegion<f32>);
-        g.node()?
-            .ll_combine_wait(&s, sent.expect("a sent combine"), w, &mut b.out)?;
+        g.node()?.ll_combine_wait(&s, sent, w, &mut b.out)?;
         st.combine = None;
         st.combined = true;
         Ok(())

@@ -11,11 +11,11 @@ use moe_ep::bf16;
 use moe_ep::cuda::{CudaStream, DeviceSlice};
 use moe_ep::error::{Error, Result};
 use moe_ep::ops::{
-    DeviceRegion, DeviceRegionMut, DispatchOut, Handle, RecvBuf, RecvLayout, TwoLevelHandle,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Handle, RecvBuf, RecvLayout,
 };
 
 use crate::buffers::{disjoint, span_of, CBuffer, CDispatched, CRegion, CTopkIdx, Kept};
-use crate::group::{stream_of, CGroup, GroupOf};
+use crate::group::{stream_of, CGroup};
 use crate::status::{
     boxed, ffi, obj, out_ptr, unboxed, Status, MOE_EP_LAYOUT_EXPERT_MAJOR, MOE_EP_LAYOUT_RANK_MAJOR,
 };
@@ -24,52 +24,27 @@ use crate::structs::{
     CDispatchBackwardArgs, CHandleCounts, CLayoutArgs, CRecvBuffers, Versioned,
 };
 
-/// `moe_ep_handle_t`: a layout of either kind of group.
-pub struct CHandle(HandleOf);
-// (Boxed as a whole: a moe_ep_handle_t is a box.)
-#[allow(clippy::large_enum_variant)]
-enum HandleOf {
-    Node(Handle),
-    Nodes(TwoLevelHandle),
-}
+/// `moe_ep_handle_t`: a layout of the group (of one node or of several).
+pub struct CHandle(Handle);
 
 impl CHandle {
-    /// The layout of this rank's node group: the rows this rank receives.
+    /// The layout: the rows this rank receives.
     fn node(&self) -> &Handle {
-        match &self.0 {
-            HandleOf::Node(h) => h,
-            HandleOf::Nodes(h) => h.node_handle(),
-        }
+        &self.0
     }
     /// This rank's tokens and their top-k, as the layout was given them.
     fn tokens_topk(&self) -> (usize, usize) {
-        match &self.0 {
-            HandleOf::Node(h) => (h.num_tokens(), h.topk()),
-            HandleOf::Nodes(h) => (h.num_tokens(), h.topk()),
-        }
+        (self.0.num_tokens(), self.0.topk())
     }
 }
 
-/// `$body` with the group and the handle of an op as `$g` and `$h`, both of
-/// one node or both of several; a handle of the other kind is refused
-/// naming `handle` (the groups refuse another group's handle of their kind).
+/// `$body` with the group and the handle of an op as `$g` and `$h` (the
+/// group refuses a handle of another group, naming `handle`).
 macro_rules! on_kind {
-    ($group:expr, $handle:expr, |$g:ident, $h:ident| $body:expr) => {
-        match (&$group.0, &$handle.0) {
-            (GroupOf::Node($g), HandleOf::Node($h)) => $body,
-            (GroupOf::Nodes($g), HandleOf::Nodes($h)) => $body,
-            (GroupOf::Node(_), HandleOf::Nodes(_)) => Err(Error::arg(
-                "handle",
-                "a handle made by this group's layout (one node)",
-                "a handle of a group of several nodes",
-            )),
-            (GroupOf::Nodes(_), HandleOf::Node(_)) => Err(Error::arg(
-                "handle",
-                "a handle made by this group's layout (several nodes)",
-                "a handle of a group of one node",
-            )),
-        }
-    };
+    ($group:expr, $handle:expr, |$g:ident, $h:ident| $body:expr) => {{
+        let ($g, $h) = (&$group.0, &$handle.0);
+        $body
+    }};
 }
 // ---- ops ------------------------------------------------------------------
 
@@ -118,12 +93,7 @@ pub unsafe extern "C" fn moe_ep_layout(
         let g = unsafe { obj(group, "group") }?;
         let out = out_ptr(out, "out")?;
         let s = unsafe { stream_of(g.comm().context(), stream) }?;
-        let h = match &g.0 {
-            GroupOf::Node(g) => HandleOf::Node(g.layout(&s, idx.get(), a.topk as usize, layout)?),
-            GroupOf::Nodes(g) => {
-                HandleOf::Nodes(g.layout(&s, idx.get(), a.topk as usize, layout)?)
-            }
-        };
+        let h = g.0.layout(&s, idx.get(), a.topk as usize, layout)?;
         unsafe { *out = boxed(CHandle(h)) };
         Ok(())
     })
@@ -376,10 +346,12 @@ pub unsafe extern "C" fn moe_ep_dispatch_backward(
         on_kind!(g, h, |g, h| g.dispatch_backward(
             &s,
             h,
-            &gr,
-            grw.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
-            &mut gt,
-            gtw.as_mut().map(|w| w as &mut dyn DeviceRegionMut<f32>),
+            DispatchBackwardArgs {
+                grad_recv_tokens: &gr,
+                grad_recv_topk_weights: grw.as_ref().map(|w| w as &dyn DeviceRegion<f32>),
+                grad_tokens: &mut gt,
+                grad_topk_weights: gtw.as_mut().map(|w| w as &mut dyn DeviceRegionMut<f32>),
+            },
         ))
     })
 }
