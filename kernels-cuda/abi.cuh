@@ -206,7 +206,7 @@ __host__ __device__ inline int layout_check_blocks(int T) {
 }
 
 // The group's symmetric workspace, the same offsets on every rank (bytes from
-// the workspace base). Carved by src/ops/group.rs, whose comment has the sizes.
+// the workspace base). Carved by src/ops/node/group.rs, whose comment has the sizes.
 struct Workspace {
   uint64_t counts_off;     // int32 [2 parity][R src][count_row] written by peers
   uint64_t count_flag_off; // uint64 [R src]                   epoch, written by peers
@@ -319,7 +319,7 @@ struct CombineParams {
   const int32_t* done_of;
 };
 
-// ---- low-latency mode (low_latency.cu, src/ops/low_latency.rs) ----
+// ---- low-latency mode (low_latency.cu, src/ops/low_latency/) ----
 // Buffer sets the group alternates between (batch n uses set n mod 2 of
 // the host's count), so one batch's dispatch can run while the other's
 // combine is pending.
@@ -363,7 +363,7 @@ struct LlSignal {
 // offsets of each region inside a set, in bytes. R = world, El = experts
 // per rank, M = max_tokens_per_rank, H = hidden, KM = MOE_EP_MAX_TOPK,
 // NB = ceil(H / 128). Carved (and sized in the API docs) by
-// src/ops/low_latency.rs.
+// src/ops/low_latency/.
 struct LlBufs {
   char* sym[MOE_EP_MAX_RANKS];  // the symmetric buffer as mapped here, per rank
   char* local;                  // this rank's local buffer

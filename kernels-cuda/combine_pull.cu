@@ -18,7 +18,7 @@
 // first, each compares the peer's descriptor of the call with its own
 // (intranode.cuh): the same op, outputs in the same place, pulled.
 //
-// Rust launcher: src/ops/combine.rs (combine, dispatch_backward). Tests:
+// Rust launcher: src/ops/node/combine_op.rs (combine, dispatch_backward). Tests:
 // tests/gpu_intranode.rs (the pulled combine and dispatch backward in every
 // rank-major case against the CPU reference, bit-identical across runs;
 // buffers that differ between ranks refused on every rank).

@@ -26,7 +26,7 @@
 // memory serves c - 1. Work items are (row, piece), so short chunks still
 // spread over every warp.
 //
-// Rust launcher: src/ops/combine.rs (combine, dispatch_backward). Tests:
+// Rust launcher: src/ops/node/combine_op.rs (combine, dispatch_backward). Tests:
 // tests/gpu_intranode.rs (the pushed combine and dispatch backward of every
 // case against the CPU reference, bit-identical across runs, every chunk
 // count; expert-major weighted).

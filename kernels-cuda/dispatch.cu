@@ -21,7 +21,7 @@
 // for a rank waits for that rank's descriptor of the call and writes only
 // if it equals this rank's (publish_desc, desc_agrees in intranode.cuh).
 //
-// Rust launchers: src/ops/dispatch.rs (dispatch, combine_backward). Tests:
+// Rust launchers: src/ops/node/dispatch_op.rs (dispatch, combine_backward). Tests:
 // tests/gpu_intranode.rs (every routing case bit for bit against the CPU
 // reference, zero copy, capacity, pipelined handles, CUDA graphs).
 #include "intranode.cuh"

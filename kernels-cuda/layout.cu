@@ -15,7 +15,7 @@
 // small (error reports out of unrolled loops, the slot search rolled but
 // for top-k rows of at most 8 ids in 16-byte vectors).
 //
-// Rust launcher: src/ops/layout.rs. Tests: tests/gpu_intranode.rs (every
+// Rust launcher: src/ops/node/layout_op.rs. Tests: tests/gpu_intranode.rs (every
 // case runs the layout; host_counts against the CPU reference), and the
 // bad-id and capacity tests there.
 #include "intranode.cuh"
@@ -524,7 +524,7 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
 // MOE_EP_OP_REFUSED with the op and the argument (MOE_EP_OP_STOPPED when
 // this rank's kernels are stopped), to every peer, whose waits for this rank
 // then stop at once naming both (intranode.cuh). One block. Launcher:
-// EpGroup::op (src/ops/handle.rs).
+// NodeGroup::op (src/ops/node/turn.rs).
 // ============================================================================
 extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
     moe_ep_publish_refusal(const __grid_constant__ RefusalParams p) {

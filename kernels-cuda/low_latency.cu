@@ -30,9 +30,9 @@
 // receive, both combine halves) read it there. A set is reused only after
 // its combine (the host refuses otherwise), which orders every reader of a
 // set's buffers on every rank before the next writer (see
-// src/ops/low_latency.rs). Every wait is bounded (MOE_EP_CTR_LL_*).
+// src/ops/low_latency/). Every wait is bounded (MOE_EP_CTR_LL_*).
 //
-// Rust launcher: src/ops/low_latency.rs (EpGroup::ll_dispatch*,
+// Rust launcher: src/ops/low_latency/ops.rs (EpGroup::ll_dispatch*,
 // ll_combine*). Tests: tests/gpu_low_latency.rs (every layout and payload bit
 // for bit against src/reference/low_latency.rs and fp8.rs, combine against
 // the reference's f32 emulation and f64, two batches in flight, CUDA graphs,

@@ -4,9 +4,9 @@
 // combine's direction, the received rows' sources, and the wait of the
 // combine's hop for each chunk of the node combine's rows. The forwarding inside
 // a node is the NVLink path's kernels on the node's group; the network hop
-// between rail peers is src/ops/rail_hop.rs.
+// between rail peers is src/ops/two_level/rail_hop.rs.
 //
-// Rust launchers: src/ops/two_level.rs. Tests: tests/gpu_two_level.rs
+// Rust launchers: src/ops/two_level/ (ops.rs, path.rs). Tests: tests/gpu_two_level.rs
 // (against src/reference/two_level.rs). The layout of every array:
 // TwoLevelParams in abi.cuh.
 #include <stdint.h>

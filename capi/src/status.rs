@@ -14,12 +14,8 @@ use std::sync::OnceLock;
 
 use moe_ep::error::{Error, Result};
 
+pub use crate::structs::ABI_VERSION;
 use crate::structs::{write_out, CVersionInfo, Versioned};
-
-/// The ABI version of this library (`MOE_EP_ABI_VERSION`): one more with
-/// every release that adds to the ABI (the header has the rule). 2: the
-/// low-latency mode; 3: `moe_ep_group_config_t.ranks_per_node`.
-pub const ABI_VERSION: u32 = 3;
 
 /// `moe_ep_status_t`.
 pub type Status = c_int;

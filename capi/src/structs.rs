@@ -10,7 +10,10 @@ use std::ffi::{c_char, c_void};
 
 use moe_ep::error::{Error, Result};
 
-use crate::status::ABI_VERSION;
+/// The ABI version of this library (`MOE_EP_ABI_VERSION`): one more with
+/// every release that adds to the ABI (the header has the rule). 2: the
+/// low-latency mode; 3: `moe_ep_group_config_t.ranks_per_node`.
+pub const ABI_VERSION: u32 = 3;
 
 /// The first two fields of every versioned struct.
 #[repr(C)]
