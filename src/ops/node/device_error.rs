@@ -76,23 +76,65 @@ impl NodeGroup {
             .op_barrier
             .as_ref()
             .map_or(0, |b| b.arrivals(self.comm.rank()));
-        let all = self
-            .comm
-            .all_gather_host(&stream, &[found, turns.calls, ll_seq, calls, arrived])?;
+        // Each rank's own report goes along: a rank whose kernels only saw
+        // a peer stop returns the error of the rank that found it.
+        let mine = [
+            found,
+            turns.calls,
+            ll_seq,
+            calls,
+            arrived,
+            dev.code as u32 as u64,
+            dev.rank as u32 as u64,
+            dev.peer as u32 as u64,
+            dev.counter as u32 as u64,
+            dev.expected,
+            dev.seen,
+            dev.needed,
+            dev.capacity,
+        ];
+        let all = self.comm.all_gather_host(&stream, &mine)?;
         let world = self.comm.world();
-        let row = |r: usize| &all[5 * r..5 * r + 5];
+        let n = mine.len();
+        let row = |r: usize| &all[n * r..n * r + n];
+        let report = |r: usize| {
+            let w = row(r);
+            ErrorInfo {
+                code: w[5] as u32 as i32,
+                rank: w[6] as u32 as i32,
+                peer: w[7] as u32 as i32,
+                counter: w[8] as u32 as i32,
+                expected: w[9],
+                seen: w[10],
+                needed: w[11],
+                capacity: w[12],
+                ..ErrorInfo::default()
+            }
+        };
+        // An error a rank's kernels found themselves, not a peer's stop.
+        let primary = |e: &ErrorInfo| !matches!(e.code, abi::code::OK | abi::code::PEER_STOPPED);
         let worst = (0..world).map(|r| row(r)[0]).max().unwrap_or(0);
         turns.unchecked = false;
         if worst == 0 {
             turns.refused = None;
             return Ok(());
         }
-        // This rank's own error first, else the first rank's that found one.
-        let own: Option<Error> = if dev.code != abi::code::OK {
-            Some(self.error_of(dev))
-        } else {
-            turns.refused.clone().map(Error::InvalidState)
-        };
+        // This rank's own error first (where its kernels only saw a peer
+        // stop, the error of that peer, or of the first rank that found
+        // one itself: every rank names the same root), else the first
+        // rank's that found one.
+        let own: Option<Error> =
+            if dev.code == abi::code::PEER_STOPPED && dev.seen != abi::code::TIMEOUT as u64 {
+                let named = dev.peer as usize;
+                let root = (named < world && primary(&report(named)))
+                    .then_some(named)
+                    .or_else(|| (0..world).find(|&r| primary(&report(r))));
+                Some(self.error_of(root.map_or(dev, report)))
+            } else if dev.code != abi::code::OK {
+                Some(self.error_of(dev))
+            } else {
+                turns.refused.clone().map(Error::InvalidState)
+            };
         let peer_error = || Error::PeerFailed {
             peer: (0..world).find(|&r| row(r)[0] != 0).unwrap_or(0),
             arg: None,
