@@ -283,6 +283,7 @@ enum Want<'a> {
     /// `InvalidArgument` (or `NotSymmetric`) naming this argument.
     Arg(&'a str),
     /// `PeerFailed` naming the bad rank and (when given) the argument.
+    /// `None` does not look at the argument.
     Peer(Option<&'a str>),
     /// `InvalidDeviceData` whose detail names this.
     Device(&'a str),
@@ -295,7 +296,7 @@ fn matches(e: &Error, want: &Want<'_>, bad: usize) -> bool {
         (Want::Arg(a), Error::InvalidArgument { arg, .. }) => arg == a,
         (Want::Arg(a), Error::NotSymmetric { what }) => what == a,
         (Want::Peer(a), Error::PeerFailed { peer, arg, .. }) => {
-            *peer == bad && arg.as_deref() == *a
+            *peer == bad && (a.is_none() || arg.as_deref() == *a)
         }
         (Want::Device(d), Error::InvalidDeviceData { detail, .. }) => detail.contains(d),
         (Want::OwnRefusal, Error::InvalidState(m)) => m.contains("refused"),

@@ -191,9 +191,9 @@ impl EpGroup {
     ///
     /// `Ok` when no rank found anything. Otherwise every rank gets an
     /// error: its own (the first its kernels recorded, or the refusal of
-    /// its host; where its kernels only saw a peer stop, the error of the
-    /// rank that found it, so every rank names the same root) or, where it
-    /// found none, [`Error::PeerFailed`] naming the
+    /// its host; where its kernels only saw a peer stop,
+    /// [`Error::PeerFailed`] naming that peer and the argument of its
+    /// error) or, where it found none, [`Error::PeerFailed`] naming the
     /// first rank that did. Then every rank is in the same state again: the
     /// same call count, the status words cleared (stream-ordered), the
     /// low-latency buffer sets realigned, and handles made before the error

@@ -119,17 +119,30 @@ impl NodeGroup {
             turns.refused = None;
             return Ok(());
         }
-        // This rank's own error first (where its kernels only saw a peer
-        // stop, the error of that peer, or of the first rank that found
-        // one itself: every rank names the same root), else the first
-        // rank's that found one.
+        // This rank's own error first, else the first rank's that found one.
+        // Where its kernels only saw a peer stop, the PeerFailed naming that
+        // peer carries the argument of that peer's own error (ranks that
+        // disagree, a bad value): every rank names the root and what was
+        // wrong.
         let own: Option<Error> =
             if dev.code == abi::code::PEER_STOPPED && dev.seen != abi::code::TIMEOUT as u64 {
                 let named = dev.peer as usize;
-                let root = (named < world && primary(&report(named)))
-                    .then_some(named)
-                    .or_else(|| (0..world).find(|&r| primary(&report(r))));
-                Some(self.error_of(root.map_or(dev, report)))
+                let root_arg = (named < world && primary(&report(named)))
+                    .then(|| match self.error_of(report(named)) {
+                        Error::InvalidArgument { arg, .. }
+                        | Error::InvalidDeviceData { arg, .. } => Some(arg),
+                        Error::PeerFailed { arg, .. } => arg,
+                        _ => None,
+                    })
+                    .flatten();
+                Some(match self.error_of(dev) {
+                    Error::PeerFailed { peer, arg, reason } => Error::PeerFailed {
+                        peer,
+                        arg: arg.or(root_arg),
+                        reason,
+                    },
+                    other => other,
+                })
             } else if dev.code != abi::code::OK {
                 Some(self.error_of(dev))
             } else {
