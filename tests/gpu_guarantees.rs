@@ -282,6 +282,10 @@ fn round_trip_of(
 enum Want<'a> {
     /// `InvalidArgument` (or `NotSymmetric`) naming this argument.
     Arg(&'a str),
+    /// Ranks that disagree on this argument: `InvalidArgument` naming it
+    /// where this rank's kernels compared first, or `PeerFailed` naming
+    /// the peer that did and the argument, where this rank saw it stop.
+    Mismatch(&'a str),
     /// `PeerFailed` naming the bad rank and (when given) the argument.
     /// `None` does not look at the argument.
     Peer(Option<&'a str>),
@@ -295,6 +299,8 @@ fn matches(e: &Error, want: &Want<'_>, bad: usize) -> bool {
     match (want, e) {
         (Want::Arg(a), Error::InvalidArgument { arg, .. }) => arg == a,
         (Want::Arg(a), Error::NotSymmetric { what }) => what == a,
+        (Want::Mismatch(a), Error::InvalidArgument { arg, .. }) => arg == a,
+        (Want::Mismatch(a), Error::PeerFailed { arg: Some(x), .. }) => x == a,
         (Want::Peer(a), Error::PeerFailed { peer, arg, .. }) => {
             *peer == bad && (a.is_none() || arg.as_deref() == *a)
         }
@@ -562,7 +568,7 @@ fn fault_other_op_on_one_rank() {
             op,
             chk,
             None,
-            Want::Arg("op"),
+            Want::Mismatch("op"),
             t0.elapsed(),
         )?;
         drop((handle, y));
@@ -596,7 +602,7 @@ fn fault_other_handle_on_one_rank() {
             op,
             chk,
             None,
-            Want::Arg("handle"),
+            Want::Mismatch("handle"),
             t0.elapsed(),
         )?;
         drop((h1, h2));
