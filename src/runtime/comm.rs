@@ -491,10 +491,10 @@ impl Drop for Communicator {
         // SAFETY: we own raw; every window/segment holding an Arc is gone.
         unsafe {
             if let Err(e) = nc::comm_finalize(raw) {
-                eprintln!("moe-ep: ncclCommFinalize failed in drop: {e}");
+                tracing::warn!("ncclCommFinalize failed in drop: {e}");
             }
             if let Err(e) = nc::comm_destroy(raw) {
-                eprintln!("moe-ep: ncclCommDestroy failed in drop: {e}");
+                tracing::warn!("ncclCommDestroy failed in drop: {e}");
             }
         }
     }

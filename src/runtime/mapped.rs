@@ -74,7 +74,7 @@ impl<T: Copy> Drop for MappedHost<T> {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: allocated by malloc_host in new; Drop runs once.
         if let Err(e) = unsafe { result::free_host(self.host.cast()) } {
-            eprintln!("moe-ep: cuMemFreeHost failed in drop: {e}");
+            tracing::warn!("cuMemFreeHost failed in drop: {e}");
         }
     }
 }

@@ -271,7 +271,7 @@ impl<T> Drop for SymmBuffer<T> {
                 // wait for the stream instead.
                 Err(_) => {
                     if let Err(e) = s.synchronize() {
-                        eprintln!("moe-ep: releasing a pool buffer: {e}");
+                        tracing::warn!("releasing a pool buffer: {e}");
                     }
                 }
             }

@@ -60,7 +60,7 @@ impl Drop for PoolInner {
             for (_, _, pending) in &slot.free {
                 for e in &pending.0 {
                     if let Err(err) = e.synchronize() {
-                        eprintln!("moe-ep: waiting for a pool range's last use before its segment is freed: {err}");
+                        tracing::warn!("waiting for a pool range's last use before its segment is freed: {err}");
                     }
                 }
             }

@@ -90,7 +90,7 @@ impl Drop for DeviceAlloc {
         // no rank maps it any more (every Segment holding this Arc is gone).
         // cuMemFree waits for the work still using it.
         if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
-            eprintln!("moe-ep: cuMemFree of a virtual segment failed in drop: {e}");
+            tracing::warn!("cuMemFree of a virtual segment failed in drop: {e}");
         }
     }
 }
@@ -392,15 +392,15 @@ impl Drop for Segment {
             match self.comm.raw() {
                 Some(raw) => {
                     if let Err(e) = nc::window_deregister(raw, win) {
-                        eprintln!("moe-ep: ncclCommWindowDeregister failed in drop: {e}");
+                        tracing::warn!("ncclCommWindowDeregister failed in drop: {e}");
                     }
                 }
-                None => eprintln!(
-                    "moe-ep: a symmetric window of an aborted communicator: its memory is freed, its registration went with the abort"
+                None => tracing::info!(
+                    "a symmetric window of an aborted communicator: its memory is freed, its registration went with the abort"
                 ),
             }
             if let Err(e) = nc::mem_free(self.base as *mut c_void) {
-                eprintln!("moe-ep: ncclMemFree failed in drop: {e}");
+                tracing::warn!("ncclMemFree failed in drop: {e}");
             }
         }
     }

@@ -250,8 +250,8 @@ impl NodeGroup {
             .map_err(Error::cuda("cuStreamSynchronize"))
     }
 
-    /// With `MOE_EP_DEBUG_PEERS=1`, a timeout also prints to stderr the
-    /// words of this rank's and the named peer's workspaces that keep the
+    /// With `MOE_EP_DEBUG_PEERS=1`, a timeout also logs (warn level, through
+    /// `tracing`) the words of this rank's and the named peer's workspaces that keep the
     /// ranks in step ([`peer_state_line`]), read while they stand (the
     /// peer's kernels may still run). Off, it does nothing.
     fn print_peer_state(&self, e: &ErrorInfo) {
@@ -275,13 +275,13 @@ impl NodeGroup {
                 })
                 .transpose();
             match read {
-                Ok(Some(())) => eprintln!(
-                    "moe-ep: rank {me}, after a timeout ({}): {}",
+                Ok(Some(())) => tracing::warn!(
+                    "rank {me}, after a timeout ({}): {}",
                     abi::counter_name(e.counter),
                     peer_state_line(r, &words, self.cfg.num_sms)
                 ),
-                Ok(None) => eprintln!("moe-ep: rank {me}: rank {r}'s workspace is not mapped here"),
-                Err(err) => eprintln!("moe-ep: rank {me}: rank {r}'s workspace unreadable: {err}"),
+                Ok(None) => tracing::warn!("rank {me}: rank {r}'s workspace is not mapped here"),
+                Err(err) => tracing::warn!("rank {me}: rank {r}'s workspace unreadable: {err}"),
             }
         }
     }

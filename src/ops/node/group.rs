@@ -78,7 +78,7 @@ impl Drop for NodeGroup {
                 .bind_to_thread()
                 .and_then(|()| stream.synchronize());
             if let Err(e) = res {
-                eprintln!("moe-ep: waiting for the group's work in drop failed: {e}");
+                tracing::warn!("waiting for the group's work in drop failed: {e}");
             }
         }
     }
@@ -405,7 +405,7 @@ impl OpStreams {
         let Some(op) = self.op.take() else { return };
         for home in self.homes.drain(..) {
             if let Err(e) = home.join(&op) {
-                eprintln!("moe-ep: ordering a buffer's stream after the op failed: {e}");
+                tracing::warn!("ordering a buffer's stream after the op failed: {e}");
             }
         }
     }

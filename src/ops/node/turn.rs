@@ -219,7 +219,7 @@ impl NodeGroup {
                 Refuse::Quiet => Ok(()),
             };
             if let Err(p) = told {
-                eprintln!("moe-ep: telling the peers of a refused call failed: {p}");
+                tracing::warn!("telling the peers of a refused call failed: {p}");
             }
         }
         if !shared && !dead && turn.turns.refused.is_none() {

@@ -66,6 +66,7 @@ const EXIT_FAILURE: u8 = 1;
 const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
+    init_logging();
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let opts = match cli::parse(args.iter().cloned()) {
         Ok(Command::Help(text)) => {
@@ -91,6 +92,20 @@ fn main() -> ExitCode {
         (Ok(Role::Parent), None) => run_parent(&opts, &args),
         (Ok(Role::Rank(env)), None) => run_as_rank(&opts, &env),
     })
+}
+
+/// Writes the library's `tracing` log lines to stderr, filtered by
+/// `RUST_LOG` (default `warn`: the failures the library reports without
+/// returning them; `RUST_LOG=moe_ep=info` adds e.g. the line saying the NVTX
+/// ranges are off).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
+        .from_env_lossy();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// Prints every line of `msg` as `ep-bench: error: {line}` on stderr and
