@@ -141,5 +141,12 @@ mod tests {
         }
         drop(outer);
         assert!(!range("a\0b").active);
+        // With the variable set, its library must load (as with NCCL's).
+        if std::env::var_os(NVTX_LIBRARY_ENV).is_some_and(|p| !p.is_empty()) {
+            assert!(
+                nvtx().is_some(),
+                "{NVTX_LIBRARY_ENV} is set but did not load"
+            );
+        }
     }
 }
