@@ -3,10 +3,18 @@
 //! them with `include_bytes!` and records the version of the NCCL headers the
 //! kernels were compiled against.
 //!
-//! nvcc is found via `NVCC`, then `CUDA_HOME` / `CUDA_PATH`, then `PATH`, then
-//! the pinned toolchain that `scripts/setup-cuda.sh` installs from PyPI into
-//! `.toolchain/` of the checkout. NCCL headers: `NCCL_INCLUDE_DIR`, then
-//! `NCCL_HOME/include`, then `.toolchain/`, then `/usr/include`.
+//! nvcc is found via `NVCC` (a path to nvcc), then `CUDA_HOME` / `CUDA_PATH`
+//! (`$X/bin/nvcc`), then `PATH`, then the pinned toolchain that
+//! `scripts/setup-cuda.sh` installs from PyPI into `.toolchain/` of the
+//! checkout. NCCL headers: `NCCL_INCLUDE_DIR`, then `NCCL_HOME/include`, then
+//! `.toolchain/`, then `/usr/include`. Where none is found the build fails
+//! with one line naming these options.
+//!
+//! With `DOCS_RS` set or `MOE_EP_NO_KERNELS=1` no nvcc is needed: the API is
+//! built without kernel images (an empty `MODULES`, `cfg(moe_ep_no_kernels)`),
+//! so that its docs build and every op returns `Error::Module` at run time.
+//! Without NCCL headers there, `NCCL_HEADERS_VERSION_CODE` is
+//! `DEFAULT_NCCL_CODE`, the pinned NCCL 2.28.9.
 
 use std::env;
 use std::fmt::Write as _;
@@ -18,6 +26,22 @@ use std::process::Command;
 const CUBIN_GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
 /// Portable fallback, JIT-compiled by the driver on any sm_90+ GPU.
 const PTX_ARCH: &str = "-arch=compute_90";
+/// NCCL_VERSION_CODE of the pinned headers (nvidia-nccl-cu13==2.28.9), used
+/// by builds without kernels that find no nccl.h.
+const DEFAULT_NCCL_CODE: i32 = 22809;
+
+/// Ends the build with one `error:` line from cargo (no panic, no backtrace).
+/// With `details` (nvcc's output) the script exits non-zero, so that cargo
+/// shows them (its stderr) beneath that line.
+fn fail(line: &str, details: &str) -> ! {
+    println!("cargo::error={line}");
+    if details.is_empty() {
+        // cargo fails the build on the logged error alone.
+        std::process::exit(0);
+    }
+    eprintln!("{details}");
+    std::process::exit(1);
+}
 
 fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -31,13 +55,20 @@ fn main() {
         "NCCL_INCLUDE_DIR",
         "NCCL_HOME",
         "MOE_EP_PTXAS_REPORT",
+        "DOCS_RS",
+        "MOE_EP_NO_KERNELS",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=kernels-cuda");
+    println!("cargo::rustc-check-cfg=cfg(moe_ep_no_kernels)");
+    let no_kernels =
+        env::var_os("DOCS_RS").is_some() || env::var("MOE_EP_NO_KERNELS").as_deref() == Ok("1");
 
     let mut sources = Vec::new();
-    for entry in fs::read_dir(&kdir).expect("kernels-cuda/ is missing") {
+    let entries = fs::read_dir(&kdir)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", kdir.display()), ""));
+    for entry in entries {
         let path = entry.unwrap().path();
         match path.extension().and_then(|e| e.to_str()) {
             Some("cu") => sources.push(path.clone()),
@@ -48,18 +79,23 @@ fn main() {
     }
     sources.sort();
 
-    let nvcc = find_nvcc(&root).unwrap_or_else(|| {
-        panic!(
-            "\n\nmoe-ep: no nvcc found. The kernels are CUDA C++ compiled at build time.\n\
-             Either run `scripts/setup-cuda.sh` (installs the pinned CUDA 13.0 compiler and NCCL\n\
-             2.28.9 headers from PyPI into .toolchain/, no root needed), or set NVCC=/path/to/nvcc\n\
-             or CUDA_HOME to a CUDA 13 toolkit.\n\n"
-        )
-    });
+    if no_kernels {
+        // The API only (docs.rs, or MOE_EP_NO_KERNELS=1): no nvcc, no images.
+        println!("cargo::rustc-cfg=moe_ep_no_kernels");
+        let nccl_code = find_nccl_include(&root).map_or(DEFAULT_NCCL_CODE, |d| {
+            nccl_header_version(&d.join("nccl.h"))
+        });
+        write_table(&out, nccl_code, &[]);
+        return;
+    }
+
+    let nvcc = find_nvcc(&root).unwrap_or_else(|e| fail(&e, ""));
     let nccl_inc = find_nccl_include(&root).unwrap_or_else(|| {
-        panic!(
-            "\n\nmoe-ep: no NCCL headers (nccl.h) found. Run `scripts/setup-cuda.sh`, or set\n\
-             NCCL_INCLUDE_DIR (or NCCL_HOME) to an NCCL >= 2.28 installation.\n\n"
+        fail(
+            "no NCCL headers (nccl.h, nccl_device.h) found: set NCCL_INCLUDE_DIR (or NCCL_HOME) \
+             to NCCL >= 2.28 headers (e.g. the include/ of PyPI's nvidia-nccl-cu13==2.28.9 wheel), \
+             or run scripts/setup-cuda.sh in a moe-ep checkout (installs them into .toolchain/)",
+            "",
         )
     });
     let nccl_code = nccl_header_version(&nccl_inc.join("nccl.h"));
@@ -87,9 +123,26 @@ fn main() {
     });
     let errors: Vec<String> = results.into_iter().filter_map(|r| r.err()).collect();
     if !errors.is_empty() {
-        panic!("\n\nmoe-ep: nvcc failed:\n{}\n", errors.join("\n"));
+        fail(
+            &format!(
+                "nvcc ({}) failed on {} of {} kernel images (its output is above)",
+                nvcc.display(),
+                errors.len(),
+                jobs.len()
+            ),
+            &errors.join("\n"),
+        );
     }
+    let stems: Vec<&str> = sources
+        .iter()
+        .map(|src| src.file_stem().unwrap().to_str().unwrap())
+        .collect();
+    write_table(&out, nccl_code, &stems);
+}
 
+/// `$OUT_DIR/kernels.rs`: the NCCL header version and one
+/// `(name, cubin, PTX)` entry per compiled module (none without kernels).
+fn write_table(out: &Path, nccl_code: i32, stems: &[&str]) {
     let mut gen = String::new();
     writeln!(gen, "// Generated by build.rs. Do not edit.").unwrap();
     writeln!(
@@ -108,8 +161,7 @@ fn main() {
     )
     .unwrap();
     writeln!(gen, "pub const MODULES: &[(&str, &[u8], &[u8])] = &[").unwrap();
-    for src in &sources {
-        let stem = src.file_stem().unwrap().to_str().unwrap();
+    for stem in stems {
         writeln!(
             gen,
             "    ({stem:?}, include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{stem}.cubin\")), include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{stem}.ptx\"))),"
@@ -180,28 +232,46 @@ fn is_file(p: &Path) -> bool {
     p.is_file()
 }
 
-fn find_nvcc(root: &Path) -> Option<PathBuf> {
-    if let Ok(p) = env::var("NVCC") {
-        return Some(PathBuf::from(p));
+/// nvcc, or the one error line that says where it was looked for.
+fn find_nvcc(root: &Path) -> Result<PathBuf, String> {
+    if let Some(p) = env::var_os("NVCC") {
+        let p = PathBuf::from(p);
+        return if is_file(&p) {
+            Ok(p)
+        } else {
+            Err(format!(
+                "NVCC={} is not a file (set it to the path of nvcc)",
+                p.display()
+            ))
+        };
     }
     for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Ok(home) = env::var(var) {
+        if let Some(home) = env::var_os(var) {
             let p = Path::new(&home).join("bin/nvcc");
             if is_file(&p) {
-                return Some(p);
+                return Ok(p);
             }
         }
     }
-    if let Ok(path) = env::var("PATH") {
+    if let Some(path) = env::var_os("PATH") {
         for dir in env::split_paths(&path) {
             let p = dir.join("nvcc");
             if is_file(&p) {
-                return Some(p);
+                return Ok(p);
             }
         }
     }
     let local = root.join(".toolchain/py/nvidia/cu13/bin/nvcc");
-    is_file(&local).then_some(local)
+    if is_file(&local) {
+        return Ok(local);
+    }
+    Err(format!(
+        "no nvcc found (the kernels are CUDA C++ compiled at build time): set NVCC=/path/to/nvcc \
+         or CUDA_HOME (or CUDA_PATH) to a CUDA 13 toolkit, put nvcc on PATH, or run \
+         scripts/setup-cuda.sh in a moe-ep checkout (pinned nvcc from PyPI into {}); \
+         MOE_EP_NO_KERNELS=1 builds the API without kernels (every op then fails at run time)",
+        root.join(".toolchain").display()
+    ))
 }
 
 fn find_nccl_include(root: &Path) -> Option<PathBuf> {
@@ -220,7 +290,8 @@ fn find_nccl_include(root: &Path) -> Option<PathBuf> {
 }
 
 fn nccl_header_version(header: &Path) -> i32 {
-    let text = fs::read_to_string(header).expect("cannot read nccl.h");
+    let text = fs::read_to_string(header)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", header.display()), ""));
     let get = |name: &str| -> i32 {
         text.lines()
             .find_map(|l| {
@@ -229,7 +300,7 @@ fn nccl_header_version(header: &Path) -> i32 {
                     .then(|| it.next().and_then(|v| v.parse().ok()))
                     .flatten()
             })
-            .unwrap_or_else(|| panic!("nccl.h has no {name}"))
+            .unwrap_or_else(|| fail(&format!("{} has no {name}", header.display()), ""))
     };
     let (major, minor, patch) = (get("NCCL_MAJOR"), get("NCCL_MINOR"), get("NCCL_PATCH"));
     major * 10000 + minor * 100 + patch

@@ -41,6 +41,15 @@ impl Module {
     }
 
     fn load(ctx: &Arc<CudaContext>, name: &'static str) -> Result<Module> {
+        if cfg!(moe_ep_no_kernels) {
+            return Err(Error::Module {
+                module: name,
+                detail: "moe-ep was built without kernels (DOCS_RS or MOE_EP_NO_KERNELS=1); \
+                         rebuild with nvcc reachable (NVCC, CUDA_HOME/CUDA_PATH, PATH, or \
+                         the .toolchain/ of scripts/setup-cuda.sh) and neither variable set"
+                    .into(),
+            });
+        }
         let &(_, cubin, ptx) =
             MODULES
                 .iter()
