@@ -227,6 +227,7 @@ mod tests {
     /// Every entry point `Kernels::load` looks up is in its module's PTX
     /// (a misspelt name would otherwise show only on a GPU).
     #[test]
+    #[cfg_attr(moe_ep_no_kernels, ignore = "built without kernel images")]
     fn every_entry_point_is_in_its_module() {
         let per_world = |n: [[&'static str; 3]; 2]| n.concat();
         let modules: [(&str, Vec<&str>); 5] = [
