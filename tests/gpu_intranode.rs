@@ -1794,9 +1794,7 @@ fn bad_buffers_are_refused_naming_the_argument() {
 /// GPU 1; SKIP otherwise).
 #[test]
 fn memory_of_another_gpu_is_refused() {
-    let gpus = moe_ep::device_count().unwrap_or(0);
-    if gpus < 2 {
-        eprintln!("SKIP memory_of_another_gpu_is_refused: {gpus} GPU(s), needs 2");
+    if moe_ep::testkit::ranks::gpus_or_skip("memory_of_another_gpu_is_refused", 2).is_none() {
         return;
     }
     let run = || -> Result<()> {
