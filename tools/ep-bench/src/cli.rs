@@ -312,6 +312,7 @@ impl Case {
 #[derive(Parser, Clone, Debug)]
 #[command(
     name = "ep-bench",
+    version,
     about = ABOUT,
     after_help = AFTER_HELP,
     args_override_self = true,
@@ -426,7 +427,7 @@ pub struct Opts {
 pub enum Command {
     /// Run the benchmark with these options.
     Run(Box<Opts>),
-    /// `--help` / `-h`: print this text and exit 0.
+    /// `--help` / `-h` or `--version` / `-V`: print this text and exit 0.
     Help(String),
 }
 
@@ -443,15 +444,23 @@ where
             opts.validate()?;
             Ok(Command::Run(Box::new(opts)))
         }
-        Err(e) if e.kind() == ErrorKind::DisplayHelp => Ok(Command::Help(e.to_string())),
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            Ok(Command::Help(e.to_string()))
+        }
         Err(e) => {
             // clap's first paragraph (the error and its context lines) on one line.
             let text = e.to_string();
-            let lines: Vec<&str> = text
+            let mut lines: Vec<&str> = text
                 .lines()
                 .map(str::trim)
                 .take_while(|l| !l.is_empty())
                 .collect();
+            // clap's suggestion of a similar flag, when it has one.
+            lines.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| l.starts_with("tip:")),
+            );
             let line = lines.join(" ");
             Err(line.strip_prefix("error: ").unwrap_or(&line).to_string())
         }
@@ -859,6 +868,21 @@ mod tests {
             "tokens=4096 hidden=7168 topk=8 experts=256 layout=rank sms=24"
         );
         assert_eq!(cases[0].routing.to_string(), "uniform");
+    }
+
+    #[test]
+    fn version_and_suggestions() {
+        match parse(["--version"]) {
+            Ok(Command::Help(text)) => assert_eq!(
+                text.trim(),
+                format!("ep-bench {}", env!("CARGO_PKG_VERSION"))
+            ),
+            _ => panic!("--version: expected the version text"),
+        }
+        let e = parse(["--tokns", "128"])
+            .err()
+            .expect("a mistyped flag is refused");
+        assert!(e.contains("--tokens"), "no suggestion: {e}");
     }
 
     #[test]
