@@ -879,9 +879,9 @@ mod tests {
             ),
             _ => panic!("--version: expected the version text"),
         }
-        let e = parse(["--tokns", "128"])
-            .err()
-            .expect("a mistyped flag is refused");
+        let Err(e) = parse(["--tokns", "128"]) else {
+            panic!("a mistyped flag is refused");
+        };
         assert!(e.contains("--tokens"), "no suggestion: {e}");
     }
 
