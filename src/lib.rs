@@ -42,7 +42,8 @@ pub use error::{Error, NcclVersion, Result};
 pub use kernels::NCCL_HEADERS_VERSION_CODE;
 pub use ops::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, EpGroup,
-    GroupConfig, Handle, HostCounts, LlDispatchArgs, LlHandle, LlInput, Mode, RecvBuf, TopkIdx,
+    GroupConfig, Handle, HostCounts, LlDispatchArgs, LlHandle, LlInput, MemoryFootprint, Mode,
+    RecvBuf, TopkIdx,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

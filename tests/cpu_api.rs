@@ -278,3 +278,30 @@ fn nccl_versions_decode_and_order() {
     assert!(NcclVersion::from_code(22902) > v);
     assert_eq!(NcclVersion::from_code(2708).to_string(), "2.7.8");
 }
+
+/// The workspace formula of `moe_ep::ops::workspace_bytes`, by hand: each
+/// region rounded up to 256 bytes, the stage `2 * R * M * H` bf16 rows the
+/// bulk of it.
+#[test]
+fn workspace_bytes_follow_the_formula() {
+    let up = |x: u64| x.div_ceil(256) * 256;
+    for (r, e, m, h) in [(8u64, 256u64, 4096u64, 7168u64), (2, 64, 128, 1024), (1, 8, 1, 8)] {
+        let cfg = GroupConfig::new(e as usize, h as usize, m as usize);
+        let (s, b, k) = (16u64, 132u64, 16u64);
+        let want = up(4 * 2 * r * (e + r * s + 8))
+            + up(8 * r)
+            + 3 * up(8 * r * b)
+            + up(8 * 2 * 8 * 8)
+            + up(8 * 5 * b)
+            + up(4 * 2 * r * m * k)
+            + up(2 * 2 * r * m * h);
+        assert_eq!(
+            moe_ep::ops::workspace_bytes(&cfg, r as usize),
+            want,
+            "R={r} E={e} M={m} H={h}"
+        );
+    }
+    // The headline figure of the docs: 944 MB at R = 8, M = 4096, H = 7168.
+    let big = moe_ep::ops::workspace_bytes(&GroupConfig::new(256, 7168, 4096), 8);
+    assert_eq!(big.div_ceil(1_000_000), 944, "{big}");
+}

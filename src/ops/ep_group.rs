@@ -19,6 +19,7 @@ use super::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
 };
 use super::config::GroupConfig;
+use super::footprint::MemoryFootprint;
 use super::low_latency::handle::{LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle};
 use super::node::group::NodeGroup;
 use super::node::handle::{HostCounts, NodeHandle};
@@ -175,6 +176,23 @@ impl EpGroup {
     /// receive buffers and symmetric expert outputs live.
     pub fn pool(&self) -> &SymmPool {
         self.node().pool()
+    }
+
+    /// The memory this rank of the group holds, by category (device and
+    /// pinned host bytes; [`MemoryFootprint`], whose formula is in
+    /// [`workspace_bytes`](crate::ops::workspace_bytes) and
+    /// [`ll_buffer_bytes`](crate::ops::ll_buffer_bytes)). Handles come on top
+    /// ([`Handle::device_bytes`]). On several nodes: the node stage's group
+    /// and the network hop's flags.
+    pub fn memory_footprint(&self) -> MemoryFootprint {
+        match &self.path {
+            Path::Node(g) => g.memory_footprint(),
+            Path::TwoLevel(g) => {
+                let mut f = g.node_group().memory_footprint();
+                f.two_level = ((g.arrive.len() + g.done.len()) * 8) as u64;
+                f
+            }
+        }
     }
 
     /// Experts on each rank (`num_experts / world`).
@@ -468,6 +486,15 @@ impl Handle {
             HandleOf::Node(h) => h,
             HandleOf::TwoLevel(h) => h.node_handle(),
         }
+    }
+
+    /// Device bytes this handle holds on this rank while it lives: its
+    /// layout arrays (every token's positions, the count matrix, offsets)
+    /// and the symmetric rows the expert-major senders write beside the
+    /// tokens; on several nodes, the node stage's handle's (the hop plan's
+    /// arrays come on top, sized by the batch).
+    pub fn device_bytes(&self) -> u64 {
+        self.node().device_bytes()
     }
 
     /// The receive layout.

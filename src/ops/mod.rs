@@ -45,6 +45,7 @@ pub(crate) mod abi;
 mod buffers;
 mod config;
 mod ep_group;
+mod footprint;
 mod low_latency;
 mod node;
 mod two_level;
@@ -59,6 +60,7 @@ pub use buffers::{
 };
 pub use config::{GroupConfig, Mode, DEFAULT_HOP_CHUNK_ROWS};
 pub use ep_group::{EpGroup, Handle};
+pub use footprint::{workspace_bytes, MemoryFootprint};
 pub use low_latency::{
     ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
     LlInput, LlView,

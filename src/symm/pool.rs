@@ -183,6 +183,29 @@ impl SymmPool {
         is_symm_backed(&self.inner.comm, ptr, len)
     }
 
+    /// Bytes of the segments this pool allocated (wrapped windows not
+    /// counted): the device memory it holds.
+    pub fn reserved_bytes(&self) -> u64 {
+        let slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots
+            .iter()
+            .filter(|s| s.pooled)
+            .map(|s| s.seg.size() as u64)
+            .sum()
+    }
+
+    /// Of [`reserved_bytes`](Self::reserved_bytes), the bytes in free
+    /// ranges now (released buffers' ranges count once their last use is
+    /// ordered, as for reuse).
+    pub fn free_bytes(&self) -> u64 {
+        let slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots
+            .iter()
+            .filter(|s| s.pooled)
+            .flat_map(|s| s.free.iter().map(|&(_, l, _)| l as u64))
+            .sum()
+    }
+
     /// Number of segments this pool allocated (wrapped windows not counted).
     pub fn num_segments(&self) -> usize {
         let slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());

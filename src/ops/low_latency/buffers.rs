@@ -19,7 +19,7 @@ use crate::symm::{SymmBuffer, SymmPool};
 
 /// Bytes of a low-latency group's buffers, both sets ([`ll_buffer_bytes`]
 /// has the formula).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LlBufferBytes {
     /// Symmetric memory from the group's pool (written by the peers).
     pub symmetric: u64,

@@ -18,10 +18,12 @@ use cudarc::driver::CudaStream;
 
 use super::kernels::Kernels;
 use crate::error::{Error, Result};
-use crate::ops::abi::{self, count_row, ErrorInfo, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
+use crate::ops::abi::{self, ErrorInfo, Workspace, MAX_RANKS};
 use crate::ops::buffers::DeviceRegion;
 use crate::ops::config::{GroupConfig, Mode};
+use crate::ops::footprint::{carve_workspace, MemoryFootprint};
 use crate::ops::low_latency::buffers::LlBuffers;
+use crate::ops::low_latency::ll_buffer_bytes;
 use crate::runtime::{Communicator, MappedHost};
 use crate::symm::{SymmBuffer, SymmPool};
 
@@ -36,6 +38,8 @@ pub(crate) struct NodeGroup {
     /// Held for its lifetime; kernels reach it through `ws_peers`.
     _ws: SymmBuffer<u8>,
     pub(crate) w: Workspace,
+    /// The workspace's bytes (`_ws`).
+    pub(crate) ws_bytes: u64,
     pub(crate) ws_peers: [u64; MAX_RANKS],
     /// The low-latency buffers (`Mode::LowLatency` only).
     pub(crate) ll: Option<LlBuffers>,
@@ -116,43 +120,8 @@ impl NodeGroup {
         };
         agree(comm, &stream, &cfg, recv_capacity, local)?;
 
-        // Workspace layout (bytes; R = world, E = experts, H = hidden):
-        //   counts         int32 [2][R][count_row(R, E)] parity double-buffered
-        //   count_flag     u64   [R]
-        //   dispatch_done  u64   [R][MAX_BLOCKS]
-        //   combine_done   u64   [R][MAX_BLOCKS]
-        //   pull_flag      u64   [R][MAX_BLOCKS]        combine (pull) handshakes
-        //   desc           u64   [2][MAX_RANKS][8]      op call descriptors (call
-        //                                               parity, source)
-        //   seq            u64   [5][MAX_BLOCKS]        local counters ([3][0] error
-        //                                               claim, [3][1..6] item counters,
-        //                                               [3][8] status, [3][10] layout
-        //                                               arrivals; [4] the group's calls)
-        //   stage_w        f32   [2][R * max_tokens][MAX_TOPK]
-        //   stage          bf16  [2][R * max_tokens][H]
-        let (r, h) = (world as u64, cfg.hidden as u64);
-        let stage_rows = r * cfg.max_tokens_per_rank as u64;
-        let align = |x: u64| x.div_ceil(256) * 256;
-        let mut w = Workspace::default();
-        let mut at = 0u64;
-        let mut carve = |bytes: u64| {
-            let off = at;
-            at = align(at + bytes);
-            (off, at)
-        };
-        w.counts_off = carve(2 * r * count_row(world, cfg.num_experts) as u64 * 4).0;
-        w.count_flag_off = carve(r * 8).0;
-        w.dispatch_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
-        w.combine_done_off = carve(r * MAX_BLOCKS as u64 * 8).0;
-        w.pull_flag_off = carve(r * MAX_BLOCKS as u64 * 8).0;
-        w.desc_off = carve(2 * MAX_RANKS as u64 * 8 * 8).0;
-        let zeroed; // everything before the stage must start at zero
-        (w.seq_off, zeroed) = carve(5 * MAX_BLOCKS as u64 * 8);
-        w.stage_w_off = carve(2 * stage_rows * MAX_TOPK as u64 * 4).0;
-        let total;
-        (w.stage_off, total) = carve(2 * stage_rows * h * 2);
-        w.stage_rows = stage_rows;
-
+        // The workspace's regions and size: crate::ops::footprint.
+        let (w, zeroed, total) = carve_workspace(&cfg, world);
         let pool = SymmPool::new(comm, 256 << 20);
         let ws: SymmBuffer<u8> = pool.alloc(total as usize)?;
         // Low-latency buffers (collective, after the workspace on every
@@ -216,6 +185,7 @@ impl NodeGroup {
             pool,
             recv_capacity,
             _ws: ws,
+            ws_bytes: total,
             ll,
             w,
             ws_peers,
@@ -249,6 +219,21 @@ impl NodeGroup {
     /// The communicator.
     pub fn comm(&self) -> &Arc<Communicator> {
         &self.comm
+    }
+    /// What this rank of the group holds ([`MemoryFootprint`]).
+    pub fn memory_footprint(&self) -> MemoryFootprint {
+        let ll = self.ll.as_ref().map_or(Default::default(), |_| {
+            ll_buffer_bytes(&self.cfg, self.comm.world())
+        });
+        let (reserved, free) = (self.pool.reserved_bytes(), self.pool.free_bytes());
+        MemoryFootprint {
+            workspace: self.ws_bytes,
+            low_latency: ll.total(),
+            pool_other: reserved.saturating_sub(self.ws_bytes + ll.symmetric),
+            pool_free: free,
+            two_level: 0,
+            pinned_host: std::mem::size_of::<ErrorInfo>() as u64,
+        }
     }
     /// The group's symmetric-memory pool: allocate caller-supplied receive
     /// buffers here (collectively) for zero copy.

@@ -125,6 +125,10 @@ impl NodeHandle {
     pub fn layout(&self) -> RecvLayout {
         self.layout
     }
+    /// Device bytes of the handle: its arena and the symmetric meta rows.
+    pub fn device_bytes(&self) -> u64 {
+        (self.arena_at.total * 4 + self.meta.num_bytes()) as u64
+    }
     /// Tokens of this rank.
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
