@@ -89,6 +89,7 @@
 #define MOE_EP_FIELD_COUNTS 13     // a peer's count row (bad-peer-data checks)
 #define MOE_EP_FIELD_META 14       // expert-major meta rows written by a sender
 #define MOE_EP_FIELD_NUM_TOKENS 15 // a low-latency sender's token count
+#define MOE_EP_FIELD_RECV_SCALES 16 // dispatch: descriptor word 5, the place of recv_xs (fp8 scales)
 #define MOE_EP_DESC_WORDS 7
 // Descriptor word 6 of every data op: the handle's id (MOE_EP_FIELD_HANDLE).
 #define MOE_EP_DESC_HANDLE 6
@@ -106,6 +107,11 @@
 // Descriptor word of a pushed buffer that travels (combine family word 2:
 // weight gradients given, pushed).
 #define MOE_EP_DESC_PUSHED (1ull << 63)
+// Dispatch: descriptor word 0's second byte, the rows' payload (ranks that
+// dispatch different payloads differ in word 0: "op").
+#define MOE_EP_DESC_PAYLOAD_BF16 0
+#define MOE_EP_DESC_PAYLOAD_FP8_E8M0_32 1
+#define MOE_EP_DESC_PAYLOAD_FP8_F32_128 2
 #define MOE_EP_FIELD_PAYLOAD 11    // low-latency: bf16 or fp8 rows
 
 // Counters a wait can stall on.
@@ -286,6 +292,20 @@ struct DispatchParams {
   const int32_t* arrive_of;
   const int32_t* arrive_peer;
   uint64_t arrive_epoch;
+  // fp8 rows (descriptor word 0's MOE_EP_DESC_PAYLOAD_* byte, word 5 the
+  // place of recv_xs): each row is row16 16-byte vectors of e4m3 codes, and
+  // beside it its block scales, scale_words 4-byte words of xs [T][sw]
+  // written to recv_xs[r] [rows][sw] on each rank (same row index).
+  // row16 = 0: bf16 rows of hidden / 8 vectors, no scales.
+  const uint32_t* xs;
+  uint32_t* recv_xs[MOE_EP_MAX_RANKS];
+  int32_t row16;
+  int32_t scale_words;
+  // Expert-major: 1 = padding rows' token vectors (and scales) are written
+  // with zeros; 0 = left as they are (their weights, ids and sources are
+  // always marked).
+  int32_t zero_pad;
+  int32_t _pad;
 };
 
 // combine, and dispatch backward, which is a combine of the gradient
@@ -423,7 +443,7 @@ static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
 static_assert(sizeof(OpCommon) == 240, "OpCommon");
 static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
 static_assert(sizeof(RefusalParams) == 304, "RefusalParams");
-static_assert(sizeof(DispatchParams) == 672, "DispatchParams");
+static_assert(sizeof(DispatchParams) == 760, "DispatchParams");
 static_assert(sizeof(CombineParams) == 488, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 248, "LlBufs");
@@ -511,7 +531,9 @@ static_assert(offsetof(DispatchParams, x) == 240 && offsetof(DispatchParams, sca
                   offsetof(DispatchParams, desc) == 520 &&
                   offsetof(DispatchParams, meta) == 576 &&
                   offsetof(DispatchParams, arrive) == 640 &&
-                  offsetof(DispatchParams, arrive_epoch) == 664,
+                  offsetof(DispatchParams, arrive_epoch) == 664 &&
+                  offsetof(DispatchParams, xs) == 672 && offsetof(DispatchParams, recv_xs) == 680 &&
+                  offsetof(DispatchParams, row16) == 744 && offsetof(DispatchParams, zero_pad) == 752,
               "DispatchParams offsets");
 static_assert(offsetof(CombineParams, y) == 240 && offsetof(CombineParams, out) == 264 &&
                   offsetof(CombineParams, y_peers) == 280 && offsetof(CombineParams, gw_peers) == 344 &&

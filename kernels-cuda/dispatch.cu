@@ -147,7 +147,10 @@ __device__ __forceinline__ TokRoute load_route(const DispatchParams& p, int t, i
 template <bool kExpertMajor>
 __device__ void dispatch_body(const DispatchParams& p) {
   const int R = p.op.world, E = p.op.num_experts, El = E / R, K = p.op.topk, me = p.op.rank;
-  const int n16 = p.op.hidden / 8;
+  // Row vectors: bf16 rows of hidden / 8, or fp8 rows of row16; and the
+  // fp8 rows' scale words beside them (0: none).
+  const int n16 = p.row16 > 0 ? p.row16 : p.op.hidden / 8;
+  const int sw = p.scale_words;
   const Ws ws = ws_of(p.op);
   const InfoOffsets o = info_offsets(R, E, El);
   const int32_t* info = p.op.bufs.info;
@@ -190,7 +193,10 @@ __device__ void dispatch_body(const DispatchParams& p) {
         const int first = __shfl_sync(0xffffffffu, first_l + i0_l, l);
         const int end = __shfl_sync(0xffffffffu, end_l, l);
         for (int row = first; row < end; row += nw) {
-          for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
+          if (p.zero_pad) {
+            for (int c = lane; c < n16; c += 32) st_na_v4(rx + (size_t)row * n16 + c, zero);
+            for (int c = lane; c < sw; c += 32) p.recv_xs[me][(size_t)row * sw + c] = 0u;
+          }
           if (lane == 0) {
             if (p.recv_w[me]) p.recv_w[me][row] = 0.f;
             if (p.recv_idx[me]) p.recv_idx[me][row] = -1;
@@ -242,9 +248,11 @@ __device__ void dispatch_body(const DispatchParams& p) {
       agreed |= ask;
     }
     int4* dst[MOE_EP_MAX_RANKS];
+    int drow[MOE_EP_MAX_RANKS];  // the row on rank d (scales go beside it)
 #pragma unroll
     for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
       dst[d] = nullptr;
+      drow[d] = -1;
       if (d < R) {
         const int ud = __shfl_sync(0xffffffffu, u, d);
         // Expert-major: the token's first (lowest) row on d.
@@ -256,17 +264,19 @@ __device__ void dispatch_body(const DispatchParams& p) {
           row = ud >= 0 ? cand : -1;
         }
         if (row >= 0) dst[d] = reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)row * n16;
+        drow[d] = row;
       }
     }
     // Expert-major rows on my own rank: every one written here (slot k's
     // row lrow[k]), none left for the receiver pass.
     int lrow[MOE_EP_MAX_TOPK];
     float lw[MOE_EP_MAX_TOPK];
+    unsigned lmask = 0u;
     if (!expert_major) {
       copy_row<false>(x + (size_t)t * n16, dst, dmask, nullptr, 0u, lrow, lw, false, n16, per,
                       lane, coherent);
     } else {
-      const unsigned lmask = __ballot_sync(0xffffffffu, dk == me);
+      lmask = __ballot_sync(0xffffffffu, dk == me);
       const float my_w = (scaled && dk == me) ? p.scale_w[erow] : 1.f;
 #pragma unroll
       for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
@@ -275,6 +285,22 @@ __device__ void dispatch_body(const DispatchParams& p) {
       }
       copy_row<true>(x + (size_t)t * n16, dst, dmask & ~(1u << me), rx, lmask, lrow, lw, scaled,
                      n16, per, lane, coherent);
+    }
+    // fp8: the row's scales beside it on every rank (expert-major: every
+    // row of this rank written here, the receivers copy their extra rows').
+    if (sw > 0) {
+      const unsigned remote = expert_major ? dmask & ~(1u << me) : dmask;
+      for (int c = lane; c < sw; c += 32) {
+        const uint32_t v = p.xs[(size_t)t * sw + c];
+#pragma unroll
+        for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+          if ((remote >> d) & 1u) p.recv_xs[d][(size_t)drow[d] * sw + c] = v;
+        }
+#pragma unroll
+        for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+          if ((lmask >> k) & 1u) p.recv_xs[me][(size_t)lrow[k] * sw + c] = v;
+        }
+      }
     }
 
     // Metadata: top-k weights, local expert ids, source.
@@ -365,6 +391,13 @@ __device__ void dispatch_body(const DispatchParams& p) {
           const int c = base + i * 32 + lane;
           if (c < n16) st_na_v4(rx + (size_t)rows[k] * n16 + c, scaled ? scale_v4(v[i], wrow[k]) : v[i]);
         }
+      }
+    }
+    for (int c = lane; c < sw; c += 32) {
+      const uint32_t v = p.recv_xs[me][(size_t)primary * sw + c];
+#pragma unroll
+      for (int k = 0; k < MOE_EP_MAX_TOPK; ++k) {
+        if (((rows_mask >> k) & 1u) && rows[k] != primary) p.recv_xs[me][(size_t)rows[k] * sw + c] = v;
       }
     }
   }

@@ -253,14 +253,12 @@ __device__ __forceinline__ int peer_says(const Call& c, int s) {
     } else if (i == 0 && kind == MOE_EP_OP_STOPPED) {
       report_stop(c, s, theirs >> 8);
     } else {
+      const bool dispatch_family = (c.mine[0] & 0xffull) == MOE_EP_OP_DISPATCH ||
+                                   (c.mine[0] & 0xffull) == MOE_EP_OP_COMBINE_BWD;
       const int field = i == 0 ? MOE_EP_FIELD_OP
-                        : i == MOE_EP_DESC_HANDLE
-                            ? MOE_EP_FIELD_HANDLE
-                            : ((c.mine[0] & 0xffull) == MOE_EP_OP_DISPATCH ||
-                                       (c.mine[0] & 0xffull) == MOE_EP_OP_COMBINE_BWD
-                                   ? MOE_EP_FIELD_OP
-                                   : MOE_EP_FIELD_RECV_SRC) +
-                                  i;
+                        : i == MOE_EP_DESC_HANDLE     ? MOE_EP_FIELD_HANDLE
+                        : dispatch_family && i == 5 ? MOE_EP_FIELD_RECV_SCALES
+                        : (dispatch_family ? MOE_EP_FIELD_OP : MOE_EP_FIELD_RECV_SRC) + i;
       report_error(c.err, MOE_EP_ERR_MISMATCH, c.me, s, field, c.mine[i], theirs, 0, c.call);
     }
     return kDiffers;

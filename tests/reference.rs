@@ -973,3 +973,60 @@ fn check_close_reports_the_first_bad_index() {
         .starts_with("index 0"));
     check_close_bf16(&[], &[], 0).unwrap();
 }
+
+/// `dispatch_rows` moves any payload as `dispatch` moves the tokens: the
+/// tokens' own bits as u16 rows give the dispatched tokens' bits, and fp8
+/// scale rows (u8 at `H / 32`, f32 at `H / 128`) follow their rows, zero on
+/// padding.
+#[test]
+fn prop_dispatch_rows_move_any_payload_with_its_rows() {
+    for seed in 0..CASES {
+        let c = gen_case(seed);
+        let s = &c.shape;
+        let h = s.hidden;
+        let as_u16: Vec<Vec<u16>> = c.inputs.iter().map(|i| bits(&i.tokens)).collect();
+        // A scale row per token: its first value's bits, then a counter.
+        let scales: Vec<Vec<u8>> = c
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(r, i)| {
+                let t = i.num_tokens(s);
+                (0..t * 3).map(|j| (r * 31 + j * 7 + 1) as u8).collect()
+            })
+            .collect();
+        for layout in [
+            RecvLayout::RankMajor,
+            RecvLayout::ExpertMajor {
+                alignment: c.alignment,
+            },
+        ] {
+            for dst in 0..s.num_ranks {
+                let want = dispatch(s, &c.inputs, dst, layout).unwrap();
+                let got = dispatch_rows(s, &c.inputs, &as_u16, h, dst, layout).unwrap();
+                assert_eq!(got, bits(&want.tokens), "seed {seed} dst {dst} {layout:?}");
+                let sc = dispatch_rows(s, &c.inputs, &scales, 3, dst, layout).unwrap();
+                assert_eq!(sc.len(), want.num_rows * 3);
+                for (row, src) in want.src.iter().enumerate() {
+                    let got_row = &sc[row * 3..row * 3 + 3];
+                    if src.0 < 0 {
+                        assert_eq!(got_row, &[0, 0, 0], "padding row {row}");
+                    } else {
+                        let t = src.1 as usize;
+                        assert_eq!(got_row, &scales[src.0 as usize][t * 3..t * 3 + 3]);
+                    }
+                }
+            }
+        }
+    }
+    let c = gen_case(1);
+    let e = dispatch_rows(
+        &c.shape,
+        &c.inputs,
+        &[vec![0u8; 1]],
+        1,
+        0,
+        RecvLayout::RankMajor,
+    );
+    assert!(err_text(e).contains("rows"));
+}

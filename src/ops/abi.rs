@@ -84,6 +84,7 @@ pub fn field_name(f: i32) -> &'static str {
         FIELD_COUNTS => "count row",
         FIELD_META => "expert-major row index (meta)",
         FIELD_NUM_TOKENS => "num_tokens",
+        FIELD_RECV_SCALES => "recv_scales",
         _ => "unknown field",
     }
 }
@@ -96,6 +97,9 @@ pub const FIELD_COUNTS: i32 = 13;
 pub const FIELD_META: i32 = 14;
 /// `MOE_EP_FIELD_NUM_TOKENS`: a low-latency sender's token count.
 pub const FIELD_NUM_TOKENS: i32 = 15;
+/// `MOE_EP_FIELD_RECV_SCALES`: dispatch's descriptor word 5, where the fp8
+/// scales land.
+pub const FIELD_RECV_SCALES: i32 = 16;
 
 /// The arguments a refusal names (the id a refused call's descriptor
 /// carries, `MOE_EP_OP_REFUSED`): index 0 is "an argument" (one not in
@@ -172,10 +176,18 @@ pub mod desc {
     /// Bits of the byte offset in a place word (the window id above them).
     pub const OFFSET_BITS: u32 = 40;
 
+    /// Dispatch: word 0's second byte, the rows' payload
+    /// (`MOE_EP_DESC_PAYLOAD_*`).
+    pub const PAYLOAD_BF16: u64 = 0;
+    pub const PAYLOAD_FP8_E8M0_32: u64 = 1;
+    pub const PAYLOAD_FP8_F32_128: u64 = 2;
+
     /// The op a descriptor's word 0 names.
     pub fn op_name(v: u64) -> &'static str {
         match v {
             OP_DISPATCH => "dispatch",
+            v if v == OP_DISPATCH | PAYLOAD_FP8_E8M0_32 << 8 => "dispatch (fp8, e8m0 per 32)",
+            v if v == OP_DISPATCH | PAYLOAD_FP8_F32_128 << 8 => "dispatch (fp8, f32 per 128)",
             OP_COMBINE_BWD => "combine_backward",
             OP_COMBINE => "combine",
             OP_DISPATCH_BWD => "dispatch_backward",
@@ -343,6 +355,17 @@ pub struct DispatchParams {
     pub arrive_of: u64,
     pub arrive_peer: u64,
     pub arrive_epoch: u64,
+    /// fp8 rows: `[T, scale_words]` u32 scales beside the rows, or 0.
+    pub xs: u64,
+    /// Every rank's receive scales `[rows, scale_words]` as mapped here.
+    pub recv_xs: [u64; MAX_RANKS],
+    /// 16-byte vectors per row (fp8: `H / 16`); 0 = bf16 rows (`H / 8`).
+    pub row16: i32,
+    /// 4-byte scale words per row (fp8: `H / 128`); 0 = none.
+    pub scale_words: i32,
+    /// Expert-major: 1 = padding rows' vectors and scales zeroed.
+    pub zero_pad: i32,
+    pub _pad: i32,
 }
 
 /// Combine and dispatch backward (`combine_pull.cu`, `combine_push.cu`).
@@ -625,7 +648,7 @@ const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
 const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
 const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
 const _: () = assert!(std::mem::size_of::<RefusalParams>() == 304);
-const _: () = assert!(std::mem::size_of::<DispatchParams>() == 672);
+const _: () = assert!(std::mem::size_of::<DispatchParams>() == 760);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 488);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
@@ -658,6 +681,10 @@ mod tests {
         assert_eq!(offset_of!(DispatchParams, meta), 576);
         assert_eq!(offset_of!(DispatchParams, arrive), 640);
         assert_eq!(offset_of!(DispatchParams, arrive_epoch), 664);
+        assert_eq!(offset_of!(DispatchParams, xs), 672);
+        assert_eq!(offset_of!(DispatchParams, recv_xs), 680);
+        assert_eq!(offset_of!(DispatchParams, row16), 744);
+        assert_eq!(offset_of!(DispatchParams, zero_pad), 752);
         assert_eq!(offset_of!(CombineParams, y), 240);
         assert_eq!(offset_of!(CombineParams, out), 264);
         assert_eq!(offset_of!(CombineParams, y_peers), 280);

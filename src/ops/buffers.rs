@@ -239,6 +239,79 @@ pub struct Dispatched<'a> {
     pub src: SymmBuffer<i32>,
 }
 
+/// The block scales of fp8 rows, row-major, one row of scales per token row
+/// (`H / 32` bytes a row either way); forwarded as given.
+pub enum Fp8Scales<'a> {
+    /// MXFP8 (TransformerEngine): one e8m0 exponent byte per 32 values,
+    /// `[T, H / 32]` u8.
+    E8m0Per32(&'a dyn DeviceRegion<u8>),
+    /// One f32 per 128 values (DeepEP's recipe), `[T, H / 128]` f32.
+    F32Per128(&'a dyn DeviceRegion<f32>),
+}
+
+/// The fp8 rows of [`EpGroup::dispatch_fp8`](crate::EpGroup::dispatch_fp8):
+/// e4m3 codes and their block scales (`x ≈ e4m3(code) * scale` of its block).
+pub struct Fp8Rows<'a> {
+    /// `[T, H]` e4m3 codes, 16-byte aligned.
+    pub codes: &'a dyn DeviceRegion<u8>,
+    /// The codes' block scales.
+    pub scales: Fp8Scales<'a>,
+}
+
+/// A caller's receive buffer for fp8 scales (symmetric, as every receive
+/// buffer), of the kind the dispatch sends.
+pub enum RecvScalesOut<'a> {
+    /// `[recv_capacity, H / 32]` u8.
+    E8m0Per32(&'a mut dyn DeviceRegionMut<u8>),
+    /// `[recv_capacity, H / 128]` f32.
+    F32Per128(&'a mut dyn DeviceRegionMut<f32>),
+}
+
+/// Received fp8 scales, row `i` beside received row `i`.
+pub enum RecvScales<'a> {
+    /// `[rows, H / 32]` e8m0 bytes.
+    E8m0Per32(RecvBuf<'a, u8>),
+    /// `[rows, H / 128]` f32.
+    F32Per128(RecvBuf<'a, f32>),
+}
+
+impl RecvScales<'_> {
+    /// Device address of the first scale.
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            RecvScales::E8m0Per32(b) => b.device_ptr(),
+            RecvScales::F32Per128(b) => b.device_ptr(),
+        }
+    }
+}
+
+/// Optional caller-supplied receive buffers of an fp8 dispatch (symmetric).
+/// `None` takes them from the pool.
+#[derive(Default)]
+pub struct DispatchOutFp8<'a> {
+    /// `[recv_capacity, H]` u8 e4m3 codes.
+    pub recv_codes: Option<&'a mut dyn DeviceRegionMut<u8>>,
+    /// The scales, of the kind sent.
+    pub recv_scales: Option<RecvScalesOut<'a>>,
+    /// Rank-major `[recv_capacity, K]`, expert-major `[recv_capacity]` f32.
+    pub recv_topk_weights: Option<&'a mut dyn DeviceRegionMut<f32>>,
+}
+
+/// What [`EpGroup::dispatch_fp8`](crate::EpGroup::dispatch_fp8) returns;
+/// as [`Dispatched`], with the rows as fp8 codes and their scales.
+pub struct DispatchedFp8<'a> {
+    /// `[rows, H]` e4m3 codes in the handle's layout.
+    pub codes: RecvBuf<'a, u8>,
+    /// The rows' scales, beside them (same row index).
+    pub scales: RecvScales<'a>,
+    /// Rank-major `[rows, K]` (0 for experts not on this rank), expert-major `[rows]`.
+    pub topk_weights: RecvBuf<'a, f32>,
+    /// Local expert ids, same shape as the weights; -1 = not here / padding.
+    pub topk_idx: SymmBuffer<i32>,
+    /// `[rows, 2]` (source rank, source token); (-1, -1) on padding.
+    pub src: SymmBuffer<i32>,
+}
+
 /// The gradients of a dispatch backward
 /// ([`EpGroup::dispatch_backward`](crate::EpGroup::dispatch_backward)): the
 /// received rows' gradients in, the tokens' gradients out.

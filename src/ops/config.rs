@@ -68,6 +68,13 @@ pub struct GroupConfig {
     /// 2^30 16-byte vectors a chunk. A world of one node has no hop and
     /// does not read it. Default [`DEFAULT_HOP_CHUNK_ROWS`].
     pub hop_chunk_rows: usize,
+    /// Expert-major: write zeros into the padding rows of each expert's
+    /// block (`true`, the default), or leave their token rows (and fp8
+    /// scales) as they are (`false`: for a grouped GEMM that takes per-expert
+    /// counts and never reads them). Their weights, ids and sources are
+    /// marked either way (0, -1, (-1, -1)). Also the combine backward's
+    /// padding rows. Each rank's own choice (it writes only its own rows).
+    pub zero_padding: bool,
 }
 
 impl GroupConfig {
@@ -85,6 +92,7 @@ impl GroupConfig {
             timeout: Duration::from_secs(10),
             ranks_per_node: 0,
             hop_chunk_rows: DEFAULT_HOP_CHUNK_ROWS,
+            zero_padding: true,
         }
     }
 

@@ -16,7 +16,8 @@ use cudarc::driver::{CudaStream, CudaView};
 use half::bf16;
 
 use super::buffers::{
-    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Dispatched,
+    DispatchedFp8, Fp8Rows, RecvBuf, TopkIdx,
 };
 use super::config::GroupConfig;
 use super::footprint::MemoryFootprint;
@@ -95,9 +96,7 @@ impl EpGroup {
             Path::Node(g) => Ok(g),
             Path::TwoLevel(g) => Err(Error::arg(
                 "ranks_per_node",
-                format!(
-                    "a group of one node for {op} (the low-latency mode runs over NVLink only)"
-                ),
+                format!("a group of one node for {op} (it runs over NVLink only)"),
                 format!(
                     "{} ({} nodes)",
                     g.config().ranks_per_node,
@@ -281,6 +280,46 @@ impl EpGroup {
                 g.dispatch(stream, h, x, topk_weights, out)
             }
             _ => self.mismatch(),
+        }
+    }
+
+    /// [`dispatch`](Self::dispatch) of fp8 rows: the e4m3 codes `[T, H]` and
+    /// their block scales (MXFP8's e8m0 per 32 values, or f32 per 128),
+    /// forwarded as given; each received row's scales land beside it (same
+    /// row index) in a buffer of the same kind. Both layouts; expert-major
+    /// padding rows get zero codes and scales unless
+    /// [`GroupConfig::zero_padding`] is off. `H` must be a multiple of 128.
+    /// Every rank must send the same payload: a rank whose dispatch is bf16
+    /// or whose scales are of the other kind makes every rank stop naming
+    /// `op`. Combine stays bf16 ([`combine`](Self::combine) of the experts'
+    /// bf16 outputs).
+    ///
+    /// One node only: a group of several nodes refuses it, naming
+    /// `ranks_per_node`.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{cuda::CudaSlice, DispatchOutFp8, EpGroup, Fp8Rows, Fp8Scales, Handle};
+    /// # fn f(group: &EpGroup, handle: &Handle, codes: &CudaSlice<u8>, scales: &CudaSlice<u8>,
+    /// #      w: &CudaSlice<f32>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// // MXFP8: codes [T, H] e4m3, scales [T, H / 32] e8m0.
+    /// let x = Fp8Rows { codes, scales: Fp8Scales::E8m0Per32(scales) };
+    /// let recv = group.dispatch_fp8(&stream, handle, x, w, DispatchOutFp8::default())?;
+    /// // recv.codes [rows, H], recv.scales [rows, H / 32], in the handle's layout.
+    /// # Ok(()) }
+    /// ```
+    pub fn dispatch_fp8<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &Handle,
+        x: Fp8Rows<'_>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOutFp8<'a>,
+    ) -> Result<DispatchedFp8<'a>> {
+        let g = self.one_node("dispatch_fp8")?;
+        match &handle.inner {
+            HandleOf::Node(h) => g.dispatch_fp8(stream, h, x, topk_weights, out),
+            HandleOf::TwoLevel(_) => self.mismatch(),
         }
     }
 

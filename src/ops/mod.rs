@@ -56,7 +56,8 @@ pub const LL_MAX_TOKENS: usize = abi::LL_MAX_TOKENS;
 /// Most ranks on one NVLink node.
 pub const MAX_NODE_RANKS: usize = abi::MAX_RANKS;
 pub use buffers::{
-    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Dispatched,
+    DispatchedFp8, Fp8Rows, Fp8Scales, RecvBuf, RecvScales, RecvScalesOut, TopkIdx,
 };
 pub use config::{GroupConfig, Mode, DEFAULT_HOP_CHUNK_ROWS};
 pub use ep_group::{EpGroup, Handle};

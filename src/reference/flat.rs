@@ -268,6 +268,55 @@ pub fn dispatch(
     Ok(out)
 }
 
+/// The rows rank `dst` receives of a payload other than the tokens, in
+/// `layout`: `rows[s]` is rank `s`'s `[T_s, width]` rows (any element
+/// type: fp8 codes `u8` with `width = H`, their scales `u8` with `H / 32`
+/// or `f32` with `H / 128`), moved as [`dispatch`] moves the tokens (the
+/// same rows in the same order; padding rows are `T::default()`, zero).
+/// The routing is `inputs`' (their `tokens` are not read).
+///
+/// Errors as [`dispatch`]'s, and `rows` (one list per rank, `T_s * width`
+/// values each).
+pub fn dispatch_rows<T: Copy + Default>(
+    shape: &Shape,
+    inputs: &[RankInput],
+    rows: &[Vec<T>],
+    width: usize,
+    dst: usize,
+    layout: RecvLayout,
+) -> Result<Vec<T>> {
+    check_inputs(shape, inputs, layout)?;
+    check_rank("dst", dst, shape)?;
+    if rows.len() != inputs.len() {
+        return Err(Error::arg(
+            "rows",
+            format!("one list per rank ({})", inputs.len()),
+            rows.len(),
+        ));
+    }
+    for (s, (r, inp)) in rows.iter().zip(inputs).enumerate() {
+        let want = inp.num_tokens(shape) * width;
+        if r.len() != want {
+            return Err(Error::arg(
+                "rows",
+                format!("T * width = {want} values on rank {s}"),
+                r.len(),
+            ));
+        }
+    }
+    let p = plan(shape, inputs, dst, layout);
+    let mut out = Vec::with_capacity(p.rows.len() * width);
+    for row in &p.rows {
+        match *row {
+            Some(RowSrc { rank, token, .. }) => {
+                out.extend_from_slice(&rows[rank][token * width..(token + 1) * width])
+            }
+            None => out.extend(std::iter::repeat_n(T::default(), width)),
+        }
+    }
+    Ok(out)
+}
+
 /// Checks one per-destination buffer list: `bufs.len() == R` and
 /// `bufs[d].len() == rows_d * per_row`.
 pub(crate) fn check_per_rank<T>(

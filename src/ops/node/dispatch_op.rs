@@ -20,7 +20,8 @@ use super::turn::OnTurn;
 use crate::error::{Error, Result};
 use crate::ops::abi::{desc, DispatchParams, DESC_WORDS, MAX_RANKS, THREADS};
 use crate::ops::buffers::{
-    DeviceRegion, DeviceRegionMut, DispatchOut, Dispatched, Peers, RecvBuf, ROW_ALIGN,
+    DeviceRegion, DeviceRegionMut, DispatchOut, DispatchOutFp8, Dispatched, DispatchedFp8, Fp8Rows,
+    Fp8Scales, Peers, RecvBuf, RecvScales, RecvScalesOut, ROW_ALIGN,
 };
 use crate::symm::SymmBuffer;
 use crate::types::RecvLayout;
@@ -43,6 +44,15 @@ pub(crate) struct Arrival {
     pub epoch: u64,
 }
 
+/// fp8 rows: where their scales are (`[T, H / 128]` 4-byte words) and
+/// land, and the payload code of the descriptor (`desc::PAYLOAD_*`).
+#[derive(Clone, Copy)]
+struct Fp8Send {
+    xs: u64,
+    recv_xs: Located,
+    payload: u64,
+}
+
 /// What one dispatch-kernel launch moves, besides the rows. (Built and
 /// consumed within one call: its size does not matter.)
 #[allow(clippy::large_enum_variant)]
@@ -54,6 +64,7 @@ enum Rows {
         recv_w: Located,
         recv_idx: Located,
         recv_src: Located,
+        fp8: Option<Fp8Send>,
     },
     /// Combine backward: the output gradient alone, expert-major rows scaled
     /// by their combine weights when given (`[recv_capacity]` f32, local).
@@ -77,12 +88,13 @@ impl NodeGroup {
             handle,
         } = at;
         let none = ([0u64; MAX_RANKS], 0);
-        let (f, op, topk_w, scale_w, recv_w, recv_idx, recv_src) = match rows {
+        let (f, op, topk_w, scale_w, recv_w, recv_idx, recv_src, fp8) = match rows {
             Rows::Tokens {
                 topk_w,
                 recv_w,
                 recv_idx,
                 recv_src,
+                fp8,
             } => (
                 &self.k.dispatch,
                 desc::OP_DISPATCH,
@@ -91,6 +103,7 @@ impl NodeGroup {
                 recv_w,
                 recv_idx,
                 recv_src,
+                fp8,
             ),
             Rows::Gradient { scale_w } => (
                 &self.k.combine_bwd,
@@ -100,12 +113,26 @@ impl NodeGroup {
                 none,
                 none,
                 none,
+                None,
             ),
         };
+        let h = self.cfg.hidden;
+        let (payload, xs, recv_xs, row16, scale_words) = match fp8 {
+            Some(f) => (f.payload, f.xs, f.recv_xs, h / 16, h / 128),
+            None => (desc::PAYLOAD_BF16, 0, none, 0, 0),
+        };
         // What every peer compares before it writes here (abi.cuh,
-        // MOE_EP_FIELD_OP): the op and where each buffer lies.
+        // MOE_EP_FIELD_OP): the op (and its rows' payload) and where each
+        // buffer lies.
         let mut d = [0u64; DESC_WORDS];
-        d[..5].copy_from_slice(&[op, recv_x.1, recv_w.1, recv_idx.1, recv_src.1]);
+        d[..6].copy_from_slice(&[
+            op | payload << 8,
+            recv_x.1,
+            recv_w.1,
+            recv_idx.1,
+            recv_src.1,
+            recv_xs.1,
+        ]);
         d[desc::HANDLE_WORD] = handle.id;
         let p = DispatchParams {
             op: self.op_common(handle),
@@ -122,6 +149,12 @@ impl NodeGroup {
             arrive_of: arrival.map_or(0, |a| a.row_chunk),
             arrive_peer: arrival.map_or(0, |a| a.chunk_peer),
             arrive_epoch: arrival.map_or(0, |a| a.epoch),
+            xs,
+            recv_xs: recv_xs.0,
+            row16: row16 as i32,
+            scale_words: scale_words as i32,
+            zero_pad: self.cfg.zero_padding as i32,
+            _pad: 0,
         };
         // SAFETY: p mirrors DispatchParams; sizes were validated by callers.
         unsafe {
@@ -190,20 +223,8 @@ impl NodeGroup {
         out: DispatchOut<'a>,
         arrival: Option<&Arrival>,
     ) -> Result<Dispatched<'a>> {
-        let OnTurn {
-            turn,
-            stream,
-            handle,
-        } = at;
-        let (t, k, h, cap) = (
-            handle.num_tokens,
-            handle.topk,
-            self.cfg.hidden,
-            self.recv_capacity,
-        );
+        let (t, h) = (at.handle.num_tokens, self.cfg.hidden);
         self.check_region("x", x, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
-        self.check_region("topk_weights", topk_weights, t * k, "[T, K] f32", 4)?;
-        let wpr = handle.layout.weights_per_row(k);
         let tokens = self.recv_buf(
             out.recv_tokens,
             "recv_tokens",
@@ -211,8 +232,166 @@ impl NodeGroup {
             "[recv_capacity, hidden] bf16",
             ROW_ALIGN,
         )?;
-        let weights = self.recv_buf(
+        let recv_x = self.located(&tokens, "recv_tokens")?;
+        let (topk_weights, topk_idx, src) = self.send_rows(
+            at,
+            (x.device_ptr(), recv_x),
+            None,
+            topk_weights,
             out.recv_topk_weights,
+            arrival,
+        )?;
+        Ok(Dispatched {
+            tokens,
+            topk_weights,
+            topk_idx,
+            src,
+        })
+    }
+
+    /// fp8 rows: [`EpGroup::dispatch_fp8`](crate::EpGroup::dispatch_fp8) on one node.
+    pub fn dispatch_fp8<'a>(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &NodeHandle,
+        x: Fp8Rows<'_>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOutFp8<'a>,
+    ) -> Result<DispatchedFp8<'a>> {
+        self.op(
+            "moe_ep::dispatch_fp8",
+            desc::OP_DISPATCH,
+            stream,
+            Some(handle),
+            |turn| {
+                self.dispatch_fp8_on_turn(
+                    OnTurn {
+                        turn,
+                        stream,
+                        handle,
+                    },
+                    x,
+                    topk_weights,
+                    out,
+                )
+            },
+        )
+    }
+
+    fn dispatch_fp8_on_turn<'a>(
+        &self,
+        at: OnTurn<'_, '_>,
+        x: Fp8Rows<'_>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        out: DispatchOutFp8<'a>,
+    ) -> Result<DispatchedFp8<'a>> {
+        let (t, h) = (at.handle.num_tokens, self.cfg.hidden);
+        if !h.is_multiple_of(128) {
+            return Err(Error::arg(
+                "hidden",
+                "a multiple of 128 for fp8 rows (16-byte rows of codes, 4-byte rows of scales)",
+                h,
+            ));
+        }
+        self.check_region("x.codes", x.codes, t * h, "[T, hidden] e4m3", ROW_ALIGN)?;
+        let (xs, payload) = match x.scales {
+            Fp8Scales::E8m0Per32(s) => {
+                self.check_region("x.scales", s, t * h / 32, "[T, hidden / 32] e8m0", 4)?;
+                (s.device_ptr(), desc::PAYLOAD_FP8_E8M0_32)
+            }
+            Fp8Scales::F32Per128(s) => {
+                self.check_region("x.scales", s, t * h / 128, "[T, hidden / 128] f32", 4)?;
+                (s.device_ptr(), desc::PAYLOAD_FP8_F32_128)
+            }
+        };
+        let e8m0 = payload == desc::PAYLOAD_FP8_E8M0_32;
+        let e8 = |c: Option<&'a mut dyn DeviceRegionMut<u8>>| {
+            self.recv_buf(
+                c,
+                "recv_scales",
+                h / 32,
+                "[recv_capacity, hidden / 32] e8m0",
+                4,
+            )
+        };
+        let f32s = |c: Option<&'a mut dyn DeviceRegionMut<f32>>| {
+            self.recv_buf(
+                c,
+                "recv_scales",
+                h / 128,
+                "[recv_capacity, hidden / 128] f32",
+                4,
+            )
+        };
+        let scales = match (out.recv_scales, e8m0) {
+            (None, true) => RecvScales::E8m0Per32(e8(None)?),
+            (Some(RecvScalesOut::E8m0Per32(b)), true) => RecvScales::E8m0Per32(e8(Some(b))?),
+            (None, false) => RecvScales::F32Per128(f32s(None)?),
+            (Some(RecvScalesOut::F32Per128(b)), false) => RecvScales::F32Per128(f32s(Some(b))?),
+            (Some(_), _) => {
+                return Err(Error::arg(
+                    "recv_scales",
+                    "scales of the kind x.scales holds",
+                    "the other kind",
+                ))
+            }
+        };
+        let codes = self.recv_buf(
+            out.recv_codes,
+            "recv_codes",
+            h,
+            "[recv_capacity, hidden] e4m3",
+            ROW_ALIGN,
+        )?;
+        let recv_x = self.located(&codes, "recv_codes")?;
+        let recv_xs = match &scales {
+            RecvScales::E8m0Per32(b) => self.located(b, "recv_scales")?,
+            RecvScales::F32Per128(b) => self.located(b, "recv_scales")?,
+        };
+        let fp8 = Fp8Send {
+            xs,
+            recv_xs,
+            payload,
+        };
+        let (topk_weights, topk_idx, src) = self.send_rows(
+            at,
+            (x.codes.device_ptr(), recv_x),
+            Some(fp8),
+            topk_weights,
+            out.recv_topk_weights,
+            None,
+        )?;
+        Ok(DispatchedFp8 {
+            codes,
+            scales,
+            topk_weights,
+            topk_idx,
+            src,
+        })
+    }
+
+    /// The part of a dispatch that both payloads share: the top-k weights
+    /// checked, the receive metadata made, the kernel launched with the
+    /// rows `x` (local address, and where they land).
+    fn send_rows<'a>(
+        &self,
+        at: OnTurn<'_, '_>,
+        x: (u64, Located),
+        fp8: Option<Fp8Send>,
+        topk_weights: &dyn DeviceRegion<f32>,
+        recv_topk_weights: Option<&'a mut dyn DeviceRegionMut<f32>>,
+        arrival: Option<&Arrival>,
+    ) -> Result<(RecvBuf<'a, f32>, SymmBuffer<i32>, SymmBuffer<i32>)> {
+        let OnTurn {
+            turn,
+            stream,
+            handle,
+        } = at;
+        let (t, k, cap) = (handle.num_tokens, handle.topk, self.recv_capacity);
+        self.check_region("topk_weights", topk_weights, t * k, "[T, K] f32", 4)?;
+        let wpr = handle.layout.weights_per_row(k);
+        let weights = self.recv_buf(
+            recv_topk_weights,
             "recv_topk_weights",
             wpr,
             "recv_capacity rows of weights",
@@ -220,12 +399,12 @@ impl NodeGroup {
         )?;
         let idx: SymmBuffer<i32> = self.pool.alloc(cap * wpr)?;
         let src: SymmBuffer<i32> = self.pool.alloc(cap * 2)?;
-        let recv_x = self.located(&tokens, "recv_tokens")?;
         let rows = Rows::Tokens {
             topk_w: topk_weights.device_ptr(),
             recv_w: self.located(&weights, "recv_topk_weights")?,
             recv_idx: self.located(&idx, "recv_topk_idx")?,
             recv_src: self.located(&src, "recv_src")?,
+            fp8,
         };
         self.launch_dispatch(
             OnTurn {
@@ -233,17 +412,12 @@ impl NodeGroup {
                 stream,
                 handle,
             },
-            x.device_ptr(),
-            recv_x,
+            x.0,
+            x.1,
             rows,
             arrival,
         )?;
-        Ok(Dispatched {
-            tokens,
-            topk_weights: weights,
-            topk_idx: idx,
-            src,
-        })
+        Ok((weights, idx, src))
     }
 
     /// The one-node path of [`EpGroup::combine_backward`](crate::EpGroup::combine_backward).

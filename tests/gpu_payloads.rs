@@ -1,0 +1,414 @@
+//! GPU tests of what a TransformerEngine-style runtime asks of the
+//! high-throughput ops (`multi-gpu`; virtual ranks on GPU 0 at world 2, 4
+//! and 8, or real GPUs, and world 1):
+//!
+//! - `fp8_*`: fp8 rows with both scale kinds (MXFP8's e8m0 per 32 values,
+//!   f32 per 128) in both layouts, bit for bit against the CPU reference
+//!   (`reference::dispatch_rows`), into pool buffers and zero copy into the
+//!   caller's; ranks that send different payloads are refused naming `op`.
+//! - `padding_fill_off_*`: expert-major padding rows left as they were,
+//!   their weights, ids and sources still marked.
+#![cfg(feature = "multi-gpu")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use moe_ep::cuda::CudaStream;
+use moe_ep::ops::{DeviceRegion, TopkIdx};
+use moe_ep::reference::{self as refr, RankInput, Shape};
+use moe_ep::testkit::ranks::{ensure, run_worlds, Rank};
+use moe_ep::testkit::workload::{self, Rng, Routing};
+use moe_ep::{
+    DispatchOutFp8, DispatchedFp8, EpGroup, Error, Fp8Rows, Fp8Scales, GroupConfig, Handle,
+    RecvLayout, RecvScales, RecvScalesOut, Result,
+};
+
+#[path = "common/device.rs"]
+mod device;
+use device::{down, first_diff, up, weights_per_row};
+
+const EXPERTS: usize = 64;
+const HIDDEN: usize = 1024;
+const TOPK: usize = 4;
+const TOKENS: usize = 96;
+const SEED: u64 = 0xF8;
+
+/// The routing and weights of every rank (the same on every rank: each
+/// computes the reference for all).
+fn shape(world: usize) -> Shape {
+    Shape {
+        num_ranks: world,
+        num_experts: EXPERTS,
+        hidden: HIDDEN,
+        topk: TOPK,
+    }
+}
+
+fn all_inputs(world: usize, seed: u64) -> Vec<RankInput> {
+    let tpr: Vec<usize> = (0..world).map(|r| TOKENS - 7 * (r % 3)).collect();
+    workload::rank_inputs(seed, &shape(world), &tpr, Routing::Uniform)
+}
+
+/// Rank `r`'s fp8 codes (any bytes: dispatch moves them as they are) and
+/// scales: e8m0 bytes `[T, H / 32]`, or f32 `[T, H / 128]` given as their
+/// bytes.
+fn codes_of(r: usize, t: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng::new(seed ^ (r as u64 * 0x9E37));
+    (0..t * HIDDEN).map(|_| rng.next_u64() as u8).collect()
+}
+fn e8m0_of(r: usize, t: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng::new(seed ^ (r as u64 * 0x51) ^ 0xE8);
+    (0..t * HIDDEN / 32).map(|_| rng.next_u64() as u8).collect()
+}
+fn f32_of(r: usize, t: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng::new(seed ^ (r as u64 * 0x77) ^ 0xF3);
+    (0..t * HIDDEN / 128)
+        .map(|_| rng.f32_unit() * 8.0)
+        .collect()
+}
+
+fn group(r: &Rank, zero_padding: bool) -> Result<EpGroup> {
+    let mut cfg: GroupConfig = r.config(EXPERTS, HIDDEN, TOKENS)?;
+    // Enough for expert-major alignment 16 of any routing here.
+    cfg.recv_capacity = r.world * TOKENS * TOPK.min(EXPERTS / r.world) + EXPERTS * 16;
+    cfg.timeout = Duration::from_secs(10);
+    cfg.zero_padding = zero_padding;
+    EpGroup::new(&r.comm, cfg)
+}
+
+/// The scale kinds and layouts every fp8 test runs.
+const KINDS: [bool; 2] = [true, false]; // e8m0 per 32, f32 per 128
+fn layouts() -> [RecvLayout; 2] {
+    [
+        RecvLayout::RankMajor,
+        RecvLayout::ExpertMajor { alignment: 16 },
+    ]
+}
+
+/// Compares one fp8 dispatch's outputs with the reference, rows `[0, rows)`.
+fn check_fp8(
+    r: &Rank,
+    got: &DispatchedFp8<'_>,
+    handle: &Handle,
+    inputs: &[RankInput],
+    e8m0: bool,
+    seed: u64,
+) -> Result<()> {
+    let (s, me, w) = (&r.stream, r.rank, r.world);
+    let sh = shape(w);
+    let layout = handle.layout();
+    let rows = handle.host_counts(s)?.recv_rows;
+    let want = refr::dispatch(&sh, inputs, me, layout)?;
+    ensure(rows == want.num_rows, || {
+        format!("{rows} rows, the reference {}", want.num_rows)
+    })?;
+    let t_of = |q: usize| inputs[q].num_tokens(&sh);
+    let codes: Vec<Vec<u8>> = (0..w).map(|q| codes_of(q, t_of(q), seed)).collect();
+    let want_codes = refr::dispatch_rows(&sh, inputs, &codes, HIDDEN, me, layout)?;
+    first_diff("codes", &down(s, &got.codes, rows * HIDDEN)?, &want_codes)?;
+    match (&got.scales, e8m0) {
+        (RecvScales::E8m0Per32(b), true) => {
+            let sc: Vec<Vec<u8>> = (0..w).map(|q| e8m0_of(q, t_of(q), seed)).collect();
+            let want_sc = refr::dispatch_rows(&sh, inputs, &sc, HIDDEN / 32, me, layout)?;
+            first_diff("e8m0 scales", &down(s, b, rows * HIDDEN / 32)?, &want_sc)?;
+        }
+        (RecvScales::F32Per128(b), false) => {
+            let sc: Vec<Vec<f32>> = (0..w).map(|q| f32_of(q, t_of(q), seed)).collect();
+            let want_sc = refr::dispatch_rows(&sh, inputs, &sc, HIDDEN / 128, me, layout)?;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            first_diff(
+                "f32 scales",
+                &bits(&down(s, b, rows * HIDDEN / 128)?),
+                &bits(&want_sc),
+            )?;
+        }
+        _ => return Err(Error::InvalidState("scales of the other kind".into())),
+    }
+    let wpr = weights_per_row(layout, TOPK);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    first_diff(
+        "weights",
+        &bits(&down(s, &got.topk_weights, rows * wpr)?),
+        &bits(&want.topk_weights),
+    )?;
+    first_diff(
+        "local ids",
+        &down(s, &got.topk_idx, rows * wpr)?,
+        &want.topk_local_idx,
+    )?;
+    let src: Vec<(i32, i32)> = down(s, &got.src, rows * 2)?
+        .chunks(2)
+        .map(|p| (p[0], p[1]))
+        .collect();
+    first_diff("sources", &src, &want.src)
+}
+
+/// This rank's device inputs of an fp8 dispatch.
+struct Fp8In {
+    idx: moe_ep::cuda::CudaSlice<i64>,
+    w: moe_ep::cuda::CudaSlice<f32>,
+    codes: moe_ep::cuda::CudaSlice<u8>,
+    e8m0: moe_ep::cuda::CudaSlice<u8>,
+    f32s: moe_ep::cuda::CudaSlice<f32>,
+}
+
+fn fp8_in(s: &Arc<CudaStream>, me: &RankInput, rank: usize, seed: u64) -> Result<Fp8In> {
+    let t = me.topk_idx.len() / TOPK;
+    Ok(Fp8In {
+        idx: up(s, &me.topk_idx)?,
+        w: up(s, &me.topk_weights)?,
+        codes: up(s, &codes_of(rank, t, seed))?,
+        e8m0: up(s, &e8m0_of(rank, t, seed))?,
+        f32s: up(s, &f32_of(rank, t, seed))?,
+    })
+}
+
+impl Fp8In {
+    fn rows(&self, e8m0: bool) -> Fp8Rows<'_> {
+        Fp8Rows {
+            codes: &self.codes,
+            scales: if e8m0 {
+                Fp8Scales::E8m0Per32(&self.e8m0)
+            } else {
+                Fp8Scales::F32Per128(&self.f32s)
+            },
+        }
+    }
+}
+
+#[test]
+fn fp8_dispatch_both_scale_kinds_both_layouts() {
+    run_worlds("fp8_dispatch_both_scale_kinds_both_layouts", 1, |r| {
+        let s = &r.stream;
+        let g = group(r, true)?;
+        let cap = g.recv_capacity();
+        for (round, layout) in layouts().into_iter().enumerate() {
+            for e8m0 in KINDS {
+                let seed = SEED + round as u64 * 2 + e8m0 as u64;
+                let inputs = all_inputs(r.world, seed);
+                let inp = fp8_in(s, &inputs[r.rank], r.rank, seed)?;
+                let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, layout)?;
+                // Pool outputs.
+                let got =
+                    g.dispatch_fp8(s, &h, inp.rows(e8m0), &inp.w, DispatchOutFp8::default())?;
+                check_fp8(r, &got, &h, &inputs, e8m0, seed)?;
+                drop(got);
+                // Zero copy into the caller's symmetric buffers (collective).
+                let mut codes = g.pool().alloc::<u8>(cap * HIDDEN)?;
+                let mut e8 = g.pool().alloc::<u8>(cap * HIDDEN / 32)?;
+                let mut f4 = g.pool().alloc::<f32>(cap * HIDDEN / 128)?;
+                let (codes_at, scales_at) = (
+                    codes.device_ptr(),
+                    if e8m0 {
+                        e8.device_ptr()
+                    } else {
+                        f4.device_ptr()
+                    },
+                );
+                let out = DispatchOutFp8 {
+                    recv_codes: Some(&mut codes),
+                    recv_scales: Some(if e8m0 {
+                        RecvScalesOut::E8m0Per32(&mut e8)
+                    } else {
+                        RecvScalesOut::F32Per128(&mut f4)
+                    }),
+                    recv_topk_weights: None,
+                };
+                let got = g.dispatch_fp8(s, &h, inp.rows(e8m0), &inp.w, out)?;
+                ensure(
+                    got.codes.is_callers()
+                        && got.codes.device_ptr() == codes_at
+                        && got.scales.device_ptr() == scales_at,
+                    || "the caller's buffers were not written in place".into(),
+                )?;
+                check_fp8(r, &got, &h, &inputs, e8m0, seed)?;
+                drop(got);
+                g.check()?;
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn fp8_payloads_that_differ_between_ranks_are_refused_naming_op() {
+    run_worlds(
+        "fp8_payloads_that_differ_between_ranks_are_refused_naming_op",
+        2,
+        |r| {
+            let s = &r.stream;
+            let g = group(r, true)?;
+            let inputs = all_inputs(r.world, SEED);
+            let inp = fp8_in(s, &inputs[r.rank], r.rank, SEED)?;
+            let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+            // The last rank sends f32 scales, the others e8m0.
+            let e8m0 = r.rank + 1 != r.world;
+            let res = g
+                .dispatch_fp8(s, &h, inp.rows(e8m0), &inp.w, DispatchOutFp8::default())
+                .map(drop);
+            let chk = g.check();
+            let named = |e: &Error| match e {
+                Error::InvalidArgument { arg, .. } => *arg == "op",
+                Error::PeerFailed { arg, .. } => *arg == Some("op"),
+                _ => false,
+            };
+            match (&res, &chk) {
+                (Ok(()), Err(e)) if named(e) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "rank {}: want a refusal naming op, got {other:?}",
+                        r.rank
+                    )))
+                }
+            }
+            // The group takes the next (agreed) call.
+            let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+            let got = g.dispatch_fp8(s, &h, inp.rows(true), &inp.w, DispatchOutFp8::default())?;
+            check_fp8(r, &got, &h, &inputs, true, SEED)?;
+            drop(got);
+            g.check()
+        },
+    );
+}
+
+#[test]
+fn fp8_bad_arguments_are_refused_by_name() {
+    run_worlds("fp8_bad_arguments_are_refused_by_name", 1, |r| {
+        let s = &r.stream;
+        let g = group(r, true)?;
+        let inputs = all_inputs(r.world, SEED);
+        let inp = fp8_in(s, &inputs[r.rank], r.rank, SEED)?;
+        let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+        let t = inputs[r.rank].topk_idx.len() / TOPK;
+        let short_codes = up(s, &vec![0u8; t * HIDDEN - 16])?;
+        let short_scales = up(s, &vec![0u8; t * HIDDEN / 32 - 4])?;
+        let mut wrong_kind = g.pool().alloc::<f32>(g.recv_capacity() * HIDDEN / 128)?;
+        // Every rank makes the same mistakes: each call is refused on every
+        // rank's host, nothing is out of step.
+        let cases: Vec<(&str, Result<()>)> = vec![
+            (
+                "x.codes",
+                g.dispatch_fp8(
+                    s,
+                    &h,
+                    Fp8Rows {
+                        codes: &short_codes,
+                        scales: Fp8Scales::E8m0Per32(&inp.e8m0),
+                    },
+                    &inp.w,
+                    DispatchOutFp8::default(),
+                )
+                .map(drop),
+            ),
+            (
+                "x.scales",
+                g.dispatch_fp8(
+                    s,
+                    &h,
+                    Fp8Rows {
+                        codes: &inp.codes,
+                        scales: Fp8Scales::E8m0Per32(&short_scales),
+                    },
+                    &inp.w,
+                    DispatchOutFp8::default(),
+                )
+                .map(drop),
+            ),
+            (
+                "recv_scales",
+                g.dispatch_fp8(
+                    s,
+                    &h,
+                    inp.rows(true),
+                    &inp.w,
+                    DispatchOutFp8 {
+                        recv_scales: Some(RecvScalesOut::F32Per128(&mut wrong_kind)),
+                        ..Default::default()
+                    },
+                )
+                .map(drop),
+            ),
+        ];
+        for (arg, res) in cases {
+            match res {
+                Err(Error::InvalidArgument { arg: a, .. }) if a == arg => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "want a refusal naming {arg}, got {other:?}"
+                    )))
+                }
+            }
+        }
+        g.check()
+    });
+}
+
+#[test]
+fn padding_fill_off_leaves_padding_rows_and_marks_them() {
+    run_worlds(
+        "padding_fill_off_leaves_padding_rows_and_marks_them",
+        1,
+        |r| {
+            let s = &r.stream;
+            let g = group(r, false)?;
+            let cap = g.recv_capacity();
+            let layout = RecvLayout::ExpertMajor { alignment: 16 };
+            let inputs = all_inputs(r.world, SEED + 9);
+            let inp = fp8_in(s, &inputs[r.rank], r.rank, SEED + 9)?;
+            let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, layout)?;
+            // Caller buffers poisoned with 0xAB: padding rows must keep it.
+            let mut codes = g.pool().alloc::<u8>(cap * HIDDEN)?;
+            let mut e8 = g.pool().alloc::<u8>(cap * HIDDEN / 32)?;
+            codes.copy_from_host(s, &vec![0xABu8; cap * HIDDEN])?;
+            e8.copy_from_host(s, &vec![0xABu8; cap * HIDDEN / 32])?;
+            let out = DispatchOutFp8 {
+                recv_codes: Some(&mut codes),
+                recv_scales: Some(RecvScalesOut::E8m0Per32(&mut e8)),
+                recv_topk_weights: None,
+            };
+            let got = g.dispatch_fp8(s, &h, inp.rows(true), &inp.w, out)?;
+            let sh = shape(r.world);
+            let want = refr::dispatch(&sh, &inputs, r.rank, layout)?;
+            let rows = want.num_rows;
+            let t_of = |q: usize| inputs[q].num_tokens(&sh);
+            let all_codes: Vec<Vec<u8>> = (0..r.world)
+                .map(|q| codes_of(q, t_of(q), SEED + 9))
+                .collect();
+            let mut want_codes =
+                refr::dispatch_rows(&sh, &inputs, &all_codes, HIDDEN, r.rank, layout)?;
+            let sc: Vec<Vec<u8>> = (0..r.world)
+                .map(|q| e8m0_of(q, t_of(q), SEED + 9))
+                .collect();
+            let mut want_sc = refr::dispatch_rows(&sh, &inputs, &sc, HIDDEN / 32, r.rank, layout)?;
+            let mut padding = 0;
+            for (row, src) in want.src.iter().enumerate() {
+                if src.0 < 0 {
+                    padding += 1;
+                    want_codes[row * HIDDEN..(row + 1) * HIDDEN].fill(0xAB);
+                    want_sc[row * HIDDEN / 32..(row + 1) * HIDDEN / 32].fill(0xAB);
+                }
+            }
+            ensure(padding > 0 || rows == 0, || {
+                "the case has no padding rows".into()
+            })?;
+            first_diff("codes", &down(s, &got.codes, rows * HIDDEN)?, &want_codes)?;
+            let RecvScales::E8m0Per32(b) = &got.scales else {
+                return Err(Error::InvalidState("f32 scales".into()));
+            };
+            first_diff("scales", &down(s, b, rows * HIDDEN / 32)?, &want_sc)?;
+            // Weights, ids and sources of the padding rows are still marked.
+            first_diff(
+                "local ids",
+                &down(s, &got.topk_idx, rows)?,
+                &want.topk_local_idx,
+            )?;
+            let src: Vec<(i32, i32)> = down(s, &got.src, rows * 2)?
+                .chunks(2)
+                .map(|p| (p[0], p[1]))
+                .collect();
+            first_diff("sources", &src, &want.src)?;
+            drop(got);
+            g.check()
+        },
+    );
+}
