@@ -285,7 +285,11 @@ fn nccl_versions_decode_and_order() {
 #[test]
 fn workspace_bytes_follow_the_formula() {
     let up = |x: u64| x.div_ceil(256) * 256;
-    for (r, e, m, h) in [(8u64, 256u64, 4096u64, 7168u64), (2, 64, 128, 1024), (1, 8, 1, 8)] {
+    for (r, e, m, h) in [
+        (8u64, 256u64, 4096u64, 7168u64),
+        (2, 64, 128, 1024),
+        (1, 8, 1, 8),
+    ] {
         let cfg = GroupConfig::new(e as usize, h as usize, m as usize);
         let (s, b, k) = (16u64, 132u64, 16u64);
         let want = up(4 * 2 * r * (e + r * s + 8))
