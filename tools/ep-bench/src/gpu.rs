@@ -21,10 +21,13 @@
 //! included: the rows an op reads and writes, moved on the rank's own GPU
 //! with the op's SM count. NCCL EP, when its library
 //! loads, runs the same case beside ours on the same communicator, inputs
-//! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]). `--mode ll` cases run
-//! the low-latency ops instead ([`ll`]), `--ranks-per-node` the two-level
-//! path ([`two_level`]). Rank 0 gathers every rank's
-//! statistics and returns them.
+//! and SM count ([`run_nccl_ep`], [`crate::nccl_ep`]), timed by the same
+//! events; a call of its that waits for the GPU inside starts behind a
+//! hold instead of the gate ([`Begin::Held`]). Each case also reports a
+//! rank's memory, moe-ep's beside NCCL EP's ([`crate::memory`]).
+//! `--mode ll` cases run the low-latency ops instead ([`ll`]),
+//! `--ranks-per-node` the two-level path ([`two_level`]). Rank 0 gathers
+//! every rank's statistics and returns them.
 
 use std::cell::RefCell;
 use std::sync::{mpsc, Arc};
@@ -44,6 +47,7 @@ use moe_ep::{
 use crate::accounting::OpBytes;
 use crate::cli::{Case, Op, Opts, Routing, DEFAULT_NUM_SMS};
 use crate::launch::RankEnv;
+use crate::memory::{Memory, MoeEpMemory, NcclEpMemory};
 use crate::nccl_ep;
 use crate::report::{self, CaseResult, OpResult, Ranks, Stat};
 
@@ -54,6 +58,21 @@ mod two_level;
 type R<T> = Result<T, String>;
 /// One op's samples on this rank: (name, per-iteration µs, NVLink bytes, logical bytes).
 type Measured = (String, Vec<f64>, u64, u64);
+/// NCCL EP beside a case on this rank: its rows, its cross-check's
+/// verdict (`None`: not checked), what its group and handle took.
+type NcclEpRun = (Vec<Measured>, Option<bool>, NcclEpMemory);
+
+/// One case's outcome, gathered over the ranks (rank 0 keeps it).
+struct Outcome {
+    /// Every op's statistics, ours then the baselines.
+    ops: Vec<OpResult>,
+    /// `--check`'s verdict over all ranks (`None`: not run).
+    check: Option<bool>,
+    /// NCCL EP's cross-check over all ranks (`None`: not run).
+    nccl_ep_check: Option<bool>,
+    /// The memory of a rank ([`gather_memory`]).
+    memory: Option<Memory>,
+}
 
 /// An error as its message (for `map_err`).
 fn s<E: std::fmt::Display>(e: E) -> String {
@@ -168,15 +187,49 @@ impl Ctx<'_> {
         &self,
         what: &str,
         gpu_start: bool,
+        before: impl FnMut() -> R<()>,
+        f: impl FnMut() -> R<()>,
+    ) -> R<Vec<f64>> {
+        let begin = if gpu_start { Begin::Gate } else { Begin::Host };
+        self.time_begin(what, begin, before, f)
+    }
+
+    /// [`Ctx::time_prepared`] with the start of each timed run chosen by
+    /// `begin` ([`Begin`]). Every run is timed by the CUDA events recorded
+    /// on the stream before and after `f`, whatever `begin` is.
+    fn time_begin(
+        &self,
+        what: &str,
+        begin: Begin,
         mut before: impl FnMut() -> R<()>,
         mut f: impl FnMut() -> R<()>,
     ) -> R<Vec<f64>> {
         let iters = self.opts.iters();
+        // Held runs: the warm-ups' host times bound the hold's window.
+        let mut slowest = Duration::ZERO;
         for _ in 0..self.opts.warmup() {
             before()?;
+            let t0 = std::time::Instant::now();
             f()?;
+            slowest = slowest.max(t0.elapsed());
         }
         self.stream.synchronize().map_err(s)?;
+        let hold = match begin {
+            Begin::Held => {
+                let window = hold_window(slowest);
+                self.note_once(format!(
+                    "ep-bench: {what} waits for the GPU inside its call: each timed run's stream \
+                     is held until the call returns or {:.1} ms after it began (4 x its slowest \
+                     warm-up call, within [{:.0}, {:.0}] ms), so its host work up to that wait \
+                     stays out of the span between the events, as for every other op",
+                    window.as_secs_f64() * 1e3,
+                    HOLD_MIN.as_secs_f64() * 1e3,
+                    HOLD_MAX.as_secs_f64() * 1e3
+                ));
+                Some((Hold::new()?, window))
+            }
+            _ => None,
+        };
         let mut out = Vec::with_capacity(iters);
         let mut enqueue = Vec::with_capacity(iters);
         for _ in 0..iters {
@@ -194,28 +247,29 @@ impl Ctx<'_> {
                 .map_err(s)?;
             }
             self.comm.barrier(&self.stream).map_err(s)?;
-            if gpu_start {
-                if let Err(e) = self.start.enqueue(&self.comm, &self.stream).map_err(s) {
-                    self.start.open();
-                    return Err(e);
-                }
-            }
             let t0 = std::time::Instant::now();
-            // The gate opens whatever happens: a closed gate would block the stream.
-            let ran = self
-                .timer
-                .start
-                .record(&self.stream)
-                .map_err(s)
-                .and_then(|_| f())
-                .and_then(|_| self.timer.end.record(&self.stream).map_err(s));
-            enqueue.push(t0.elapsed().as_secs_f64() * 1e6);
-            let mut lined_up = Ok(());
-            if gpu_start {
-                if let Some(idle) = &self.idle {
-                    lined_up = self.comm.barrier(idle).map_err(s);
+            let (ran, lined_up) = match (&hold, begin) {
+                (Some((hold, window)), _) => (self.held_run(hold, *window, &mut f), Ok(())),
+                (None, Begin::Gate) => {
+                    if let Err(e) = self.start.enqueue(&self.comm, &self.stream).map_err(s) {
+                        self.start.open();
+                        return Err(e);
+                    }
+                    // The gate opens whatever happens: a closed gate would block the stream.
+                    let ran = self.recorded(&mut f);
+                    let mut lined_up = Ok(());
+                    if let Some(idle) = &self.idle {
+                        lined_up = self.comm.barrier(idle).map_err(s);
+                    }
+                    self.start.open();
+                    (ran, lined_up)
                 }
-                self.start.open();
+                (None, _) => (self.recorded(&mut f), Ok(())),
+            };
+            enqueue.push(t0.elapsed().as_secs_f64() * 1e6);
+            if ran.is_err() || lined_up.is_err() {
+                // Drained before the hold's word can go.
+                let _ = self.stream.synchronize();
             }
             ran?;
             lined_up?;
@@ -232,6 +286,110 @@ impl Ctx<'_> {
             );
         }
         Ok(out)
+    }
+
+    /// The start event, `f`, the end event, on the stream.
+    fn recorded(&self, f: &mut impl FnMut() -> R<()>) -> R<()> {
+        self.timer
+            .start
+            .record(&self.stream)
+            .map_err(s)
+            .and_then(|_| f())
+            .and_then(|_| self.timer.end.record(&self.stream).map_err(s))
+    }
+
+    /// One [`Begin::Held`] run: the stream waits at `hold`, then (NCCL
+    /// ranks) passes the start gate's one-word all-reduce, whose gate is
+    /// opened at once, so the GPUs leave the hold's end together; then the
+    /// events around `f`. A watchdog opens the hold when `f` returns or
+    /// `window` after it began, whichever comes first: a call that waits
+    /// for the GPU inside has by then enqueued what it can before its wait,
+    /// and that host time is not timed.
+    fn held_run(&self, hold: &Hold, window: Duration, f: &mut impl FnMut() -> R<()>) -> R<()> {
+        let open = hold.enqueue(&self.stream)?;
+        if !self.comm.is_virtual() {
+            let gated = self.start.enqueue(&self.comm, &self.stream).map_err(s);
+            self.start.open();
+            if let Err(e) = gated {
+                open();
+                return Err(e);
+            }
+        }
+        let (tx, rx) = mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let _ = rx.recv_timeout(window);
+                open();
+            });
+            let ran = self.recorded(f);
+            let _ = tx.send(());
+            ran
+        })
+    }
+}
+
+/// Where the timed span of a run starts: the start event is recorded on
+/// the stream before the call and the end event after it in every case,
+/// so every row is stream time; what differs is what the stream does
+/// while the host enqueues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Begin {
+    /// `--start host`: the stream runs as the host enqueues, after the host
+    /// barrier (host enqueue time and skew inside the span).
+    Host,
+    /// `--start gpu`: the stream waits at the start gate until the whole
+    /// run is enqueued, then the GPUs leave the gate's all-reduce together.
+    Gate,
+    /// For a call that waits for the GPU inside (NCCL EP's dispatch): the
+    /// stream waits at a hold until the call returns or a window after it
+    /// began ([`Ctx::held_run`]); the host time of the call before its
+    /// wait stays out of the span, its waits and what follows them are in.
+    Held,
+}
+
+/// Shortest hold window of a [`Begin::Held`] run.
+const HOLD_MIN: Duration = Duration::from_millis(2);
+/// Longest hold window.
+const HOLD_MAX: Duration = Duration::from_millis(200);
+
+/// The hold window of a call whose slowest warm-up run took `slowest` on
+/// the host (its whole run, waits included, bounds its host work before
+/// its first wait): four times that, within [`HOLD_MIN`, `HOLD_MAX`].
+fn hold_window(slowest: Duration) -> Duration {
+    (slowest * 4).clamp(HOLD_MIN, HOLD_MAX)
+}
+
+/// The hold of [`Begin::Held`] runs: a host-mapped word the stream waits
+/// on (each run waits for the next value), opened from another thread.
+struct Hold {
+    word: HostWord,
+    /// The value the last enqueued wait waits for.
+    next: std::cell::Cell<u32>,
+}
+
+impl Hold {
+    fn new() -> R<Hold> {
+        Ok(Hold {
+            word: HostWord::new()?,
+            next: std::cell::Cell::new(0),
+        })
+    }
+
+    /// Enqueues the stream's wait for the next value; returns what opens
+    /// it (callable from any thread while the hold lives; call it once
+    /// whatever happens: a closed hold blocks the stream).
+    fn enqueue(&self, stream: &Arc<CudaStream>) -> R<impl FnOnce() + Send + 'static> {
+        let v = self.next.get().wrapping_add(1);
+        // SAFETY: a live mapped word; flags 0 = wait until it is >= v.
+        let rc = unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), self.word.device, v, 0) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuStreamWaitValue32: {rc:?}"));
+        }
+        self.next.set(v);
+        let addr = self.word.host as usize;
+        // SAFETY: the word outlives every run (the hold is dropped after
+        // the last run's end event was waited for).
+        Ok(move || unsafe { (addr as *mut u32).write_volatile(v) })
     }
 }
 
@@ -577,12 +735,13 @@ fn measure(opts: &Opts, cases: &[Case], rank: Rank) -> R<Vec<CaseResult>> {
         bar.inc(1);
         results.push(CaseResult {
             case,
-            ops: r.0,
+            ops: r.ops,
             world,
             ranks,
             gpu_name: gpu_name.clone(),
-            check: r.1,
-            nccl_ep_check: r.2,
+            check: r.check,
+            nccl_ep_check: r.nccl_ep_check,
+            memory: r.memory,
             ranks_per_node: opts.ranks_per_node.unwrap_or(0),
             hop_chunk_rows: match opts.ranks_per_node {
                 Some(_) => opts
@@ -639,11 +798,7 @@ fn nccl_ep_baseline(c: &Ctx<'_>) -> R<Option<&'static nccl_ep::Lib>> {
 /// One case on one rank: our ops, their local-copy ceilings (and, on NCCL
 /// ranks, the NVLink baselines), all ranks' statistics gathered, the
 /// `--check` outcome when asked for, and that of NCCL EP's cross-check.
-fn run_case(
-    c: &Ctx<'_>,
-    case: &Case,
-    world: usize,
-) -> R<(Vec<OpResult>, Option<bool>, Option<bool>)> {
+fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
     if case.mode == moe_ep::Mode::LowLatency {
         return ll::run_case(c, case, world);
     }
@@ -673,6 +828,8 @@ fn run_case(
             .map_err(|_| format!("MOE_EP_COMBINE_CHUNKS: {v:?} is not a number"))?;
     }
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
+    // The group's own, before the pool gives out buffers.
+    let footprint = group.memory_footprint();
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
     let (x, w, idx) = upload(s_, &me)?;
@@ -698,6 +855,10 @@ fn run_case(
     let handle = group
         .layout(s_, TopkIdx::I64(&idxv), k, layout)
         .map_err(s)?;
+    let mut memory = Memory {
+        moe_ep: moe_ep_memory(footprint, Some(handle.device_bytes())),
+        nccl_ep: None,
+    };
     let eb = case.dtype.elem_bytes();
     let traffic = crate::accounting::Traffic::new(&counts.rank, world, h, eb);
     let bytes = |op: Op| traffic.op(op, rank);
@@ -804,13 +965,48 @@ fn run_case(
                     w: DeviceRegion::device_ptr(&w),
                 };
                 let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
-                if let Some(v) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
-                    nccl_ep_check = v;
+                if let Some((v, m)) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
+                    (nccl_ep_check, memory.nccl_ep) = (v, Some(m));
                 }
             }
         }
     }
-    Ok((gather(c, mine)?, check, nccl_ep_check))
+    Ok(Outcome {
+        ops: gather(c, mine)?,
+        check,
+        nccl_ep_check,
+        memory: gather_memory(c, memory)?,
+    })
+}
+
+/// moe-ep's memory of a case on this rank: the group's `footprint` (read
+/// right after it was made) and its handle's bytes.
+fn moe_ep_memory(footprint: moe_ep::MemoryFootprint, handle: Option<u64>) -> MoeEpMemory {
+    MoeEpMemory {
+        workspace: footprint.workspace,
+        low_latency: footprint.low_latency,
+        pool_other: footprint.pool_other,
+        pool_free: footprint.pool_free,
+        two_level: footprint.two_level,
+        pinned_host: footprint.pinned_host,
+        handle,
+    }
+}
+
+/// Every rank's `mine`, the largest of each field ([`Memory::largest`]);
+/// collective.
+fn gather_memory(c: &Ctx<'_>, mine: Memory) -> R<Option<Memory>> {
+    let words = mine.words();
+    let all = c.comm.all_gather_host(&c.stream, &words).map_err(s)?;
+    let ranks: Vec<Memory> = all
+        .chunks_exact(words.len())
+        .map(|w| {
+            let mut a = [0u64; 11];
+            a.copy_from_slice(w);
+            Memory::from_words(&a)
+        })
+        .collect();
+    Ok(Memory::largest(&ranks))
 }
 
 /// How long a probed call may take while its stream is held before it is
@@ -887,28 +1083,28 @@ fn returns_while_held(stream: &Arc<CudaStream>, f: impl FnOnce() -> R<()>) -> R<
     Ok(!fired)
 }
 
-/// NCCL EP's rows of a case (`ran`: its measurements and cross-check
-/// verdict) go into `mine` only when every rank ran it; returns the check
-/// verdict over all ranks then (`Some(None)`: not checked), `None` when
-/// its rows were left out (said once).
+/// NCCL EP's rows of a case (`ran`: its measurements, cross-check
+/// verdict and memory) go into `mine` only when every rank ran it; returns
+/// the check verdict over all ranks then (`Some(None)`: not checked) and
+/// this rank's memory of it, `None` when its rows were left out (said once).
 fn keep_nccl_ep_rows(
     c: &Ctx<'_>,
     stream: &Arc<CudaStream>,
     case: &Case,
-    ran: R<(Vec<Measured>, Option<bool>)>,
+    ran: R<NcclEpRun>,
     mine: &mut Vec<Measured>,
-) -> R<Option<Option<bool>>> {
+) -> R<Option<(Option<bool>, NcclEpMemory)>> {
     let code = match &ran {
-        Ok((_, Some(true))) => 1u8,
-        Ok((_, Some(false))) => 2,
-        Ok((_, None)) => 3,
+        Ok((_, Some(true), _)) => 1u8,
+        Ok((_, Some(false), _)) => 2,
+        Ok((_, None, _)) => 3,
         Err(_) => 0,
     };
     let all = c.comm.all_gather_host(stream, &[code]).map_err(s)?;
     match ran {
-        Ok((rows, v)) if all.iter().all(|&a| a != 0) => {
+        Ok((rows, v, memory)) if all.iter().all(|&a| a != 0) => {
             mine.extend(rows);
-            Ok(Some(v.map(|_| all.iter().all(|&a| a == 1))))
+            Ok(Some((v.map(|_| all.iter().all(|&a| a == 1)), memory)))
         }
         Ok(_) => {
             c.note(&format!(
@@ -930,9 +1126,10 @@ fn keep_nccl_ep_rows(
 
 /// NCCL EP beside one case: its group and handle, its layout (handle
 /// update), dispatch and combine once (the cross-check under `--check`),
-/// then the rows of the NCCL EP ops matching `--ops`, timed as ours are.
-/// An op whose call waits for the GPU (probed first) is timed from the
-/// host barrier, said once per run.
+/// then the rows of the NCCL EP ops matching `--ops`, timed as ours are:
+/// CUDA events on the stream around the call; a call that waits for the
+/// GPU inside (probed first) behind a hold instead of the start gate
+/// ([`nccl_ep_begin`], [`Begin::Held`]), said once per run.
 fn run_nccl_ep(
     c: &Ctx<'_>,
     lib: &'static nccl_ep::Lib,
@@ -941,7 +1138,7 @@ fn run_nccl_ep(
     inputs: nccl_ep::Inputs,
     checked: Option<&Checked>,
     bytes: &dyn Fn(Op) -> OpBytes,
-) -> R<(Vec<Measured>, Option<bool>)> {
+) -> R<NcclEpRun> {
     // SAFETY: inputs are run_case's buffers of these sizes, alive until
     // after `ep` drops at the end of this function.
     let mut ep = unsafe { nccl_ep::Runner::new(lib, &c.comm, &c.stream, spec, inputs)? };
@@ -994,28 +1191,34 @@ fn run_nccl_ep(
     c.stream.synchronize().map_err(s)?;
     let mut out = Vec::new();
     for (op, name) in ops {
-        let mut f = || run(&mut ep, op);
-        let mut gpu = c.opts.gpu_start();
-        if gpu {
-            let held = returns_while_held(&c.stream, &mut f)?;
-            let all = c
-                .comm
-                .all_gather_host(&c.stream, &[held as u8])
-                .map_err(s)?;
-            gpu = all.iter().all(|&v| v == 1);
-            if !gpu {
-                c.note_once(format!(
-                    "ep-bench: NCCL EP's {name} waits for the GPU inside its call: timed from \
-                     the host barrier (as --start host)"
-                ));
-            }
-        }
-        let samples = c.time_with(name, gpu, f)?;
+        let begin = nccl_ep_begin(c, || run(&mut ep, op))?;
+        let samples = c.time_begin(name, begin, || Ok(()), || run(&mut ep, op))?;
         let b = bytes(op);
         out.push((name.to_string(), samples, b.nvlink, b.logical));
     }
+    let memory = ep.memory();
     drop(ep);
-    Ok((out, verdict))
+    Ok((out, verdict, memory))
+}
+
+/// How NCCL EP's call `probe` (one run of an op, its inputs ready) is
+/// timed: from the host barrier under `--start host`; behind the start gate
+/// when the call returns while its stream is held ([`returns_while_held`],
+/// on every rank); else (the call waits for the GPU inside) behind a hold
+/// that opens a window after the call began ([`Begin::Held`]).
+fn nccl_ep_begin(c: &Ctx<'_>, probe: impl FnOnce() -> R<()>) -> R<Begin> {
+    if !c.opts.gpu_start() {
+        return Ok(Begin::Host);
+    }
+    let held = returns_while_held(&c.stream, probe)?;
+    let all = c
+        .comm
+        .all_gather_host(&c.stream, &[held as u8])
+        .map_err(s)?;
+    Ok(match all.iter().all(|&v| v == 1) {
+        true => Begin::Gate,
+        false => Begin::Held,
+    })
 }
 
 /// NCCL EP's dispatch output and combine against the reference and ours
@@ -1328,4 +1531,21 @@ fn check_case(
         emu,
         comb,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A held run's window: four times the slowest warm-up call, within
+    /// [2, 200] ms.
+    #[test]
+    fn hold_window_bounds() {
+        let ms = Duration::from_millis;
+        assert_eq!(hold_window(Duration::ZERO), HOLD_MIN);
+        assert_eq!(hold_window(Duration::from_micros(300)), ms(2));
+        assert_eq!(hold_window(ms(3)), ms(12));
+        assert_eq!(hold_window(ms(80)), HOLD_MAX);
+        assert!(HOLD_MIN < HOLD_MAX);
+    }
 }

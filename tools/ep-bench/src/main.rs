@@ -45,6 +45,7 @@ mod accounting;
 mod cli;
 mod gpu;
 mod launch;
+mod memory;
 mod nccl_ep;
 mod plot;
 mod report;

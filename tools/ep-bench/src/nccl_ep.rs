@@ -36,7 +36,10 @@
 //! NCCL windows: it stages). A receive overflow drops instead of trapping
 //! (the pre-drop count is read back and turned into an error), and its GPU
 //! waits give up after 30 s instead of about 100 (`NCCL_EP_TIMEOUT_MS`
-//! overrides; a timeout still traps: HT has no masking).
+//! overrides; a timeout still traps: HT has no masking). What its group and
+//! handle take on the device is recorded as they are made
+//! ([`Runner::memory`], [`crate::memory`]): `cuMemGetInfo` around
+//! `ncclEpCreateGroup` and `ncclEpInitHandle`, and `ncclEpHandleMemSize`.
 //!
 //! # Cross-check ([`compare_dispatch`], [`compare_combine`])
 //!
@@ -69,6 +72,7 @@ use moe_ep::reference::DispatchOutput;
 use moe_ep::{bf16, Communicator, Mode, NcclVersion, RecvLayout};
 
 use crate::cli::Case;
+use crate::memory::NcclEpMemory;
 
 pub mod ll;
 
@@ -289,6 +293,15 @@ mod ffi {
         cudaStream_t,
     ) -> ncclResult_t;
     pub type HandleDestroy = unsafe extern "C" fn(ncclEpHandle_t) -> ncclResult_t;
+    /// `ncclEpHandleMemSize(group, layout, config, size_out, num_topk)`:
+    /// the device bytes of a handle's routing buffers.
+    pub type HandleMemSize = unsafe extern "C" fn(
+        ncclEpGroup_t,
+        c_int,
+        *const HandleConfig,
+        *mut usize,
+        c_int,
+    ) -> ncclResult_t;
     pub type Dispatch = unsafe extern "C" fn(
         ncclEpHandle_t,
         *const Inputs,
@@ -335,6 +348,8 @@ pub struct Lib {
     init_handle: ffi::InitHandle,
     update_handle: ffi::UpdateHandle,
     handle_destroy: ffi::HandleDestroy,
+    /// `ncclEpHandleMemSize`, where the library has it.
+    handle_mem_size: Option<ffi::HandleMemSize>,
     dispatch: ffi::Dispatch,
     combine: ffi::Combine,
     error_string: Option<ffi::NcclErrorString>,
@@ -431,6 +446,7 @@ impl Lib {
                 init_handle: sym(&lib, "ncclEpInitHandle", &shown)?,
                 update_handle: sym(&lib, "ncclEpUpdateHandle", &shown)?,
                 handle_destroy: sym(&lib, "ncclEpHandleDestroy", &shown)?,
+                handle_mem_size: sym(&lib, "ncclEpHandleMemSize", &shown).ok(),
                 dispatch: sym(&lib, "ncclEpDispatch", &shown)?,
                 combine: sym(&lib, "ncclEpCombine", &shown)?,
                 error_string: sym(&lib, "ncclGetErrorString", &shown).ok(),
@@ -475,6 +491,48 @@ impl Lib {
 /// `s` on one line.
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Free device memory of the current context's GPU (`cuMemGetInfo`).
+fn free_device() -> Result<u64, String> {
+    moe_ep::cuda::result::mem_get_info()
+        .map(|(free, _)| free as u64)
+        .map_err(|e| format!("cuMemGetInfo: {e}"))
+}
+
+/// Runs `f` (a creation call of NCCL EP) and returns its result with the
+/// device memory it took: the free memory before less the free memory
+/// after (0 if it grew). `stream`'s context is drained first, so that the
+/// stream-ordered pools' trimming at a synchronisation does not land
+/// inside the measurement (see [`crate::memory`]).
+pub(crate) fn measured<T>(
+    stream: &CudaStream,
+    f: impl FnOnce() -> Result<T, String>,
+) -> Result<(T, u64), String> {
+    stream.context().synchronize().map_err(s)?;
+    let before = free_device()?;
+    let v = f()?;
+    let after = free_device()?;
+    Ok((v, before.saturating_sub(after)))
+}
+
+impl Lib {
+    /// `ncclEpHandleMemSize` of a handle of `group` with `layout`,
+    /// `config` and `topk`; `None` where the library lacks the query or
+    /// refuses it.
+    pub(crate) fn handle_mem_size(
+        &self,
+        group: ffi::ncclEpGroup_t,
+        layout: c_int,
+        config: &ffi::HandleConfig,
+        topk: usize,
+    ) -> Option<u64> {
+        let f = self.handle_mem_size?;
+        let mut bytes = 0usize;
+        // SAFETY: a live group, a valid config and out-pointer.
+        let rc = unsafe { f(group, layout, config, &mut bytes, topk as c_int) };
+        (rc == 0).then_some(bytes as u64)
+    }
 }
 
 /// The file of the loaded object holding `addr` (glibc's `dladdr`, looked
@@ -702,6 +760,8 @@ pub struct Runner {
     spec: Spec,
     slots: usize,
     stream: Arc<CudaStream>,
+    /// What its group and handle took ([`crate::memory`]).
+    memory: NcclEpMemory,
     // Descriptors: ours (idx, x, w), then its buffers'.
     idx: Box<Desc>,
     x: Box<Desc>,
@@ -783,6 +843,7 @@ impl Runner {
             spec,
             slots,
             stream: stream.clone(),
+            memory: NcclEpMemory::default(),
             idx: Desc::new(ffi::NCCL_INT64, inputs.topk_idx, &[t, k]),
             x: Desc::new(ffi::NCCL_BFLOAT16, inputs.x, &[t, h]),
             w: Desc::new(ffi::NCCL_FLOAT32, inputs.w, &[t, k]),
@@ -838,32 +899,44 @@ impl Runner {
             num_topk: 0,
             padding_v2: [0; 4],
         };
-        // SAFETY: a valid config and out-pointer; raw is moe-ep's live communicator.
-        let rc = unsafe { (lib.create_group)(&mut r.group, raw, &cfg) };
-        lib.check("ncclEpCreateGroup", rc, raw)?;
+        let ((), taken) = measured(stream, || {
+            // SAFETY: a valid config and out-pointer; raw is moe-ep's live communicator.
+            let rc = unsafe { (lib.create_group)(&mut r.group, raw, &cfg) };
+            lib.check("ncclEpCreateGroup", rc, raw)
+        })?;
+        r.memory.group_measured = taken;
         let hcfg = ffi::HandleConfig {
             size: std::mem::size_of::<ffi::HandleConfig>() as c_uint,
             magic: ffi::MAGIC,
             dispatch_output_per_expert_alignment: spec.pairing.alignment,
         };
-        // SAFETY: a live group, a valid config. The header says -1 for HT,
-        // but 0.2.0 refuses it ("HT mode requires num_topk > 0").
-        let rc = unsafe {
-            (lib.init_handle)(
-                &mut r.handle,
-                r.group,
-                spec.pairing.layout,
-                &hcfg,
-                k as c_int,
-                std::ptr::null(),
-            )
-        };
-        lib.check("ncclEpInitHandle", rc, raw)?;
+        r.memory.handle_queried = lib.handle_mem_size(r.group, spec.pairing.layout, &hcfg, k);
+        let ((), taken) = measured(stream, || {
+            // SAFETY: a live group, a valid config. The header says -1 for
+            // HT, but 0.2.0 refuses it ("HT mode requires num_topk > 0").
+            let rc = unsafe {
+                (lib.init_handle)(
+                    &mut r.handle,
+                    r.group,
+                    spec.pairing.layout,
+                    &hcfg,
+                    k as c_int,
+                    std::ptr::null(),
+                )
+            };
+            lib.check("ncclEpInitHandle", rc, raw)
+        })?;
+        r.memory.init_handle_measured = taken;
         Ok(r)
     }
 
     fn stream_ptr(&self) -> ffi::cudaStream_t {
         self.stream.cu_stream() as ffi::cudaStream_t
+    }
+
+    /// What its group and handle took on this rank ([`crate::memory`]).
+    pub fn memory(&self) -> NcclEpMemory {
+        self.memory
     }
 
     /// `ncclEpUpdateHandle`: the routing into the handle (its "layout");

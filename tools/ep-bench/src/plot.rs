@@ -3,7 +3,7 @@
 
 use plotters::prelude::*;
 
-use crate::report::{field_label, varying_fields, CaseResult};
+use crate::report::{field_label, varying_fields, CaseResult, Ranks};
 
 /// Chart size in SVG pixels.
 const SIZE: (u32, u32) = (960, 540);
@@ -20,17 +20,22 @@ struct Series {
 
 /// The lines of the chart: one per op (when other case fields vary too, one
 /// per op and values of those fields), in order of first appearance; ops
-/// that move no NVLink bytes (layout) are left out.
+/// that move no bytes (layout) are left out. NVLink GB/s, or on virtual
+/// ranks (which cross no NVLink) logical GB/s.
 fn series(results: &[CaseResult]) -> Vec<Series> {
     let others: Vec<usize> = varying_fields(results)
         .into_iter()
         .filter(|&i| i != 0)
         .collect();
     let mut out: Vec<Series> = Vec::new();
+    let nvlink = draws_nvlink(results);
     for res in results {
         let suffix: Vec<String> = others.iter().map(|&i| field_label(&res.case, i)).collect();
         for op in &res.ops {
-            let y = op.nvlink_gbps();
+            let y = match nvlink {
+                true => op.nvlink_gbps(),
+                false => op.logical_gbps(),
+            };
             if op.slowest_rank().is_none() || !y.is_finite() {
                 continue;
             }
@@ -55,6 +60,11 @@ fn series(results: &[CaseResult]) -> Vec<Series> {
         s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
     out
+}
+
+/// Whether the chart is of NVLink GB/s: not for virtual ranks' results.
+fn draws_nvlink(results: &[CaseResult]) -> bool {
+    results.first().is_none_or(|r| r.ranks == Ranks::Nccl)
 }
 
 /// The chart as a complete SVG document. x is log2-scaled when the token
@@ -112,7 +122,10 @@ pub fn svg(results: &[CaseResult], title: &str) -> Result<String, String> {
             } else {
                 "tokens per rank"
             })
-            .y_desc("NVLink GB/s (slowest rank)")
+            .y_desc(match draws_nvlink(results) {
+                true => "NVLink GB/s (slowest rank)",
+                false => "logical GB/s (slowest rank; virtual ranks, no NVLink)",
+            })
             .x_label_formatter(&x_label)
             .draw()?;
         for (i, s) in lines.iter().enumerate() {
@@ -185,6 +198,28 @@ mod tests {
         assert!(s.contains("log2 scale"));
         assert!(s.contains("dispatch (hidden=7168)"));
         assert!(s.contains("\n128\n") && s.contains("\n8192\n"), "{s}");
+    }
+
+    /// Virtual ranks cross no NVLink: their chart is of logical GB/s.
+    #[test]
+    fn virtual_ranks_draw_logical_bandwidth() {
+        let results: Vec<_> = [1024, 2048]
+            .iter()
+            .map(|&t| {
+                let mut r = sample(t, 7168, None);
+                r.ranks = Ranks::Virtual;
+                r
+            })
+            .collect();
+        let lines = series(&results);
+        // dispatch rank 1: 2e6 * 1.5 logical B over 100 µs (1024 tokens) = 30 GB/s.
+        let d = lines.iter().find(|s| s.label == "dispatch").unwrap();
+        assert!((d.points[0].1 - 30.0).abs() < 1e-9, "{:?}", d.points);
+        let s = svg(&results, "virtual").unwrap();
+        assert!(
+            s.contains("logical GB/s") && !s.contains("NVLink GB/s"),
+            "{s}"
+        );
     }
 
     #[test]

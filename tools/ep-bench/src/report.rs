@@ -25,6 +25,7 @@ use serde::Serialize;
 
 use crate::accounting::gbps;
 use crate::cli::{mode_name, Case, Op};
+use crate::memory::{mib, Memory, MoeEpMemory, NcclEpMemory};
 
 /// Op name of the NCCL all-to-all baseline: grouped send/recv with every
 /// rank, this one included (PyTorch's `all_to_all_single`), moving the rows
@@ -258,6 +259,9 @@ pub struct CaseResult {
     /// Rows per chunk of the two-level dispatch's network hop
     /// (`--hop-chunk-rows`); 0: one node.
     pub hop_chunk_rows: usize,
+    /// Device memory of a rank, moe-ep's and NCCL EP's (each field the
+    /// largest over the ranks); `None` where not measured.
+    pub memory: Option<Memory>,
 }
 
 impl CaseResult {
@@ -473,6 +477,8 @@ pub fn table(results: &[CaseResult]) -> String {
         Ranks::Nccl => &[NCCL_ALLTOALL, NCCL_PEERS, PEER_STORE_CEILING],
         Ranks::Virtual => &[],
     };
+    // Virtual ranks cross no NVLink: no NVLink GB/s either.
+    let nvlink = first.ranks == Ranks::Nccl;
     let columns = [
         "op",
         "median µs",
@@ -486,6 +492,7 @@ pub fn table(results: &[CaseResult]) -> String {
     ];
     let columns = columns[..6 + ratios.len()]
         .iter()
+        .filter(|h| nvlink || **h != "NVLink GB/s")
         .chain(with_net.then_some(&"net GB/s"))
         .chain(with_hop.then_some(&"vs hop"))
         .chain(with_ep.then_some(&"vs NCCL-EP"))
@@ -519,9 +526,11 @@ pub fn table(results: &[CaseResult]) -> String {
                 fmt_num(st.median_us, 2),
                 fmt_num(st.min_us, 2),
                 fmt_num(st.max_us, 2),
-                bw(op.row_nvlink_bytes(), op.nvlink_gbps()),
-                bw(op.row_logical_bytes(), op.logical_gbps()),
             ]);
+            if nvlink {
+                row.push(bw(op.row_nvlink_bytes(), op.nvlink_gbps()));
+            }
+            row.push(bw(op.row_logical_bytes(), op.logical_gbps()));
             row.extend(ratios.iter().map(|b| ratio(b)));
             let times = |r: Option<f64>| {
                 r.filter(|r| r.is_finite())
@@ -545,7 +554,81 @@ pub fn table(results: &[CaseResult]) -> String {
             rows.push(row);
         }
     }
-    out + &render_columns(&header, &right, &rows)
+    out + &render_columns(&header, &right, &rows) + &memory_table(results, &varying)
+}
+
+/// The memory block under the op table, when some case has its memory
+/// ([`crate::memory`]): a line on what is counted, then per case one row
+/// for moe-ep and, where it ran, one for NCCL EP (library `NCCL-EP`):
+/// group, handle and device MiB, and how each figure came about.
+fn memory_table(results: &[CaseResult], varying: &[usize]) -> String {
+    if results.iter().all(|r| r.memory.is_none()) {
+        return String::new();
+    }
+    let mut header: Vec<String> = varying.iter().map(|&i| CASE_FIELDS[i].into()).collect();
+    let mut right: Vec<bool> = varying.iter().map(|&i| i != 4).collect();
+    for h in [
+        "library",
+        "group MiB",
+        "handle MiB",
+        "device MiB",
+        "of which",
+    ] {
+        header.push(h.into());
+        right.push(!matches!(h, "library" | "of which"));
+    }
+    let mut rows = Vec::new();
+    for res in results {
+        let Some(m) = &res.memory else { continue };
+        let case: Vec<String> = varying.iter().map(|&i| case_field(&res.case, i)).collect();
+        let ours = &m.moe_ep;
+        let mut row = case.clone();
+        row.extend([
+            "moe-ep".to_string(),
+            mib(ours.group()),
+            ours.handle.map_or("-".into(), mib),
+            mib(ours.device()),
+            format!(
+                "workspace {}, low-latency {}, pool {} (free {}), two-level {}; pinned host {} B{}",
+                mib(ours.workspace),
+                mib(ours.low_latency),
+                mib(ours.pool_other),
+                mib(ours.pool_free),
+                mib(ours.two_level),
+                ours.pinned_host,
+                if ours.handle.is_none() {
+                    "; no handle"
+                } else {
+                    ""
+                }
+            ),
+        ]);
+        rows.push(row);
+        if let Some(ep) = &m.nccl_ep {
+            let mut row = case;
+            row.extend([
+                "NCCL-EP".to_string(),
+                mib(ep.group_measured),
+                ep.handle_queried.map_or("-".into(), mib),
+                mib(ep.device()),
+                format!(
+                    "group: cuMemGetInfo around ncclEpCreateGroup; handle: {}; \
+                     device: group + ncclEpInitHandle's {} by cuMemGetInfo",
+                    if ep.handle_queried.is_some() {
+                        "ncclEpHandleMemSize"
+                    } else {
+                        "not queried (no ncclEpHandleMemSize)"
+                    },
+                    mib(ep.init_handle_measured)
+                ),
+            ]);
+            rows.push(row);
+        }
+    }
+    "\nmemory per rank (largest rank), MiB = 2^20 B: moe-ep's group at creation \
+     (EpGroup::memory_footprint) and handle (Handle::device_bytes); caller buffers in neither\n"
+        .to_string()
+        + &render_columns(&header, &right, &rows)
 }
 
 /// The word of a `--check` outcome: passed, failed, not run.
@@ -608,10 +691,14 @@ struct OpRecord<'a> {
     min_us: Option<f64>,
     max_us: Option<f64>,
     slowest_rank: Option<usize>,
-    nvlink_bytes: u64,
+    /// `None` on virtual ranks (no NVLink crossed): left out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nvlink_bytes: Option<u64>,
     network_bytes: u64,
     logical_bytes: u64,
-    nvlink_gbps: f64,
+    /// `None` on virtual ranks: left out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nvlink_gbps: Option<f64>,
     logical_gbps: f64,
     vs_nccl: Option<f64>,
     vs_nccl_peers: Option<f64>,
@@ -624,6 +711,7 @@ impl<'a> OpRecord<'a> {
     /// The summary of `op`, measured in `res`.
     fn new(res: &CaseResult, op: &'a OpResult) -> Self {
         let st = op.stat();
+        let nvlink = res.ranks == Ranks::Nccl;
         OpRecord {
             op: &op.op,
             baseline: !op.is_ours(),
@@ -631,16 +719,62 @@ impl<'a> OpRecord<'a> {
             min_us: finite(st.min_us),
             max_us: finite(st.max_us),
             slowest_rank: op.slowest_rank(),
-            nvlink_bytes: op.row_nvlink_bytes(),
+            nvlink_bytes: nvlink.then(|| op.row_nvlink_bytes()),
             network_bytes: op.row_network_bytes(),
             logical_bytes: op.row_logical_bytes(),
-            nvlink_gbps: op.nvlink_gbps(),
+            nvlink_gbps: nvlink.then(|| op.nvlink_gbps()),
             logical_gbps: op.logical_gbps(),
             vs_nccl: res.ratio(op, NCCL_ALLTOALL),
             vs_nccl_peers: res.ratio(op, NCCL_PEERS),
             vs_ceiling: res.ratio(op, PEER_STORE_CEILING),
             vs_nccl_ep: res.vs_nccl_ep(op),
             vs_local: res.vs_local(op),
+        }
+    }
+}
+
+/// A case's memory in JSON ([`crate::memory`]): every figure in bytes, the
+/// largest over the ranks, with the totals and how NCCL EP's were found.
+#[derive(Serialize)]
+struct MemoryRecord {
+    moe_ep: MoeEpRecord,
+    nccl_ep: Option<NcclEpRecord>,
+}
+
+#[derive(Serialize)]
+struct MoeEpRecord {
+    #[serde(flatten)]
+    parts: MoeEpMemory,
+    group: u64,
+    device: u64,
+}
+
+#[derive(Serialize)]
+struct NcclEpRecord {
+    #[serde(flatten)]
+    parts: NcclEpMemory,
+    device: u64,
+    group_how: &'static str,
+    handle_how: &'static str,
+}
+
+impl MemoryRecord {
+    fn new(m: &Memory) -> Self {
+        MemoryRecord {
+            moe_ep: MoeEpRecord {
+                parts: m.moe_ep,
+                group: m.moe_ep.group(),
+                device: m.moe_ep.device(),
+            },
+            nccl_ep: m.nccl_ep.map(|n| NcclEpRecord {
+                parts: n,
+                device: n.device(),
+                group_how: "measured: cuMemGetInfo around ncclEpCreateGroup",
+                handle_how: match n.handle_queried {
+                    Some(_) => "queried: ncclEpHandleMemSize",
+                    None => "not queried: no ncclEpHandleMemSize",
+                },
+            }),
         }
     }
 }
@@ -652,15 +786,23 @@ impl<'a> OpRecord<'a> {
 /// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "network_bytes", "logical_bytes",
 /// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
 /// "vs_nccl_ep", "vs_local", "per_rank": [{"rank", "median_us", "min_us", "max_us",
-/// "nvlink_bytes", "network_bytes", "logical_bytes"}]}], "nccl_ep_check"}]}`. Times in µs,
-/// bytes in B, bandwidths in GB/s; unknown values are `null`; `ranks` is
-/// `"nccl"` or `"virtual"`.
+/// "nvlink_bytes", "network_bytes", "logical_bytes"}]}], "nccl_ep_check",
+/// "memory": {"moe_ep": {"workspace", "low_latency", "pool_other",
+/// "pool_free", "two_level", "pinned_host", "handle", "group", "device"},
+/// "nccl_ep": {"group_measured", "handle_queried", "init_handle_measured",
+/// "device", "group_how", "handle_how"}}}]}`. Times in µs, bytes in B,
+/// bandwidths in GB/s; unknown values are `null`; `ranks` is `"nccl"` or
+/// `"virtual"`. Virtual ranks' records have no `nvlink_bytes` and
+/// `nvlink_gbps` (they cross no NVLink), nor have their CSV rows. The
+/// memory is a rank's (each figure the largest over the ranks;
+/// [`crate::memory`]); `nccl_ep` is `null` where NCCL EP did not run.
 pub fn json(results: &[CaseResult]) -> String {
     #[derive(Serialize)]
     struct RankRecord {
         rank: usize,
         #[serde(flatten)]
         stat: Stat,
+        #[serde(skip_serializing_if = "Option::is_none")]
         nvlink_bytes: Option<u64>,
         network_bytes: Option<u64>,
         logical_bytes: Option<u64>,
@@ -682,6 +824,7 @@ pub fn json(results: &[CaseResult]) -> String {
         check: Option<bool>,
         ops: Vec<OpWithRanks<'a>>,
         nccl_ep_check: Option<bool>,
+        memory: Option<MemoryRecord>,
     }
     #[derive(Serialize)]
     struct Doc<'a> {
@@ -711,7 +854,9 @@ pub fn json(results: &[CaseResult]) -> String {
                             .map(|(rank, &stat)| RankRecord {
                                 rank,
                                 stat,
-                                nvlink_bytes: op.nvlink_bytes.get(rank).copied(),
+                                nvlink_bytes: (res.ranks == Ranks::Nccl)
+                                    .then(|| op.nvlink_bytes.get(rank).copied())
+                                    .flatten(),
                                 network_bytes: op.network_bytes.get(rank).copied(),
                                 logical_bytes: op.logical_bytes.get(rank).copied(),
                             })
@@ -719,6 +864,7 @@ pub fn json(results: &[CaseResult]) -> String {
                     })
                     .collect(),
                 nccl_ep_check: res.nccl_ep_check,
+                memory: res.memory.as_ref().map(MemoryRecord::new),
             })
             .collect(),
     };
@@ -732,7 +878,9 @@ pub fn json(results: &[CaseResult]) -> String {
 /// vs_nccl_ep, vs_local, check, per_rank_median_us, ranks`. Times in µs, bytes in B,
 /// GB/s; unknown values are empty; `check` is `ok` / `failed` / empty (the
 /// row's: NCCL EP's rows give the cross-check); `per_rank_median_us` is
-/// `rank0;rank1;...`; `ranks` is `nccl` or `virtual`.
+/// `rank0;rank1;...`; `ranks` is `nccl` or `virtual`. Virtual ranks' rows
+/// have no `nvlink_bytes` and `nvlink_gbps` columns (no NVLink crossed), as
+/// their table and JSON.
 pub fn csv(results: &[CaseResult]) -> String {
     #[derive(Serialize)]
     struct Run<'a> {
@@ -846,6 +994,7 @@ pub(crate) mod tests {
             nccl_ep_check: None,
             ranks_per_node: 0,
             hop_chunk_rows: 0,
+            memory: None,
         }
     }
 
@@ -978,16 +1127,45 @@ pub(crate) mod tests {
         );
         assert!(!lines[1].contains(" x "), "{}", lines[1]);
         assert!(lines[2].ends_with("logical GB/s  check"), "{}", lines[2]);
+        // No NVLink crossed: no NVLink GB/s column, in the table, JSON or CSV.
+        assert!(!t.contains("NVLink GB/s"), "{t}");
+        assert!(lines[2].contains("max µs  logical GB/s"), "{}", lines[2]);
+        // dispatch: 100 µs, 3e6 logical B -> 30.0 GB/s right after max µs.
+        let d: Vec<&str> = lines[5].split_whitespace().collect();
+        assert_eq!(
+            d,
+            ["1024", "dispatch", "100.00", "90.00", "120.00", "30.0", "ok"],
+            "{t}"
+        );
         let doc: serde_json::Value = serde_json::from_str(&json(&[virtual_sample(1024)])).unwrap();
         assert_eq!(doc["results"][0]["ranks"], "virtual");
+        for o in doc["results"][0]["ops"].as_array().unwrap() {
+            assert!(
+                o.get("nvlink_bytes").is_none() && o.get("nvlink_gbps").is_none(),
+                "{o}"
+            );
+            assert!(o.get("logical_gbps").is_some(), "{o}");
+            for r in o["per_rank"].as_array().unwrap() {
+                assert!(r.get("nvlink_bytes").is_none(), "{r}");
+                assert!(r.get("logical_bytes").is_some(), "{r}");
+            }
+        }
+        // Real ranks keep them.
+        let real: serde_json::Value =
+            serde_json::from_str(&json(&[sample(1024, 7168, None)])).unwrap();
+        assert_eq!(real["results"][0]["ops"][1]["nvlink_bytes"], 2_000_000);
+        assert_eq!(
+            real["results"][0]["ops"][1]["per_rank"][0]["nvlink_bytes"],
+            3_000_000
+        );
         let text = csv(&[virtual_sample(1024)]);
         let mut rd = csv::Reader::from_reader(text.as_bytes());
-        let ranks = rd
-            .headers()
-            .unwrap()
-            .iter()
-            .position(|h| h == "ranks")
-            .unwrap();
+        let header: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        assert!(
+            !header.iter().any(|h| h.starts_with("nvlink_")),
+            "{header:?}"
+        );
+        let ranks = header.iter().position(|h| h == "ranks").unwrap();
         for rec in rd.records() {
             assert_eq!(&rec.unwrap()[ranks], "virtual");
         }
@@ -1188,7 +1366,7 @@ pub(crate) mod tests {
         assert!(row("layout").ends_with("-  ok"), "{t}");
         // The ceiling's own row: no NVLink GB/s, logical 3e6 B / 40 µs = 75 GB/s.
         let ld: Vec<&str> = row(LOCAL_COPY_DISPATCH).split_whitespace().collect();
-        assert_eq!(ld[1..], ["40.00", "36.00", "48.00", "-", "75.0", "-", "ok"]);
+        assert_eq!(ld[1..], ["40.00", "36.00", "48.00", "75.0", "-", "ok"]);
         let doc: serde_json::Value = serde_json::from_str(&json(&[r.clone()])).unwrap();
         let ops = doc["results"][0]["ops"].as_array().unwrap();
         assert_eq!(ops[1]["vs_local"], 0.4);
@@ -1266,6 +1444,7 @@ pub(crate) mod tests {
                 nccl_ep_check: Some(true),
                 ranks_per_node: 0,
                 hop_chunk_rows: 0,
+                memory: None,
             }
         };
         let results = [
@@ -1327,6 +1506,93 @@ pub(crate) mod tests {
             ("ll-pair", "rank")
         );
         assert_eq!(rows[13][at("vs_nccl_ep")].parse::<f64>().unwrap(), 2.0);
+    }
+
+    /// A case's memory: moe-ep's row and NCCL EP's under the op table (the
+    /// varying case columns first), and the same figures in JSON.
+    #[test]
+    fn memory_beside_nccl_ep() {
+        use crate::memory::{MoeEpMemory, NcclEpMemory};
+        const MIB: u64 = 1 << 20;
+        let mut a = sample(1024, 7168, Some(true));
+        let ours = MoeEpMemory {
+            workspace: 100 * MIB,
+            low_latency: 0,
+            pool_other: 2 * MIB,
+            pool_free: MIB,
+            two_level: 0,
+            pinned_host: 96,
+            handle: Some(MIB / 2),
+        };
+        let theirs = NcclEpMemory {
+            group_measured: 300 * MIB,
+            handle_queried: Some(MIB / 4),
+            init_handle_measured: 2 * MIB,
+        };
+        a.memory = Some(Memory {
+            moe_ep: ours,
+            nccl_ep: Some(theirs),
+        });
+        // Another token count: no NCCL EP, no handle query, no handle.
+        let mut b = sample(2048, 7168, Some(true));
+        b.memory = Some(Memory {
+            moe_ep: MoeEpMemory {
+                handle: None,
+                ..ours
+            },
+            nccl_ep: None,
+        });
+        let t = table(&[a.clone(), b]);
+        let lines: Vec<&str> = t.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with("memory per rank"))
+            .unwrap_or_else(|| panic!("{t}"));
+        assert!(
+            lines[at + 1].starts_with("tokens  library  group MiB"),
+            "{t}"
+        );
+        let cells = |l: &str| l.split_whitespace().map(String::from).collect::<Vec<_>>();
+        let r0 = cells(lines[at + 3]);
+        assert_eq!(
+            r0[..5],
+            ["1024", "moe-ep", "102.00", "0.50", "102.50"],
+            "{t}"
+        );
+        assert!(lines[at + 3].contains("workspace 100.00, low-latency 0.00, pool 2.00 (free 1.00)"));
+        assert!(lines[at + 3].contains("pinned host 96 B"), "{t}");
+        let r1 = cells(lines[at + 4]);
+        assert_eq!(
+            r1[..5],
+            ["1024", "NCCL-EP", "300.00", "0.25", "302.00"],
+            "{t}"
+        );
+        assert!(lines[at + 4].contains("cuMemGetInfo around ncclEpCreateGroup"));
+        assert!(lines[at + 4].contains("ncclEpHandleMemSize"));
+        let r2 = cells(lines[at + 5]);
+        assert_eq!(r2[..5], ["2048", "moe-ep", "102.00", "-", "102.00"], "{t}");
+        assert!(lines[at + 5].ends_with("no handle"), "{t}");
+        assert_eq!(lines.len(), at + 6, "{t}");
+        // Without memory, no block.
+        assert!(!table(&[sample(1024, 7168, None)]).contains("memory per rank"));
+
+        let doc: serde_json::Value = serde_json::from_str(&json(&[a])).unwrap();
+        let m = &doc["results"][0]["memory"];
+        assert_eq!(m["moe_ep"]["workspace"], 100 * MIB);
+        assert_eq!(m["moe_ep"]["handle"], MIB / 2);
+        assert_eq!(m["moe_ep"]["group"], 102 * MIB);
+        assert_eq!(m["moe_ep"]["device"], 102 * MIB + MIB / 2);
+        assert_eq!(m["moe_ep"]["pinned_host"], 96);
+        assert_eq!(m["nccl_ep"]["group_measured"], 300 * MIB);
+        assert_eq!(m["nccl_ep"]["handle_queried"], MIB / 4);
+        assert_eq!(m["nccl_ep"]["device"], 302 * MIB);
+        assert!(m["nccl_ep"]["group_how"]
+            .as_str()
+            .unwrap()
+            .contains("cuMemGetInfo"));
+        let none: serde_json::Value =
+            serde_json::from_str(&json(&[sample(1024, 7168, None)])).unwrap();
+        assert!(none["results"][0]["memory"].is_null());
     }
 
     /// The table line of op `name`.

@@ -1,7 +1,8 @@
 //! GPU test of the profiler (feature `multi-gpu`): a short sweep with
 //! `--check` that must exit 0. On >= 2 GPUs the tool starts its own ranks
 //! (`--gpus 2`) and the table has the baselines; on one GPU it runs 2, 4 and
-//! 8 virtual ranks, whose table, JSON and CSV must say so. On any GPU: the
+//! 8 virtual ranks, whose table, JSON and CSV must say so (and have no
+//! NVLink GB/s). Both print each case's memory per rank. On any GPU: the
 //! local-copy ceilings' kernel moves the right rows, an expert-major run
 //! on virtual ranks reports its ops against those ceilings (`vs local`), and
 //! `--mode ll` runs and checks its four ops in both layouts on 2 virtual
@@ -107,6 +108,35 @@ fn assert_checked_rows(stdout: &str, ops: usize) {
     );
 }
 
+/// The memory block under the table: a moe-ep row for each token count,
+/// with its group, handle and device MiB.
+fn assert_memory_rows(stdout: &str, tokens: &[&str]) {
+    let at = stdout
+        .lines()
+        .position(|l| l.starts_with("memory per rank"))
+        .unwrap_or_else(|| panic!("no memory block:\n{stdout}"));
+    for t in tokens {
+        let row: Vec<&str> = stdout
+            .lines()
+            .skip(at)
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|c| c.len() > 4 && c[0] == *t && c[1] == "moe-ep")
+            .unwrap_or_else(|| panic!("no moe-ep memory row of {t} tokens:\n{stdout}"));
+        // group, handle (a small one shows 0.00), device MiB.
+        let mib = |i: usize| row[i].parse::<f64>().unwrap_or(-1.0);
+        assert!(mib(2) > 0.0 && mib(3) >= 0.0 && mib(4) >= mib(2), "{row:?}");
+    }
+}
+
+/// A JSON result's memory: moe-ep's workspace, handle and totals.
+fn assert_memory_json(r: &serde_json::Value) {
+    let m = &r["memory"]["moe_ep"];
+    let b = |k: &str| m[k].as_u64().unwrap_or(0);
+    assert!(b("workspace") > 0 && b("handle") > 0, "{r}");
+    assert_eq!(b("device"), b("group") + b("handle"), "{r}");
+    assert!(r["memory"]["nccl_ep"].is_null(), "{r}");
+}
+
 #[test]
 fn short_sweep_with_check_on_two_gpus() {
     let _turn = gpu_turn();
@@ -116,7 +146,9 @@ fn short_sweep_with_check_on_two_gpus() {
         return;
     }
     let (stdout, _) = run(&[&["--gpus", "2"][..], &SWEEP].concat());
+    assert_memory_rows(&stdout, &["128", "512"]);
     for needle in [
+        "NVLink GB/s",
         "dispatch",
         "combine",
         "nccl-alltoall",
@@ -156,6 +188,11 @@ fn virtual_ranks_with_check_on_one_gpu() {
         let note =
             format!("{n} virtual ranks on one GPU: no NVLink crossed; NVLink baselines left out");
         assert!(stdout.starts_with(&note), "no `{note}`:\n{stdout}");
+        assert!(
+            !stdout.contains("NVLink GB/s"),
+            "an NVLink column:\n{stdout}"
+        );
+        assert_memory_rows(&stdout, &["128", "512"]);
         for baseline in ["nccl-", "peer-", "bulk-", "copy-engine"] {
             assert!(!stdout.contains(baseline), "a baseline ran:\n{stdout}");
         }
@@ -170,6 +207,7 @@ fn virtual_ranks_with_check_on_one_gpu() {
             assert_eq!(r["ranks"], "virtual", "{r}");
             assert_eq!(r["world"].as_u64(), n.parse().ok(), "{r}");
             assert_eq!(r["check"], true, "{r}");
+            assert_memory_json(r);
             let ops: Vec<&str> = r["ops"]
                 .as_array()
                 .unwrap()
@@ -412,7 +450,8 @@ fn expert_major_against_local_copy() {
         {
             assert_eq!(o["baseline"], true, "{o}");
             assert!(o["median_us"].as_f64().is_some_and(|m| m > 0.0), "{o}");
-            assert_eq!(o["nvlink_bytes"], 0, "{o}");
+            // Virtual ranks: no NVLink figures at all.
+            assert!(o.get("nvlink_bytes").is_none(), "{o}");
             assert!(o["logical_bytes"].as_u64().is_some_and(|b| b > 0), "{o}");
         }
     }

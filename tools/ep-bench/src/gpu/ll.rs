@@ -28,13 +28,13 @@ use moe_ep::reference::{self as refr, LlDispatchOutput, LlPayload, LlTokens, Ran
 use moe_ep::{bf16, EpGroup, GroupConfig, Mode};
 
 use super::{
-    baselines, gather, keep_nccl_ep_rows, local_copies, rank_input, returns_while_held, routings,
-    s, Ctx, Measured, R,
+    baselines, gather, gather_memory, keep_nccl_ep_rows, local_copies, moe_ep_memory,
+    nccl_ep_begin, rank_input, routings, s, Ctx, Measured, NcclEpRun, Outcome, R,
 };
 use crate::accounting::{pair_counts, LlTraffic};
 use crate::cli::{ll_layout, ll_layout_name, Case, Op};
+use crate::memory::Memory;
 use crate::nccl_ep::{self, ll as ep_ll};
-use crate::report::OpResult;
 
 /// The fp8 scaling of the fp8 ops (DeepEP's: amax / 448 per 128 values).
 const SCALING: Fp8Scaling = Fp8Scaling::Exact;
@@ -287,11 +287,7 @@ struct Bufs {
 /// local-copy ceilings and (NCCL ranks, world > 1) the NVLink baselines,
 /// NCCL EP's low-latency ops; all ranks' statistics gathered, the `--check`
 /// outcome and NCCL EP's cross-check.
-pub(super) fn run_case(
-    c: &Ctx<'_>,
-    case: &Case,
-    world: usize,
-) -> R<(Vec<OpResult>, Option<bool>, Option<bool>)> {
+pub(super) fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
     let shape = Shape {
@@ -315,6 +311,11 @@ pub(super) fn run_case(
     cfg.mode = Mode::LowLatency;
     cfg.num_sms = case.num_sms;
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
+    // The low-latency mode makes no handle: its buffers are the group's.
+    let mut memory = Memory {
+        moe_ep: moe_ep_memory(group.memory_footprint(), None),
+        nccl_ep: None,
+    };
     let el = case.experts / world;
     let rows = match layout {
         LlLayout::ExpertMajor => el * world * m,
@@ -571,13 +572,18 @@ pub(super) fn run_case(
                     w: DeviceRegion::device_ptr(&b.w),
                 };
                 let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
-                if let Some(v) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
-                    nccl_ep_check = v;
+                if let Some((v, m)) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
+                    (nccl_ep_check, memory.nccl_ep) = (v, Some(m));
                 }
             }
         }
     }
-    Ok((gather(c, mine)?, check, nccl_ep_check))
+    Ok(Outcome {
+        ops: gather(c, mine)?,
+        check,
+        nccl_ep_check,
+        memory: gather_memory(c, memory)?,
+    })
 }
 
 /// The first element where two combine outputs differ, as a message.
@@ -605,8 +611,9 @@ fn first_diff_words(got: &[bf16], want: &[bf16]) -> String {
 /// dispatch and combine once (cross-checked under `--check`), then its rows
 /// of the ops in `--ops`, timed as ours are (a dispatch's batch combined
 /// before the next run, a combine's batch dispatched before it, outside
-/// the timed span). A call that waits for the GPU inside is timed from the
-/// host barrier, said once per run.
+/// the timed span), with CUDA events on the stream around the call; a call
+/// that waits for the GPU inside behind a hold instead of the start gate
+/// ([`nccl_ep_begin`]), said once per run.
 fn run_nccl_ep(
     c: &Ctx<'_>,
     lib: &'static nccl_ep::Lib,
@@ -615,7 +622,7 @@ fn run_nccl_ep(
     inputs: nccl_ep::Inputs,
     checked: Option<&Checked>,
     bytes: &dyn Fn(Op) -> crate::accounting::OpBytes,
-) -> R<(Vec<Measured>, Option<bool>)> {
+) -> R<NcclEpRun> {
     // SAFETY: inputs are run_case's buffers of these sizes, alive until
     // after `ep` drops at the end of this function.
     let ep = unsafe { ep_ll::Runner::new(lib, &c.comm, &c.stream, spec, inputs)? };
@@ -683,30 +690,17 @@ fn run_nccl_ep(
         // Once untimed first (its kernels are compiled at first use).
         before(op)?;
         timed(op)?;
-        let mut gpu = c.opts.gpu_start();
-        if gpu {
-            before(op)?;
-            let held = returns_while_held(&c.stream, || timed(op))?;
-            let all = c
-                .comm
-                .all_gather_host(&c.stream, &[held as u8])
-                .map_err(s)?;
-            gpu = all.iter().all(|&v| v == 1);
-            if !gpu {
-                c.note_once(format!(
-                    "ep-bench: NCCL EP's {name} waits for the GPU inside its call: timed from \
-                     the host barrier (as --start host)"
-                ));
-            }
-        }
-        let samples = c.time_prepared(name, gpu, || before(op), || timed(op))?;
+        before(op)?;
+        let begin = nccl_ep_begin(c, || timed(op))?;
+        let samples = c.time_begin(name, begin, || before(op), || timed(op))?;
         settle()?;
         let b = bytes(op);
         out.push((name.to_string(), samples, b.nvlink, b.logical));
     }
     c.stream.synchronize().map_err(s)?;
+    let memory = ep.borrow().memory();
     drop(ep);
-    Ok((out, verdict))
+    Ok((out, verdict, memory))
 }
 
 /// NCCL EP's bf16 dispatch and its combine (identity experts) against the

@@ -28,20 +28,16 @@ use moe_ep::{bf16, GroupConfig, RecvLayout, Topology};
 use moe_ep::{EpGroup, Handle};
 
 use super::{
-    all_ranks_ok, counts_and_capacity, gather, rank_input, routings, s, time_ht_op, upload, Ctx,
-    HtBufs, Measured, R,
+    all_ranks_ok, counts_and_capacity, gather, gather_memory, moe_ep_memory, rank_input, routings,
+    s, time_ht_op, upload, Ctx, HtBufs, Measured, Outcome, R,
 };
 use crate::cli::{Case, Op};
-use crate::report::{OpResult, RAIL_HOP};
+use crate::memory::Memory;
+use crate::report::RAIL_HOP;
 
 /// One case at `g` ranks per node: our ops (and `--check`), then the
 /// rail-hop baseline unless `--no-baselines`.
-pub(super) fn run_case(
-    c: &Ctx<'_>,
-    case: &Case,
-    world: usize,
-    g: usize,
-) -> R<(Vec<OpResult>, Option<bool>, Option<bool>)> {
+pub(super) fn run_case(c: &Ctx<'_>, case: &Case, world: usize, g: usize) -> R<Outcome> {
     let opts = c.opts;
     let (rank, s_) = (c.comm.rank(), &c.stream);
     let shape = Shape {
@@ -73,6 +69,8 @@ pub(super) fn run_case(
         .hop_chunk_rows
         .unwrap_or(moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS);
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
+    // The group's own, before the pool gives out buffers.
+    let footprint = group.memory_footprint();
     let me = rank_input(case, opts.seed, rank, routing[rank].clone());
     let (t, h, k) = (case.tokens, case.hidden, case.topk);
     let (x, w, idx) = upload(s_, &me)?;
@@ -177,7 +175,16 @@ pub(super) fn run_case(
     for (i, op) in ops.iter_mut().enumerate() {
         op.network_bytes = (0..world).map(|r| all[r * net.len() + i]).collect();
     }
-    Ok((ops, check, None))
+    let memory = Memory {
+        moe_ep: moe_ep_memory(footprint, Some(handle.device_bytes())),
+        nccl_ep: None,
+    };
+    Ok(Outcome {
+        ops,
+        check,
+        nccl_ep_check: None,
+        memory: gather_memory(c, memory)?,
+    })
 }
 
 /// Times [`RailHop::exchange`] of `row` bytes per network row, the

@@ -38,8 +38,9 @@ use moe_ep::ops::{DeviceRegion, LlLayout};
 use moe_ep::reference::{LlDispatchOutput, LlTokens};
 use moe_ep::{bf16, Communicator};
 
-use super::{ffi, row_hash, same_bits, Desc, Inputs, Lib, MAX_HIDDEN, TIMEOUT_NS};
+use super::{ffi, measured, row_hash, same_bits, Desc, Inputs, Lib, MAX_HIDDEN, TIMEOUT_NS};
 use crate::cli::{ll_layout, Case};
+use crate::memory::NcclEpMemory;
 
 /// `NCCL_EP_LAYOUT_RANK_MAJOR` (LL only).
 const LAYOUT_RANK_MAJOR: c_int = 2;
@@ -159,6 +160,8 @@ pub struct Runner {
     handle: ffi::ncclEpHandle_t,
     spec: Spec,
     stream: Arc<CudaStream>,
+    /// What its group and handle took ([`crate::memory`]).
+    memory: NcclEpMemory,
     // Descriptors: ours (idx, x, w), then its buffers'.
     idx: Box<Desc>,
     x: Box<Desc>,
@@ -238,6 +241,7 @@ impl Runner {
             handle: std::ptr::null_mut(),
             spec,
             stream: stream.clone(),
+            memory: NcclEpMemory::default(),
             idx: at(inputs.topk_idx, ffi::NCCL_INT64, &[t, k]),
             x: at(inputs.x, ffi::NCCL_BFLOAT16, &[t, h]),
             w: at(inputs.w, ffi::NCCL_FLOAT32, &[t, k]),
@@ -292,9 +296,12 @@ impl Runner {
             num_topk: k as c_uint,
             padding_v2: [0; 4],
         };
-        // SAFETY: a valid config and out-pointer; raw is moe-ep's live communicator.
-        let rc = unsafe { (lib.create_group)(&mut r.group, raw, &cfg) };
-        lib.check("ncclEpCreateGroup (LL)", rc, raw)?;
+        let ((), taken) = measured(stream, || {
+            // SAFETY: a valid config and out-pointer; raw is moe-ep's live communicator.
+            let rc = unsafe { (lib.create_group)(&mut r.group, raw, &cfg) };
+            lib.check("ncclEpCreateGroup (LL)", rc, raw)
+        })?;
+        r.memory.group_measured = taken;
         let hcfg = ffi::HandleConfig {
             size: std::mem::size_of::<ffi::HandleConfig>() as c_uint,
             magic: ffi::MAGIC,
@@ -305,19 +312,23 @@ impl Runner {
         } else {
             ffi::LAYOUT_EXPERT_MAJOR
         };
-        // SAFETY: a live group, a valid config; collective (its buffers may
-        // be sized here).
-        let rc = unsafe {
-            (lib.init_handle)(
-                &mut r.handle,
-                r.group,
-                layout,
-                &hcfg,
-                k as c_int,
-                std::ptr::null(),
-            )
-        };
-        lib.check("ncclEpInitHandle (LL)", rc, raw)?;
+        r.memory.handle_queried = lib.handle_mem_size(r.group, layout, &hcfg, k);
+        let ((), taken) = measured(stream, || {
+            // SAFETY: a live group, a valid config; collective (its buffers
+            // may be sized here).
+            let rc = unsafe {
+                (lib.init_handle)(
+                    &mut r.handle,
+                    r.group,
+                    layout,
+                    &hcfg,
+                    k as c_int,
+                    std::ptr::null(),
+                )
+            };
+            lib.check("ncclEpInitHandle (LL)", rc, raw)
+        })?;
+        r.memory.init_handle_measured = taken;
         let st = r.stream.cu_stream() as ffi::cudaStream_t;
         // SAFETY: live handle, a descriptor of our routing; LL takes no layout info.
         let rc = unsafe { (lib.update_handle)(r.handle, r.idx.ptr(), std::ptr::null(), st) };
@@ -327,6 +338,11 @@ impl Runner {
 
     fn stream_ptr(&self) -> ffi::cudaStream_t {
         self.stream.cu_stream() as ffi::cudaStream_t
+    }
+
+    /// What its group and handle took on this rank ([`crate::memory`]).
+    pub fn memory(&self) -> NcclEpMemory {
+        self.memory
     }
 
     fn rank_major(&self) -> bool {
