@@ -251,13 +251,15 @@ impl Array {
 
 /// Reads `obj` as an array for argument `arg` of an op on `stream` (a raw
 /// handle, `0` the legacy default stream) of GPU `device`, with one of the
-/// dtypes `want`.
+/// dtypes `want`. Without a context (the CPU tests), a
+/// `__cuda_array_interface__` pointer is not looked up and its stream not
+/// waited for.
 pub(crate) fn import(
     obj: &Bound<'_, PyAny>,
     arg: &'static str,
     want: &[DType],
     device: usize,
-    ctx: &Arc<CudaContext>,
+    ctx: Option<&Arc<CudaContext>>,
     stream: u64,
 ) -> Res<Array> {
     let py = obj.py();
@@ -410,7 +412,7 @@ fn from_cai(
     arg: &'static str,
     want: &[DType],
     device: usize,
-    ctx: &Arc<CudaContext>,
+    ctx: Option<&Arc<CudaContext>>,
     stream: u64,
 ) -> Res<Array> {
     let bad = |what: &str| {
@@ -456,6 +458,15 @@ fn from_cai(
             check_contiguous(arg, &shape, &elems)?;
         }
     }
+    let Some(ctx) = ctx else {
+        return Ok(Array {
+            arg,
+            ptr,
+            shape,
+            dtype,
+            _keep: None,
+        });
+    };
     if ptr != 0 {
         let on = stream::device_of_pointer(ctx, ptr)
             .map_err(|e| value_err(arg, "CUDA device memory", e))?;
@@ -781,8 +792,8 @@ impl DeviceArray {
 }
 
 /// For the CPU tests: `obj` read as an argument of an op on GPU `device`
-/// (no GPU needed for the refusals, which come before any driver call),
-/// returning `(data_ptr, shape, dtype)`.
+/// (no GPU needed: without a context no driver call is made), returning
+/// `(data_ptr, shape, dtype)`.
 #[pyfunction]
 #[pyo3(signature = (obj, arg="x", dtypes=vec!["bfloat16".to_string()], device=0, shape=None))]
 pub(crate) fn _check_array(
@@ -799,34 +810,10 @@ pub(crate) fn _check_array(
             .iter()
             .map(|d| DType::from_name("dtypes", d))
             .collect::<Res<_>>()?;
-        let a = import_no_ctx(obj, arg, &want, device)?;
+        let a = import(obj, arg, &want, device, None, 0)?;
         if let Some(shape) = shape {
             a.expect_shape(&shape, "an array of the shape given")?;
         }
         Ok((a.ptr, a.shape.clone(), a.dtype.name()))
     })
-}
-
-/// [`import`] without a context: DLPack producers only (no pointer
-/// queries, no stream waits), for the CPU tests.
-fn import_no_ctx(
-    obj: &Bound<'_, PyAny>,
-    arg: &'static str,
-    want: &[DType],
-    device: usize,
-) -> Res<Array> {
-    let py = obj.py();
-    if let Ok(dev) = obj.call_method0(pyo3::intern!(py, "__dlpack_device__")) {
-        let (kind, id): (i32, i32) = dev.extract()?;
-        check_device(arg, kind, id, device)?;
-        return from_dlpack(obj, arg, want, device, 1);
-    }
-    Err(type_err(
-        arg,
-        "a CUDA array (an object with __dlpack__ or __cuda_array_interface__, e.g. a torch tensor)",
-        obj.get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_else(|_| "an object".into()),
-    ))
 }

@@ -122,11 +122,21 @@ fn make(py: Python<'_>, class: &str, msg: String, e: Option<&Error>) -> PyErr {
     made.unwrap_or_else(|_| PyRuntimeError::new_err(msg))
 }
 
+/// The error's message; where formatting it panics (a CUDA error's text
+/// comes from the driver, which cudarc loads with a panic where there is
+/// none), its code instead.
+fn message(e: &Error) -> String {
+    catch_unwind(AssertUnwindSafe(|| e.to_string())).unwrap_or_else(|_| match e {
+        Error::Cuda { context, source } => format!("CUDA error in {context}: {:?}", source.0),
+        other => format!("{other:?}"),
+    })
+}
+
 impl Fail {
     pub(crate) fn into_py(self, py: Python<'_>) -> PyErr {
         match self {
-            Fail::Ep(e) => make(py, class_of(&e), e.to_string(), Some(&e)),
-            Fail::Type(e) => make(py, "InvalidArgumentType", e.to_string(), Some(&e)),
+            Fail::Ep(e) => make(py, class_of(&e), message(&e), Some(&e)),
+            Fail::Type(e) => make(py, "InvalidArgumentType", message(&e), Some(&e)),
             Fail::Panic(what) => make(
                 py,
                 "InternalError",
@@ -148,11 +158,15 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
 /// Runs one binding with the GIL held: its failure becomes the Python
 /// exception, a panic an `InternalError`.
 pub(crate) fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> Res<T>) -> PyResult<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(e.into_py(py)),
-        Err(p) => Err(Fail::Panic(panic_text(p)).into_py(py)),
-    }
+    let r = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(Fail::Panic(panic_text(p))));
+    r.map_err(|e| {
+        catch_unwind(AssertUnwindSafe(|| e.into_py(py))).unwrap_or_else(|p| {
+            PyRuntimeError::new_err(format!(
+                "internal error in moe-ep (a panic while reporting an error, caught at the Python binding): {}",
+                panic_text(p)
+            ))
+        })
+    })
 }
 
 /// Runs `f` with the GIL released (the ops block on their peers: virtual
@@ -208,6 +222,12 @@ pub(crate) fn _raise_for_tests(py: Python<'_>, kind: &str) -> PyResult<()> {
             "NotEnoughGpus" => Error::NotEnoughGpus {
                 needed: 2,
                 found: 1,
+            },
+            "Cuda" => Error::Cuda {
+                context: "cuMemAlloc",
+                source: moe_ep::cuda::DriverError(
+                    moe_ep::cuda::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                ),
             },
             "NcclLibrary" => Error::NcclLibrary("a test".into()),
             "NcclVersion" => Error::NcclVersion {

@@ -284,7 +284,7 @@ impl Group {
         want: &[DType],
         stream: u64,
     ) -> Res<Array> {
-        import(obj, arg, want, self.ctx.ordinal(), &self.ctx, stream)
+        import(obj, arg, want, self.ctx.ordinal(), Some(&self.ctx), stream)
     }
     pub(crate) fn import_opt(
         &self,

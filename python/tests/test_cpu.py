@@ -1,0 +1,328 @@
+"""CPU tests of the Python package: no GPU, no driver, no torch needed.
+
+Arrays come from a tiny DLPack producer written with ctypes (and a
+``__cuda_array_interface__`` dict), so that every refusal of the binding's
+argument checks is exercised without device memory: host memory, another GPU,
+the wrong dtype, strides, the wrong shape, not an array at all. The error
+mapping is checked kind by kind, a panic included; without a driver the ops
+raise ``NoDriver``.
+
+Run: ``python3 -m unittest discover -s python/tests -p 'test_cpu.py'`` (or
+pytest) with the package importable (the built wheel installed, or on
+PYTHONPATH).
+"""
+
+import ctypes
+import importlib.util
+import os
+import unittest
+
+import moe_ep
+from moe_ep import _moe_ep as core
+
+# ---- a tiny DLPack producer -------------------------------------------------
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+DTYPES = {
+    "bfloat16": (4, 16),
+    "float32": (2, 32),
+    "int32": (0, 32),
+    "int64": (0, 64),
+    "uint8": (1, 8),
+    "float16": (2, 16),
+}
+
+# A device address that is never dereferenced: the checks come first.
+FAKE_PTR = 0x7F00_0000_0000
+
+
+class FakeArray:
+    """A DLPack producer of a made-up array: nothing is ever read from it."""
+
+    def __init__(self, shape, dtype="bfloat16", device=(2, 0), strides=None, ptr=FAKE_PTR, offset=0):
+        self.device = device
+        self._shape = (ctypes.c_int64 * len(shape))(*shape)
+        self._strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
+        code, bits = DTYPES[dtype]
+        self._m = DLManagedTensor()
+        t = self._m.dl_tensor
+        t.data = ptr
+        t.device = DLDevice(*device)
+        t.ndim = len(shape)
+        t.dtype = DLDataType(code, bits, 1)
+        t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
+        if self._strides is not None:
+            t.strides = ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = offset
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        # No deleter: the consumer must not consume (it does not).
+        return _capsule_new(ctypes.addressof(self._m), b"dltensor", None)
+
+
+class FakeCai:
+    """A made-up ``__cuda_array_interface__`` producer."""
+
+    def __init__(self, shape, typestr="<f4", strides=None, ptr=FAKE_PTR):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": strides,
+            "version": 3,
+        }
+
+
+def check(obj, arg="x", dtypes=("bfloat16",), shape=None, device=0):
+    return core._check_array(obj, arg, list(dtypes), device, shape)
+
+
+class ArgumentChecks(unittest.TestCase):
+    def test_a_contiguous_cuda_array_is_read_as_it_is(self):
+        a = FakeArray((4, 16))
+        ptr, shape, dtype = check(a, shape=[4, 16])
+        self.assertEqual((ptr, shape, dtype), (FAKE_PTR, [4, 16], "bfloat16"))
+        # The consumer names its stream (1: the legacy default stream).
+        self.assertEqual(a.streams, [1])
+
+    def test_byte_offset_is_added(self):
+        ptr, _, _ = check(FakeArray((2, 8), offset=64))
+        self.assertEqual(ptr, FAKE_PTR + 64)
+
+    def test_host_memory_is_refused_naming_the_argument(self):
+        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+            check(FakeArray((4, 16), device=(1, 0)), arg="topk_weights", dtypes=("float32",))
+        e = cm.exception
+        self.assertIsInstance(e, ValueError)
+        self.assertEqual(e.arg, "topk_weights")
+        self.assertIn("`topk_weights`", str(e))
+        self.assertIn("host memory", str(e))
+
+    def test_pinned_and_managed_memory_are_refused(self):
+        for dev, what in [((3, 0), "pinned host memory"), ((13, 0), "managed memory")]:
+            with self.assertRaises(moe_ep.InvalidArgument) as cm:
+                check(FakeArray((4, 16), device=dev))
+            self.assertIn(what, str(cm.exception))
+
+    def test_another_gpu_is_refused(self):
+        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+            check(FakeArray((4, 16), device=(2, 1)), device=0)
+        self.assertIn("GPU 1", str(cm.exception))
+        self.assertIn("GPU 0", str(cm.exception))
+
+    def test_wrong_dtype_is_a_type_error_naming_the_argument(self):
+        with self.assertRaises(TypeError) as cm:
+            check(FakeArray((4, 16), dtype="float32"), arg="x")
+        e = cm.exception
+        self.assertIsInstance(e, moe_ep.InvalidArgumentType)
+        self.assertIsInstance(e, moe_ep.InvalidArgument)
+        self.assertEqual(e.arg, "x")
+        self.assertIn("bfloat16", str(e))
+        self.assertIn("float32", str(e))
+        with self.assertRaises(TypeError) as cm:
+            check(FakeArray((4, 2), dtype="float16"), arg="topk_idx", dtypes=("int64", "int32"))
+        self.assertIn("int64 or int32", str(cm.exception))
+
+    def test_non_contiguous_is_refused(self):
+        # A transposed [16, 4] view: strides (1, 16).
+        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+            check(FakeArray((16, 4), strides=(1, 16)))
+        self.assertIn("C-contiguous", str(cm.exception))
+        # Every other row.
+        with self.assertRaises(moe_ep.InvalidArgument):
+            check(FakeArray((4, 16), strides=(32, 1)))
+
+    def test_strides_of_extent_one_and_explicit_compact_strides_are_fine(self):
+        check(FakeArray((1, 16), strides=(999, 1)))
+        check(FakeArray((4, 16), strides=(16, 1)))
+        check(FakeArray((0, 16), strides=(5, 7)))
+
+    def test_wrong_shape_is_refused(self):
+        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+            check(FakeArray((4, 16)), shape=[4, 32])
+        self.assertIn("[4, 16]", str(cm.exception))
+        with self.assertRaises(moe_ep.InvalidArgument):
+            check(FakeArray((64,)), shape=[4, 16])
+        check(FakeArray((4, 16)), shape=[None, 16])
+
+    def test_not_an_array_is_a_type_error(self):
+        for obj in ([1, 2, 3], None, "x", 3.0):
+            with self.assertRaises(TypeError) as cm:
+                check(obj, arg="expert_out")
+            self.assertIn("`expert_out`", str(cm.exception))
+            self.assertIn("__dlpack__", str(cm.exception))
+
+    def test_cuda_array_interface(self):
+        ptr, shape, dtype = check(FakeCai((4, 8), "<i8"), dtypes=("int64", "int32"))
+        self.assertEqual((ptr, shape, dtype), (FAKE_PTR, [4, 8], "int64"))
+        with self.assertRaises(moe_ep.InvalidArgument):
+            check(FakeCai((4, 8), "<f4", strides=(4, 32)), dtypes=("float32",))
+        with self.assertRaises(TypeError) as cm:
+            check(FakeCai((4, 8), "<f2"))
+        self.assertIn("DLPack", str(cm.exception))
+
+    @unittest.skipUnless(importlib.util.find_spec("numpy"), "numpy not installed")
+    def test_numpy_host_arrays_are_refused(self):
+        import numpy as np
+
+        for a in (np.zeros((4, 16), np.float32), np.zeros((4, 2), np.int64)):
+            with self.assertRaises(moe_ep.InvalidArgument) as cm:
+                check(a, arg="topk_weights", dtypes=("float32", "int64"))
+            self.assertIn("host memory", str(cm.exception))
+
+
+KINDS = {
+    "InvalidArgument": (moe_ep.InvalidArgument, ValueError, "invalid argument `x`"),
+    "NotSymmetric": (moe_ep.NotSymmetric, ValueError, "`recv_tokens` is not symmetric memory"),
+    "CapacityExceeded": (moe_ep.CapacityExceeded, moe_ep.MoeEpError, "capacity exceeded"),
+    "PeerTimeout": (moe_ep.PeerTimeout, TimeoutError, "rank 1 never arrived"),
+    "PeerFailed": (moe_ep.PeerFailed, moe_ep.MoeEpError, "rank 2 failed its part"),
+    "CollectiveFailed": (moe_ep.CollectiveFailed, moe_ep.MoeEpError, "host collective `barrier`"),
+    "InvalidDeviceData": (moe_ep.InvalidDeviceData, ValueError, "invalid device data in `topk_idx`"),
+    "NoDriver": (moe_ep.NoDriver, moe_ep.MoeEpError, "no CUDA driver"),
+    "NotEnoughGpus": (moe_ep.NotEnoughGpus, moe_ep.MoeEpError, "need 2, found 1"),
+    "Cuda": (moe_ep.CudaError, moe_ep.MoeEpError, "CUDA error in cuMemAlloc"),
+    "NcclLibrary": (moe_ep.NcclLibraryError, moe_ep.MoeEpError, "NCCL library"),
+    "NcclVersion": (moe_ep.NcclVersionError, moe_ep.MoeEpError, "older than the headers"),
+    "Nccl": (moe_ep.NcclError, moe_ep.MoeEpError, "NCCL error in ncclCommInitRank"),
+    "Module": (moe_ep.ModuleError, moe_ep.MoeEpError, "kernel module `dispatch`"),
+    "InvalidState": (moe_ep.InvalidState, moe_ep.MoeEpError, "invalid state"),
+    "Io": (moe_ep.IoError, OSError, "I/O error"),
+}
+
+
+class ErrorsMapped(unittest.TestCase):
+    def test_every_kind_has_its_class_and_the_rust_message(self):
+        for kind, (cls, base, text) in KINDS.items():
+            with self.subTest(kind=kind):
+                with self.assertRaises(cls) as cm:
+                    core._raise_for_tests(kind)
+                e = cm.exception
+                self.assertIsInstance(e, base)
+                self.assertIsInstance(e, moe_ep.MoeEpError)
+                self.assertIn(text, str(e))
+
+    def test_fields_are_attributes(self):
+        with self.assertRaises(moe_ep.PeerFailed) as cm:
+            core._raise_for_tests("PeerFailed")
+        self.assertEqual((cm.exception.peer, cm.exception.arg), (2, "x"))
+        with self.assertRaises(moe_ep.PeerTimeout) as cm:
+            core._raise_for_tests("PeerTimeout")
+        self.assertEqual((cm.exception.rank, cm.exception.peer), (0, 1))
+
+    def test_a_panic_never_crosses_into_python(self):
+        with self.assertRaises(moe_ep.InternalError) as cm:
+            core._raise_for_tests("Panic")
+        self.assertIsInstance(cm.exception, RuntimeError)
+        self.assertIn("a test panic", str(cm.exception))
+
+    def test_every_class_is_exported(self):
+        for name in moe_ep.errors.__all__:
+            self.assertTrue(issubclass(getattr(moe_ep, name), moe_ep.MoeEpError), name)
+
+
+def _driver_present():
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            pass
+    return False
+
+
+class WithoutDriver(unittest.TestCase):
+    @unittest.skipIf(_driver_present(), "a CUDA driver is installed")
+    def test_ops_raise_no_driver(self):
+        with self.assertRaises(moe_ep.NoDriver) as cm:
+            moe_ep.device_count()
+        self.assertIn("no CUDA driver", str(cm.exception))
+        with self.assertRaises(moe_ep.NoDriver):
+            moe_ep.virtual_world(2)
+        with self.assertRaises(moe_ep.NoDriver):
+            moe_ep.Communicator.init(0, bytes(128), 0, 1)
+
+    def test_arguments_are_checked_before_the_driver(self):
+        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+            moe_ep.Communicator.init(0, b"short", 0, 1)
+        self.assertEqual(cm.exception.arg, "unique_id")
+        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+            moe_ep.virtual_world(2, timeout=-1.0)
+        self.assertEqual(cm.exception.arg, "timeout")
+
+    @unittest.skipIf(importlib.util.find_spec("torch"), "torch is installed")
+    def test_without_torch_a_stream_must_be_named(self):
+        from moe_ep import _api
+
+        with self.assertRaises(TypeError) as cm:
+            _api._stream(None, 0)
+        self.assertIn("`stream`", str(cm.exception))
+        self.assertEqual(_api._stream(7, 0), 7)
+
+        class S:
+            cuda_stream = 9
+
+        self.assertEqual(_api._stream(S(), 0), 9)
+        with self.assertRaises(TypeError):
+            _api._stream("a stream", 0)
+
+
+class Package(unittest.TestCase):
+    def test_the_extension_is_the_abi3_module_of_the_package(self):
+        self.assertEqual(core.__name__, "moe_ep._moe_ep")
+        self.assertTrue(core.__file__.endswith(".abi3.so"), core.__file__)
+        self.assertEqual(os.path.dirname(core.__file__), os.path.dirname(moe_ep.__file__))
+        self.assertRegex(moe_ep.__version__, r"^\d+\.\d+\.\d+")
+        self.assertRegex(moe_ep.NCCL_HEADERS_VERSION, r"^2\.\d+\.\d+$")
+
+    def test_the_torch_allocator_symbols_are_exported(self):
+        lib = ctypes.CDLL(core.__file__)
+        for name in ("moe_ep_torch_alloc", "moe_ep_torch_free"):
+            self.assertTrue(hasattr(lib, name), name)
+        # Without a group set on this thread an allocation is refused (NULL).
+        alloc = lib.moe_ep_torch_alloc
+        alloc.restype = ctypes.c_void_p
+        alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        self.assertIsNone(alloc(1024, 0, None))
+        self.assertEqual(core._torch_allocations(), 0)
+
+    def test_device_arrays_cannot_be_made_from_python(self):
+        with self.assertRaises(TypeError):
+            moe_ep.DeviceArray()
+
+
+if __name__ == "__main__":
+    unittest.main()
