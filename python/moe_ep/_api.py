@@ -511,7 +511,11 @@ def virtual_world(world, *, device=0, timeout=None):
 def run_virtual(world, fn, *, device=0, timeout=None):
     """Runs ``fn(comm)`` for each of ``world`` virtual ranks on GPU ``device``,
     each on its own thread and its own torch stream (made one after another,
-    in rank order), and returns their results in rank order. Where ranks
+    in rank order), and returns their results in rank order. Each thread runs
+    its autograd backward passes itself
+    (``torch.autograd.set_multithreading_enabled(False)``): by default torch
+    runs every backward of a GPU on one engine thread, where the ranks'
+    collective backward ops would wait for each other forever. Where ranks
     raise, the first rank's exception is raised (the others are attached as
     ``exc.rank_errors``)."""
     comms = virtual_world(world, device=device, timeout=timeout)
@@ -526,7 +530,9 @@ def run_virtual(world, fn, *, device=0, timeout=None):
         try:
             if _torch is not None:
                 _torch.cuda.set_device(device)
-                with _torch.cuda.stream(streams[r]):
+                # Backward passes on this thread, not the engine's one thread
+                # per GPU: the ranks' collective backward ops must run at once.
+                with _torch.cuda.stream(streams[r]), _torch.autograd.set_multithreading_enabled(False):
                     results[r] = fn(comms[r])
                     streams[r].synchronize()
             else:
