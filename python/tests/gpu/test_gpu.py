@@ -14,8 +14,9 @@ thread and one torch stream each.
 - Zero copy: results alias the symmetric pool (``data_ptr()`` is the pool
   buffer's; ``out=`` tensors from ``symm_empty`` and from a ``MemPool`` over
   the pool are written in place).
-- CUDA graphs: a high-throughput step and a low-latency step captured once
-  with ``torch.cuda.graph`` and replayed with new inputs.
+- CUDA graphs: a high-throughput step (dispatch and combine) and a
+  low-latency step captured once (``CUDAGraph.capture_begin`` in thread-local
+  mode, every rank idle first) and replayed with new inputs.
 - Autograd: the example's MoE layer, forward and backward, against torch's
   own computation of the same dense layer.
 - A group from a ``torch.distributed`` process group (gloo, world 1).
@@ -270,10 +271,14 @@ class HighThroughput(unittest.TestCase):
                     group.check()
                     group.allow_graph_capture()
                     g = torch.cuda.CUDAGraph()
-                    s = torch.cuda.current_stream()
-                    with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-                        d = group.dispatch(h, x, w, out=(recv, recv_w))
-                        group.combine(h, d.tokens, out=out)
+                    # Every rank idle before any rank captures (a device-wide
+                    # synchronisation must not meet a sibling's capture).
+                    torch.cuda.synchronize()
+                    barrier.wait()
+                    g.capture_begin(capture_error_mode="thread_local")
+                    d = group.dispatch(h, x, w, out=(recv, recv_w))
+                    group.combine(h, d.tokens, out=out)
+                    g.capture_end()
                     # Instantiation may wait for the whole GPU: every rank
                     # instantiates before any rank's replay waits for the others.
                     barrier.wait()
@@ -416,10 +421,12 @@ class LowLatency(unittest.TestCase):
                     group.check()
                     group.allow_graph_capture()
                     g = torch.cuda.CUDAGraph()
-                    s = torch.cuda.current_stream()
-                    with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
-                        b = group.ll_dispatch(x, idx, w)
-                        group.ll_combine(b, b.tokens, out=out)
+                    torch.cuda.synchronize()
+                    barrier.wait()
+                    g.capture_begin(capture_error_mode="thread_local")
+                    b = group.ll_dispatch(x, idx, w)
+                    group.ll_combine(b, b.tokens, out=out)
+                    g.capture_end()
                     barrier.wait()
                     for replay in range(5):
                         nx, nidx, nw = inputs(r, world, seed=31 + replay, experts_per_rank=el)
