@@ -6,10 +6,17 @@
 use std::time::{Duration, Instant};
 
 use moe_ep::cuda::result::mem_get_info;
+use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
+use moe_ep::reference::{self as refr, Shape};
 use moe_ep::symm::{SymmBuffer, SymmPool, SEGMENT_GRANULE};
 use moe_ep::testkit::copy::{fill_pattern, pattern_mismatches};
-use moe_ep::testkit::ranks::{ensure, gpus_or_skip, run_worlds, Ranks};
-use moe_ep::{Communicator, Error};
+use moe_ep::testkit::ranks::{ensure, gpus_or_skip, run_ranks, run_worlds, Ranks, World};
+use moe_ep::testkit::workload::{self, Routing};
+use moe_ep::{bf16, Communicator, EpGroup, Error, RecvLayout, UniqueId};
+
+#[path = "common/device.rs"]
+mod device;
+use device::{bits, down, first_diff, up};
 
 const SEG: usize = 64 << 20;
 
@@ -72,7 +79,7 @@ fn pool_offsets_peer_writes_and_is_symm_backed() {
             .stream
             .alloc_zeros::<u32>(1024)
             .map_err(Error::cuda("alloc"))?;
-        let plain_ptr = moe_ep::ops::DeviceRegion::device_ptr(&plain);
+        let plain_ptr = DeviceRegion::device_ptr(&plain);
         ensure(!pool.is_symm_backed(plain_ptr, 4096), || {
             "cudaMalloc buffer reported symmetric".into()
         })?;
@@ -178,7 +185,7 @@ fn wrapped_caller_buffer_is_symmetric() {
             .stream
             .alloc_zeros::<u32>(n)
             .map_err(Error::cuda("alloc"))?;
-        let plain_ptr = moe_ep::ops::DeviceRegion::device_ptr(&plain);
+        let plain_ptr = DeviceRegion::device_ptr(&plain);
         // (window, allocation) to deregister and free at the end (GPUs).
         let mut registered = None;
         let wrapped: SymmBuffer<u32> = match r.ranks {
@@ -249,6 +256,239 @@ fn wrapped_caller_buffer_is_symmetric() {
             }
         }
         drop(plain);
+        Ok(())
+    });
+}
+
+/// `bytes` of `ncclMemAlloc` memory registered as a symmetric window of
+/// `comm` (collective): (window, address). Undo with [`unregister`].
+fn register(
+    comm: &Communicator,
+    bytes: usize,
+) -> moe_ep::Result<(moe_ep::sys::nccl::ncclWindow_t, u64)> {
+    use moe_ep::runtime::nccl_call as nc;
+    let raw = comm.raw().expect("an NCCL communicator");
+    let ptr = nc::mem_alloc(bytes)?;
+    // SAFETY: a fresh ncclMemAlloc of `bytes`, registered collectively;
+    // deregistered and freed by `unregister`.
+    let win = unsafe {
+        nc::window_register(raw, ptr, bytes, moe_ep::sys::nccl::NCCL_WIN_COLL_SYMMETRIC)?
+    };
+    Ok((win, ptr as u64))
+}
+
+/// Deregisters (collective) and frees what [`register`] made.
+fn unregister(
+    comm: &Communicator,
+    (win, ptr): (moe_ep::sys::nccl::ncclWindow_t, u64),
+) -> moe_ep::Result<()> {
+    use moe_ep::runtime::nccl_call as nc;
+    let raw = comm.raw().expect("an NCCL communicator");
+    // SAFETY: registered by `register`; nothing maps it any more.
+    unsafe {
+        nc::window_deregister(raw, win)?;
+        nc::mem_free(ptr as *mut std::ffi::c_void)?;
+    }
+    Ok(())
+}
+
+/// The zero copy of a runtime that owns its payload memory: a window the
+/// caller registered itself (one GPU per rank; on virtual ranks its own
+/// device allocation, wrapped with `wrap_device`), wrapped in the group's
+/// pool, and a range of it at a byte offset used as dispatch's
+/// `recv_tokens` (written in place: the reference's rows there, the bytes
+/// before it untouched) and then, as the identity experts' outputs, as
+/// combine's `expert_out` (read in place over NVLink: the reference's
+/// emulation bit for bit).
+#[test]
+fn caller_window_at_an_offset_as_recv_tokens_and_expert_out() {
+    let (tokens, hidden, topk, experts) = (128usize, 1024usize, 4usize, 32usize);
+    run_worlds(
+        "caller_window_at_an_offset_as_recv_tokens_and_expert_out",
+        2,
+        |r| {
+            let shape = Shape {
+                num_ranks: r.world,
+                num_experts: experts,
+                hidden,
+                topk,
+            };
+            let inputs =
+                workload::rank_inputs(29, &shape, &vec![tokens; r.world], Routing::Uniform);
+            let layout = RecvLayout::RankMajor;
+            let want = refr::dispatch(&shape, &inputs, r.rank, layout)?;
+            let group = EpGroup::new(&r.comm, r.config(experts, hidden, tokens)?)?;
+            let cap = group.recv_capacity();
+            let s = &r.stream;
+            // The payload starts 3 rows and 64 elements (128 bytes) into
+            // the window, which ends one row after it (4 KiB multiple).
+            let off = 3 * hidden + 64;
+            let elems = (off + cap * hidden + hidden).next_multiple_of(2048);
+            let bytes = elems * 2;
+            let mut plain = None;
+            let mut registered = None;
+            let mut window: SymmBuffer<bf16> = match r.ranks {
+                Ranks::Gpus => {
+                    let (win, ptr) = register(&r.comm, bytes)?;
+                    registered = Some((win, ptr));
+                    // SAFETY: registered above over `bytes` at `ptr`;
+                    // deregistered at the end, after the group is gone.
+                    unsafe { group.pool().wrap_window(win, ptr, bytes)? }
+                }
+                Ranks::Virtual => {
+                    let b = s.alloc_zeros::<bf16>(elems).map_err(Error::cuda("alloc"))?;
+                    let ptr = DeviceRegion::device_ptr(&b);
+                    plain = Some(b);
+                    // SAFETY: `plain` outlives the group (dropped after it).
+                    unsafe { group.pool().wrap_device(ptr, bytes)? }
+                }
+            };
+            let filler = bf16::from_bits(0x7f7f);
+            window.copy_from_host(s, &vec![filler; elems])?;
+            r.comm.barrier(s)?;
+            let me = &inputs[r.rank];
+            let (x, w, idx) = (
+                up(s, &me.tokens)?,
+                up(s, &me.topk_weights)?,
+                up(s, &me.topk_idx)?,
+            );
+            let handle = group.layout(s, TopkIdx::I64(&idx), topk, layout)?;
+            let range = off..off + cap * hidden;
+            {
+                let mut recv = window.view_mut(range.clone())?;
+                let at = DeviceRegion::device_ptr(&recv);
+                let got = group.dispatch(
+                    s,
+                    &handle,
+                    &x,
+                    &w,
+                    DispatchOut {
+                        recv_tokens: Some(&mut recv),
+                        recv_topk_weights: None,
+                    },
+                )?;
+                ensure(
+                    got.tokens.is_callers() && got.tokens.device_ptr() == at,
+                    || "recv_tokens at the window's offset not used in place".into(),
+                )?;
+            }
+            let all = down(s, &window, elems)?;
+            first_diff(
+                "rows at the window's offset",
+                &bits(&all[off..off + want.num_rows * hidden]),
+                &bits(&want.tokens),
+            )?;
+            ensure(
+                all[..off].iter().all(|v| v.to_bits() == filler.to_bits()),
+                || "bytes before the offset written".into(),
+            )?;
+            // Identity experts: the received rows, in place, are the expert
+            // outputs; combine pulls them from every rank's window.
+            let mut out = s
+                .alloc_zeros::<bf16>(tokens * hidden)
+                .map_err(Error::cuda("alloc"))?;
+            {
+                let y = window.view(range)?;
+                group.combine(s, &handle, &y, None, &mut out)?;
+            }
+            let outs: Vec<Vec<bf16>> = (0..r.world)
+                .map(|d| refr::dispatch(&shape, &inputs, d, layout).map(|o| o.tokens))
+                .collect::<moe_ep::Result<_>>()?;
+            let emu = refr::combine_emulated(&shape, &inputs, &outs, r.rank, layout, false)?;
+            first_diff(
+                "combine of the window's rows",
+                &bits(&down(s, &out, tokens * hidden)?),
+                &bits(&emu),
+            )?;
+            group.check()?;
+            r.comm.barrier(s)?;
+            drop(handle);
+            drop(window);
+            drop(group);
+            if let Some(reg) = registered {
+                unregister(&r.comm, reg)?;
+            }
+            drop(plain);
+            Ok(())
+        },
+    );
+}
+
+/// A window registered on another communicator (the same GPUs, the ranks
+/// in reverse order) is refused on every rank naming `window`; the same
+/// window wrapped by a pool of its own communicator is accepted, and so is
+/// a window of this communicator after the refusal.
+/// Needs 2 GPUs (a virtual rank has no window: refused by name, tested in
+/// `wrapped_caller_buffer_is_symmetric`).
+#[test]
+fn window_of_another_communicator_is_refused() {
+    let test = "window_of_another_communicator_is_refused";
+    let Some(gpus) = gpus_or_skip(test, 2) else {
+        return;
+    };
+    eprintln!("{test}:");
+    let world = World {
+        size: gpus,
+        ranks: Ranks::Gpus,
+    };
+    run_ranks(world, |r| {
+        let s = &r.stream;
+        // Rank 0's id for the second communicator, through the first.
+        let mine = match r.rank {
+            0 => UniqueId::generate()?.to_bytes(),
+            _ => [0u8; 128],
+        };
+        let all = r.comm.all_gather_host(s, &mine)?;
+        let mut id = [0u8; 128];
+        id.copy_from_slice(&all[..128]);
+        let other = Communicator::init(
+            &r.ctx,
+            &UniqueId::from_bytes(id),
+            r.world - 1 - r.rank,
+            r.world,
+        )?;
+        let bytes = 4 << 20;
+        let theirs = register(&other, bytes)?;
+        let pool = SymmPool::new(&r.comm, SEG);
+        // SAFETY: a live window; refused before anything keeps it.
+        match unsafe { pool.wrap_window::<u8>(theirs.0, theirs.1, bytes) } {
+            Err(Error::InvalidArgument {
+                arg: "window", got, ..
+            }) if got.contains("another communicator") => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "rank {}: a window of another communicator: {:?}",
+                    r.rank,
+                    other.map(|b| b.len())
+                )))
+            }
+        }
+        // Its own communicator's pool takes it.
+        let own_pool = SymmPool::new(&other, SEG);
+        // SAFETY: a live window of `other` at its own base; the pool goes
+        // before the window is deregistered.
+        let ok = unsafe { own_pool.wrap_window::<u8>(theirs.0, theirs.1, bytes)? };
+        ensure(own_pool.is_symm_backed(ok.device_ptr(), bytes), || {
+            "the window not symmetric in its own communicator's pool".into()
+        })?;
+        drop(ok);
+        drop(own_pool);
+        // A window of this communicator.
+        let ours = register(&r.comm, bytes)?;
+        // Nothing was registered by the refusal: a good window after it
+        // is symmetric (the collective contract held).
+        // SAFETY: a live window of this communicator at its base; the pool
+        // goes before the window is deregistered.
+        let good = unsafe { pool.wrap_window::<u8>(ours.0, ours.1, bytes)? };
+        ensure(pool.is_symm_backed(good.device_ptr(), bytes), || {
+            "a window of this communicator not symmetric after the refusals".into()
+        })?;
+        r.comm.barrier(s)?;
+        drop(good);
+        drop(pool);
+        unregister(&r.comm, ours)?;
+        unregister(&other, theirs)?;
+        drop(other);
         Ok(())
     });
 }

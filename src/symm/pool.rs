@@ -130,7 +130,12 @@ impl SymmPool {
     }
 
     /// Registers a window the caller created as part of this pool (for
-    /// `is_symm_backed`) and returns a buffer over all of it.
+    /// `is_symm_backed`) and returns a buffer over all of it. Collective
+    /// ([`Segment::wrap`]: every rank, same order); a window that is not
+    /// one of this pool's communicator is refused on every rank naming
+    /// `window` (what is checked: [`Segment::wrap`]). The pool keeps the
+    /// registration until it is dropped, so the window must stay
+    /// registered as long as the pool lives.
     ///
     /// # Safety
     /// As [`Segment::wrap`]; `size` must be a multiple of `size_of::<T>()`.

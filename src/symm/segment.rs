@@ -174,17 +174,34 @@ impl Segment {
             peers: vec![],
         };
         seg.peers = seg.resolve_peers(win)?;
+        // Our own mapping is the allocation itself.
+        seg.peers[comm.rank()] = seg.base;
         let seg = Arc::new(seg);
         register(&seg);
         Ok(seg)
     }
 
     /// Wraps a window the caller registered (with `NCCL_WIN_COLL_SYMMETRIC`)
-    /// over `size` bytes at `base`. The caller keeps ownership.
+    /// over `size` bytes at `base`. The caller keeps ownership. Collective:
+    /// every rank wraps its own copy of the same window, in the same order
+    /// (one host all-gather of the communicator).
+    ///
+    /// Checked, on every rank, and refused on every rank naming `window`
+    /// and the ranks that failed: a window, base and size given (not null
+    /// or empty), the same size on every rank, and a window of `comm`:
+    /// its copy of this rank (as the window maps it for this rank's number
+    /// in `comm`) is the physical memory at `base` (the same cuMem
+    /// allocation), which a window of another communicator, where this
+    /// process has another rank or none, or a window over other memory
+    /// than `base`, is not. Not told apart: a window of another
+    /// communicator over the same processes with the same rank numbers
+    /// (it maps the same memory for every rank, and works), and a `base`
+    /// elsewhere in the window's own allocation.
     ///
     /// # Safety
-    /// `win` must be a live symmetric window of `comm` covering exactly
-    /// `[base, base + size)`, alive as long as the returned segment.
+    /// `win` must be a live symmetric window (of any communicator: the
+    /// check above only reads it) whose copy here starts at `base` and
+    /// holds `size` bytes, alive as long as the returned segment.
     pub unsafe fn wrap(
         comm: &Arc<Communicator>,
         win: ncclWindow_t,
@@ -198,22 +215,68 @@ impl Segment {
                 "a window given to a virtual rank",
             ));
         }
-        if win.is_null() || base == 0 || size == 0 {
-            return Err(Error::arg(
-                "window",
-                "a live window with a non-null base and a size > 0",
-                "null or empty",
-            ));
-        }
         let mut seg = Segment {
             comm: comm.clone(),
-            id: comm.next_window_id(),
+            id: 0,
             base,
             size,
             backing: Backing::Window { win, owned: false },
             peers: vec![],
         };
-        seg.peers = seg.resolve_peers(win)?;
+        // This rank's verdict (an empty string: fine), then every rank's.
+        let mine: std::result::Result<Vec<u64>, String> = if win.is_null() || base == 0 || size == 0
+        {
+            Err("a null or empty window (window, base or size)".into())
+        } else {
+            // SAFETY: a live window (the caller's contract).
+            match seg.resolve_peers(win) {
+                Err(e) => Err(format!("its peers could not be resolved ({e})")),
+                Ok(peers) => match same_memory(peers[comm.rank()], base) {
+                    Ok(()) => Ok(peers),
+                    Err(why) => Err(why),
+                },
+            }
+        };
+        let code = match &mine {
+            Ok(_) => 0u64,
+            Err(_) => 1,
+        };
+        let stream = comm
+            .context()
+            .new_stream()
+            .map_err(Error::cuda("cuStreamCreate"))?;
+        let all = comm.all_gather_host(&stream, &[code, size as u64])?;
+        let bad: Vec<usize> = (0..comm.world()).filter(|&r| all[2 * r] != 0).collect();
+        if !bad.is_empty() {
+            let ranks: Vec<String> = bad.iter().map(|r| r.to_string()).collect();
+            let here = match &mine {
+                Err(why) => format!("; here (rank {}): {why}", comm.rank()),
+                Ok(_) => String::new(),
+            };
+            return Err(Error::arg(
+                "window",
+                "on every rank, a live symmetric window of this communicator whose copy here starts at `base`",
+                format!(
+                    "not on rank(s) {}{here} (a window registered on another communicator, or over other memory than `base`)",
+                    ranks.join(", ")
+                ),
+            ));
+        }
+        if let Some(r) = (0..comm.world()).find(|&r| all[2 * r + 1] != size as u64) {
+            return Err(Error::arg(
+                "window",
+                format!(
+                    "{size} bytes on every rank (the size rank {} gave)",
+                    comm.rank()
+                ),
+                format!("{} bytes on rank {r}", all[2 * r + 1]),
+            ));
+        }
+        let mut peers = mine.expect("checked on every rank");
+        // Our own mapping is the allocation itself.
+        peers[comm.rank()] = base;
+        seg.peers = peers;
+        seg.id = comm.next_window_id();
         let seg = Arc::new(seg);
         register(&seg);
         Ok(seg)
@@ -269,6 +332,9 @@ impl Segment {
         Ok(seg)
     }
 
+    /// Every rank's copy of `win` as mapped here, this rank's included (the
+    /// window's own mapping of it, which need not be the caller's address);
+    /// 0 where not load/store reachable.
     fn resolve_peers(&self, win: ncclWindow_t) -> Result<Vec<u64>> {
         let world = self.comm.world();
         let mut peers = vec![0u64; world];
@@ -333,8 +399,6 @@ impl Segment {
                 peers[r] = host[r];
             }
         }
-        // Our own mapping is the allocation itself.
-        peers[self.comm.rank()] = self.base;
         Ok(peers)
     }
 
@@ -371,6 +435,47 @@ impl Segment {
             && ptr
                 .checked_add(len as u64)
                 .is_some_and(|end| end <= self.base + self.size as u64)
+    }
+}
+
+/// `Ok` when device addresses `mapped` and `base` are the same address or
+/// lie in the same physical memory: the same cuMem allocation (the handle
+/// `cuMemRetainAllocationHandle` gives for an address is the one its
+/// memory was mapped with, and NCCL maps a rank's own copy of a window
+/// with the handle of the caller's allocation); else why not. A symmetric
+/// window's memory is cuMem memory (`ncclMemAlloc` or the cuMem calls).
+/// Where in the allocation is not compared (the ranges the driver reports
+/// for NCCL's mappings are not documented).
+fn same_memory(mapped: u64, base: u64) -> std::result::Result<(), String> {
+    use cudarc::driver::sys::{self, CUresult};
+    if mapped == base {
+        return Ok(());
+    }
+    if mapped == 0 {
+        return Err("the window has no copy for this rank's number".into());
+    }
+    let handle = |p: u64| -> std::result::Result<u64, CUresult> {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: any address is accepted; one not mapped by cuMem is an error code.
+        let rc = unsafe { sys::cuMemRetainAllocationHandle(&mut h, p as *mut c_void) };
+        if rc != CUresult::CUDA_SUCCESS {
+            return Err(rc);
+        }
+        // SAFETY: retained above; released once (the mapping keeps the allocation).
+        unsafe { sys::cuMemRelease(h) };
+        Ok(h)
+    };
+    let mine = handle(base).map_err(|rc| {
+        format!("{base:#x} is not cuMem memory ({rc:?}), which a symmetric window needs")
+    })?;
+    match handle(mapped) {
+        Ok(h) if h == mine => Ok(()),
+        Ok(_) => Err(format!(
+            "the window's copy of this rank's number is other memory than {base:#x}"
+        )),
+        Err(rc) => Err(format!(
+            "the window's copy of this rank's number is not mapped here ({rc:?})"
+        )),
     }
 }
 
