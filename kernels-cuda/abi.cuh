@@ -183,13 +183,15 @@ __host__ __device__ inline unsigned long long bad_entry_word(int t, int k, int c
 //   home_slot     [R + 1]      on me: first combine slot from rank d; [R] = total slots
 //   expert_start  [El + 1]     on me: padded block start of local expert j; [El] = total rows
 //   expert_count  [El]         on me: unpadded rows of local expert j
-//   rows_needed   [R]          rows each rank must hold (capacity check, in the call's layout)
+//   rows_needed   [R]          rows each rank must hold (capacity check, in the call's layout;
+//                              with the drop policy, the rows it keeps)
+//   dropped       [R]          rows each rank dropped (drop policy; 0 otherwise)
 //   bad           [2 * layout_check_blocks(T)]  per check block of the scan, its first bad
 //                              topk_idx entry (bad_entry_word, 0: none), 8-byte aligned; total
 //                              counts one of them (the arena holds them all)
 struct InfoOffsets {
   int32_t counts, dst_u_off, erow_base, src_u_off, my_slot_on, home_slot, expert_start,
-      expert_count, rows_needed, bad, total;
+      expert_count, rows_needed, dropped, bad, total;
 };
 __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
   InfoOffsets o;
@@ -202,7 +204,8 @@ __host__ __device__ inline InfoOffsets info_offsets(int R, int E, int El) {
   o.expert_start = o.home_slot + R + 1;
   o.expert_count = o.expert_start + El + 1;
   o.rows_needed = o.expert_count + El;
-  o.bad = (o.rows_needed + R + 1) / 2 * 2;
+  o.dropped = o.rows_needed + R;
+  o.bad = (o.dropped + R + 1) / 2 * 2;
   o.total = o.bad + 2;
   return o;
 }
@@ -252,6 +255,11 @@ struct OpCommon {
 struct LayoutParams {
   OpCommon op;
   const void* topk_idx;    // [T][K] int32 (scan_i32) or int64 (scan_i64)
+  // The overflow policy: 0 = a rank whose rows exceed recv_capacity stops
+  // every rank (MOE_EP_ERR_CAPACITY); 1 = drop rows beyond the capacity
+  // (layout.cu, drop_over_capacity, says which), every rank in the same way.
+  int32_t drop;
+  int32_t _pad;
 };
 
 // moe_ep_publish_refusal (layout.cu): a rank whose host refused its part of
@@ -441,7 +449,7 @@ static_assert(sizeof(LayoutBufs) == 40, "LayoutBufs");
 static_assert(sizeof(Workspace) == 80, "Workspace");
 static_assert(sizeof(LayoutKind) == 4, "LayoutKind");
 static_assert(sizeof(OpCommon) == 240, "OpCommon");
-static_assert(sizeof(LayoutParams) == 248, "LayoutParams");
+static_assert(sizeof(LayoutParams) == 256, "LayoutParams");
 static_assert(sizeof(RefusalParams) == 304, "RefusalParams");
 static_assert(sizeof(DispatchParams) == 760, "DispatchParams");
 static_assert(sizeof(CombineParams) == 488, "CombineParams");

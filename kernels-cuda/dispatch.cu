@@ -261,10 +261,18 @@ __device__ void dispatch_body(const DispatchParams& p) {
           int cand = dk == d ? erow : 0x7fffffff;
 #pragma unroll
           for (int off = 16; off > 0; off >>= 1) cand = min(cand, __shfl_xor_sync(0xffffffffu, cand, off));
-          row = ud >= 0 ? cand : -1;
+          // No slot left on d (the drop policy dropped its rows there):
+          // nothing goes to d but the meta row that says so.
+          row = (ud >= 0 && cand != 0x7fffffff) ? cand : -1;
         }
         if (row >= 0) dst[d] = reinterpret_cast<int4*>(p.recv_x[d]) + (size_t)row * n16;
         drow[d] = row;
+      }
+    }
+    if (expert_major) {
+#pragma unroll
+      for (int d = 0; d < MOE_EP_MAX_RANKS; ++d) {
+        if (drow[d] < 0) dmask &= ~(1u << d);
       }
     }
     // Expert-major rows on my own rank: every one written here (slot k's
@@ -366,6 +374,7 @@ __device__ void dispatch_body(const DispatchParams& p) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) primary = min(primary, __shfl_xor_sync(0xffffffffu, primary, off));
     const unsigned rows_mask = __ballot_sync(0xffffffffu, row_k >= 0);
+    if (rows_mask == 0u) continue;  // every row of the token here dropped
     const float wk = (scaled && row_k >= 0) ? p.scale_w[row_k] : 1.f;
     // NOTE: rows/weights gathered with full-warp shuffles before the chunk
     // loop, where lanes may leave early when n16 is not a multiple of 32.

@@ -320,6 +320,147 @@ extern "C" __global__ void __launch_bounds__(MOE_EP_SCAN_THREADS)
 }
 
 // ============================================================================
+// The drop policy (LayoutParams::drop), in the exchange, on the gathered
+// matrix (the same on every rank, so every rank drops the same rows): where
+// rank d would receive more rows than recv_capacity, it keeps what fits.
+//   rank-major: the sources share the capacity by water-filling: the
+//     largest q with sum_s min(N(s, d), q) <= cap, then one more row for
+//     each source with more, lowest rank first, while rows are left; source
+//     s keeps its first k_s tokens for d, in token order, and drops the rest;
+//   expert-major: d's experts share it the same way in whole blocks of the
+//     alignment (the largest q, a multiple of it, with
+//     sum_j min(align(c_j), q) <= cap, then one more block for each expert
+//     with more, lowest expert first, while a block is left); expert e keeps
+//     its first k_e rows in (source rank, token) order.
+// The kept counts replace the matrix's in info (the offsets and rows_needed
+// then follow them, and the rank-major sub-chunk starts are clipped to
+// them); dropped[d] is the rows d did not take. One thread per rank d.
+// (Rank-major: the expert counts C(s, e) stay those before the drop, the
+// receivers cannot see which tokens a source dropped.)
+// ============================================================================
+__device__ void drop_over_capacity(const LayoutParams& p, int32_t* info, const InfoOffsets& o) {
+  const int R = p.op.world, E = p.op.num_experts, El = E / R, n = count_row(R, E);
+  const int d = threadIdx.x;
+  if (d >= R) return;
+  int32_t* C = info + o.counts;
+  const long cap = p.op.recv_capacity;
+  long dropped = 0;
+  if (p.op.layout != LayoutKind::ExpertMajor) {
+    long need = 0;
+    int most = 0;
+    for (int s = 0; s < R; ++s) {
+      need += C[s * n + E + d];
+      most = max(most, C[s * n + E + d]);
+    }
+    if (need > cap) {
+      auto kept = [&](int q) {
+        long f = 0;
+        for (int s = 0; s < R; ++s) f += min(C[s * n + E + d], q);
+        return f;
+      };
+      int lo = 0, hi = most;  // kept(lo) <= cap < kept(hi + 1)
+      while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (kept(mid) <= cap) lo = mid; else hi = mid - 1;
+      }
+      long left = cap - kept(lo);
+      for (int s = 0; s < R; ++s) {
+        int32_t* row = C + s * n;
+        int keep = min(row[E + d], lo);
+        if (row[E + d] > lo && left > 0) ++keep, --left;
+        row[E + d] = keep;
+        for (int j = 1; j < MOE_EP_SUBCHUNKS; ++j) {
+          int32_t& start = row[E + R + d * (MOE_EP_SUBCHUNKS - 1) + j - 1];
+          start = min(start, keep);
+        }
+      }
+      dropped = need - cap;
+    }
+  } else {
+    const int align = p.op.alignment > 0 ? p.op.alignment : 1;
+    auto total = [&](int j) {
+      long c = 0;
+      for (int s = 0; s < R; ++s) c += C[s * n + d * El + j];
+      return c;
+    };
+    long need = 0, most = 0;  // rows; blocks
+    for (int j = 0; j < El; ++j) {
+      const long b = (total(j) + align - 1) / align;
+      need += b * align;
+      most = max(most, b);
+    }
+    if (need > cap) {
+      auto kept = [&](long m) {  // rows of blocks when no expert keeps more than m
+        long f = 0;
+        for (int j = 0; j < El; ++j) f += min((total(j) + align - 1) / align, m) * align;
+        return f;
+      };
+      long lo = 0, hi = most;
+      while (lo < hi) {
+        const long mid = lo + (hi - lo + 1) / 2;
+        if (kept(mid) <= cap) lo = mid; else hi = mid - 1;
+      }
+      long left = (cap - kept(lo)) / align;  // whole blocks left
+      for (int j = 0; j < El; ++j) {
+        const long c = total(j), b = (c + align - 1) / align;
+        long keep_b = min(b, lo);
+        if (b > lo && left > 0) ++keep_b, --left;
+        const long k = min(c, keep_b * align);
+        long before = 0;
+        for (int s = 0; s < R; ++s) {
+          int32_t& cs = C[s * n + d * El + j];
+          const long keep_s = max(0l, min((long)cs, k - before));
+          before += cs;
+          cs = (int32_t)keep_s;
+        }
+        dropped += c - k;
+      }
+    }
+  }
+  info[o.dropped + d] = (int32_t)dropped;
+}
+
+// This rank's tokens of a dropped row marked, after drop_over_capacity:
+// the slots of a dropped (token, expert) row (expert-major), or of a token
+// dropped at rank d (rank-major: every slot of an expert of d, and the
+// token's position for d), get topk -1 and expert_pos -2, so that dispatch,
+// combine and the backward passes skip them (the combine of a dropped row
+// adds nothing), and the handle reports them. Block-wide.
+__device__ void mark_dropped(const LayoutParams& p, const int32_t* info, const InfoOffsets& o) {
+  const int R = p.op.world, E = p.op.num_experts, El = E / R, n = count_row(R, E);
+  const int T = p.op.num_tokens, K = p.op.topk, me = p.op.rank;
+  const int32_t* mine = info + o.counts + me * n;  // my kept counts
+  int32_t* topk = p.op.bufs.topk;
+  int32_t* epos = p.op.bufs.expert_pos;
+  if (p.op.layout == LayoutKind::ExpertMajor) {
+    for (int i = threadIdx.x; i < T * K; i += blockDim.x) {
+      const int e = topk[i];
+      if (e >= 0 && epos[i] >= mine[e]) {
+        topk[i] = -1;
+        epos[i] = -2;
+      }
+    }
+  } else {
+    int32_t* rpos = p.op.bufs.rank_pos;
+    for (int i = threadIdx.x; i < T * R; i += blockDim.x) {
+      const int t = i / R, d = i % R;
+      const int pos = rpos[i];
+      if (pos < 0 || pos < mine[E + d]) continue;
+      rpos[i] = -1;
+      // Slots of d's experts: no other thread writes them (theirs are of
+      // other ranks' experts; a slot it clears reads -1 or another rank).
+      for (int k = 0; k < K; ++k) {
+        const int e = topk[(size_t)t * K + k];
+        if (e >= 0 && e / El == d) {
+          topk[(size_t)t * K + k] = -1;
+          epos[(size_t)t * K + k] = -2;
+        }
+      }
+    }
+  }
+}
+
+// ============================================================================
 // Layout, part 2: exchange (one block: the scan's last to finish). Sends
 // this rank's count row to every rank, waits for all rows, derives every offset the data kernels need, and
 // checks every rank's receive capacity (all ranks see the same matrix, so all
@@ -399,6 +540,10 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     if (i % n < row_tail(R, E) && (v < 0 || v > max_count)) atomicMin(&s_bad_at, i);
   }
   __syncthreads();
+  // The drop policy clips the matrix before any offset is derived from it.
+  const bool drop = p.drop != 0 && s_bad_at == 0x7fffffff;
+  if (drop) drop_over_capacity(p, info, o);
+  __syncthreads();
 
   // Phase 3: offsets. C(s, e) expert counts, N(s, d) rank counts.
   const int32_t* C = info + o.counts;
@@ -474,6 +619,16 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     info[o.expert_count + j] = tot[me * El + j];
   }
   __syncthreads();
+  if (drop) {
+    __shared__ int s_any;
+    if (threadIdx.x == 0) {
+      s_any = 0;
+      for (int d = 0; d < R; ++d) s_any |= info[o.dropped + d] != 0;
+    }
+    __syncthreads();
+    if (s_any) mark_dropped(p, info, o);
+    __syncthreads();
+  }
   // Phase 4: the verdict, from the gathered rows alone (the same on every
   // rank): ranks that disagree, then the lowest rank's bad routing, then
   // capacity. Any of them stops every rank's kernels from here on.

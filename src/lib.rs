@@ -43,7 +43,8 @@ pub use kernels::NCCL_HEADERS_VERSION_CODE;
 pub use ops::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Dispatched,
     DispatchedFp8, EpGroup, Fp8Rows, Fp8Scales, GroupConfig, Handle, HostCounts, LlDispatchArgs,
-    LlHandle, LlInput, MemoryFootprint, Mode, RecvBuf, RecvScales, RecvScalesOut, TopkIdx,
+    LlHandle, LlInput, MemoryFootprint, Mode, Overflow, RecvBuf, RecvScales, RecvScalesOut,
+    TopkIdx,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

@@ -96,16 +96,19 @@
 //!
 //! Files: the shapes, inputs, routing layout and count exchange here; the
 //! flat (one-level) dispatch, combine and backward passes in `flat.rs`;
+//! the drop policy (rows beyond a capacity) in `drop.rs`;
 //! the fp8 cast in `fp8.rs`; the low-latency ops in `low_latency.rs`; the
 //! two-level path in `two_level.rs`.
 
 use crate::error::{Error, Result};
 use half::bf16;
 
+mod drop;
 mod flat;
 mod fp8;
 mod low_latency;
 mod two_level;
+pub use drop::*;
 pub use flat::*;
 pub use fp8::*;
 pub use low_latency::*;

@@ -8,6 +8,13 @@
 //!   caller's; ranks that send different payloads are refused naming `op`.
 //! - `padding_fill_off_*`: expert-major padding rows left as they were,
 //!   their weights, ids and sources still marked.
+//! - `overflow_*`: a capacity below the need: `Overflow::Drop` drops what
+//!   `reference::drop_over_capacity` drops (counts, masks, the kept
+//!   routing), dispatch and combine equal the reference of the kept routing
+//!   bit for bit; `Overflow::Error` stops every rank naming the capacity.
+//! - `eager_*`: the host counts after layout (one sync) size the receive
+//!   buffers exactly; dispatch and combine through them are bit-exact, one
+//!   row less is refused naming the buffer.
 #![cfg(feature = "multi-gpu")]
 
 use std::sync::Arc;
@@ -19,13 +26,13 @@ use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::ranks::{ensure, run_worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{
-    DispatchOutFp8, DispatchedFp8, EpGroup, Error, Fp8Rows, Fp8Scales, GroupConfig, Handle,
-    RecvLayout, RecvScales, RecvScalesOut, Result,
+    bf16, DispatchOut, DispatchOutFp8, DispatchedFp8, EpGroup, Error, Fp8Rows, Fp8Scales,
+    GroupConfig, Handle, Overflow, RecvLayout, RecvScales, RecvScalesOut, Result,
 };
 
 #[path = "common/device.rs"]
 mod device;
-use device::{down, first_diff, up, weights_per_row};
+use device::{bits, down, first_diff, up, weights_per_row};
 
 const EXPERTS: usize = 64;
 const HIDDEN: usize = 1024;
@@ -411,4 +418,214 @@ fn padding_fill_off_leaves_padding_rows_and_marks_them() {
             g.check()
         },
     );
+}
+
+/// The rows each rank receives of `inputs` in `layout`.
+fn rows_of(inputs: &[RankInput], world: usize, layout: RecvLayout) -> Result<Vec<usize>> {
+    (0..world)
+        .map(|d| Ok(refr::dispatch(&shape(world), inputs, d, layout)?.num_rows))
+        .collect()
+}
+
+/// One bf16 round trip of `handle` on `g` (identity experts: combine reads
+/// the received rows, unweighted), checked bit for bit against the
+/// reference of `kept` (the routing after any drop): dispatch's rows,
+/// weights, ids and sources, and combine's output. `out`: caller receive
+/// buffers of `rows` rows (eager sizing), or the pool's.
+fn round_trip_against(
+    r: &Rank,
+    g: &EpGroup,
+    handle: &Handle,
+    me: &RankInput,
+    kept: &[RankInput],
+    caller_rows: Option<usize>,
+) -> Result<()> {
+    let (s, w) = (&r.stream, r.world);
+    let sh = shape(w);
+    let layout = handle.layout();
+    let want = refr::dispatch(&sh, kept, r.rank, layout)?;
+    let x = up(s, &me.tokens)?;
+    let tw = up(s, &me.topk_weights)?;
+    let wpr = weights_per_row(layout, TOPK);
+    let mut tokens_buf;
+    let mut weights_buf;
+    let out = match caller_rows {
+        Some(rows) => {
+            tokens_buf = g.pool().alloc::<bf16>(rows * HIDDEN)?;
+            weights_buf = g.pool().alloc::<f32>(rows * wpr)?;
+            DispatchOut {
+                recv_tokens: Some(&mut tokens_buf),
+                recv_topk_weights: Some(&mut weights_buf),
+            }
+        }
+        None => DispatchOut::default(),
+    };
+    let got = g.dispatch(s, handle, &x, &tw, out)?;
+    let rows = want.num_rows;
+    first_diff(
+        "tokens",
+        &bits(&down(s, &got.tokens, rows * HIDDEN)?),
+        &bits(&want.tokens),
+    )?;
+    let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    first_diff(
+        "weights",
+        &fb(&down(s, &got.topk_weights, rows * wpr)?),
+        &fb(&want.topk_weights),
+    )?;
+    first_diff(
+        "local ids",
+        &down(s, &got.topk_idx, rows * wpr)?,
+        &want.topk_local_idx,
+    )?;
+    // Identity experts: combine reads the received rows in place.
+    let expert_out: Vec<Vec<bf16>> = (0..w)
+        .map(|d| Ok(refr::dispatch(&sh, kept, d, layout)?.tokens))
+        .collect::<Result<_>>()?;
+    let want_out = refr::combine_emulated(&sh, kept, &expert_out, r.rank, layout, false)?;
+    let mut out = s
+        .alloc_zeros::<bf16>(me.tokens.len().max(1))
+        .map_err(Error::cuda("alloc"))?;
+    g.combine(s, handle, &got.tokens, None, &mut out)?;
+    first_diff(
+        "combine",
+        &bits(&down(s, &out, me.tokens.len())?),
+        &bits(&want_out),
+    )?;
+    drop(got);
+    Ok(())
+}
+
+#[test]
+fn overflow_drop_and_error_below_capacity() {
+    run_worlds("overflow_drop_and_error_below_capacity", 1, |r| {
+        let (s, w) = (&r.stream, r.world);
+        let sh = shape(w);
+        for (round, layout) in layouts().into_iter().enumerate() {
+            let inputs = all_inputs(w, SEED + 20 + round as u64);
+            let need = rows_of(&inputs, w, layout)?;
+            let most = need.iter().copied().max().unwrap_or(0);
+            let cap = most * 2 / 3;
+            let refd = refr::drop_over_capacity(&sh, &inputs, layout, cap)?;
+            ensure(refd.dropped_rows.iter().any(|&n| n > 0), || {
+                "the case drops nothing".into()
+            })?;
+            let me = &inputs[r.rank];
+            let idx = up(s, &me.topk_idx)?;
+            for policy in [Overflow::Drop, Overflow::Error] {
+                let mut cfg = r.config(EXPERTS, HIDDEN, TOKENS)?;
+                cfg.recv_capacity = cap;
+                cfg.timeout = Duration::from_secs(10);
+                cfg.overflow = policy;
+                let g = EpGroup::new(&r.comm, cfg)?;
+                let t0 = std::time::Instant::now();
+                let h = g.layout(s, TopkIdx::I64(&idx), TOPK, layout)?;
+                if policy == Overflow::Error {
+                    match g.check() {
+                        Err(Error::CapacityExceeded { .. }) | Err(Error::PeerFailed { .. }) => {}
+                        other => {
+                            return Err(Error::InvalidState(format!(
+                                "{layout:?} Error policy: want CapacityExceeded, got {other:?}"
+                            )))
+                        }
+                    }
+                    ensure(t0.elapsed() < Duration::from_secs(2), || {
+                        format!("the capacity error took {:?}", t0.elapsed())
+                    })?;
+                    continue;
+                }
+                let hc = h.host_counts(s)?;
+                first_diff("dropped rows", &hc.dropped_rows, &refd.dropped_rows)?;
+                let kept_rows = rows_of(&refd.kept, w, layout)?;
+                ensure(
+                    hc.recv_rows == kept_rows[r.rank]
+                        && hc.max_recv_rows == kept_rows.iter().copied().max().unwrap_or(0),
+                    || {
+                        format!(
+                            "rows {} / {}, want {kept_rows:?}",
+                            hc.recv_rows, hc.max_recv_rows
+                        )
+                    },
+                )?;
+                first_diff(
+                    "dropped slots",
+                    &h.dropped_slots(s)?,
+                    &refd.dropped_slots[r.rank],
+                )?;
+                let kept_idx: Vec<i32> = refd.kept[r.rank]
+                    .topk_idx
+                    .iter()
+                    .map(|&e| e as i32)
+                    .collect();
+                let view = h.kept_topk_idx().expect("one node");
+                first_diff("kept routing", &down(s, &view, kept_idx.len())?, &kept_idx)?;
+                round_trip_against(r, &g, &h, me, &refd.kept, None)?;
+                g.check()?;
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn eager_sizes_equal_what_dispatch_writes() {
+    run_worlds("eager_sizes_equal_what_dispatch_writes", 1, |r| {
+        let (s, w) = (&r.stream, r.world);
+        let sh = shape(w);
+        let g = group(r, true)?;
+        for (round, layout) in layouts().into_iter().enumerate() {
+            let inputs = all_inputs(w, SEED + 40 + round as u64);
+            let me = &inputs[r.rank];
+            let idx = up(s, &me.topk_idx)?;
+            let h = g.layout(s, TopkIdx::I64(&idx), TOPK, layout)?;
+            let hc = h.host_counts(s)?;
+            let want = refr::dispatch(&sh, &inputs, r.rank, layout)?;
+            let rows = rows_of(&inputs, w, layout)?;
+            let most = rows.iter().copied().max().unwrap_or(0);
+            ensure(
+                hc.recv_rows == want.num_rows && hc.max_recv_rows == most,
+                || {
+                    format!(
+                        "rows {} / {}, want {} / {most}",
+                        hc.recv_rows, hc.max_recv_rows, want.num_rows
+                    )
+                },
+            )?;
+            let per: Vec<usize> = want
+                .tokens_per_local_expert
+                .iter()
+                .map(|&n| n as usize)
+                .collect();
+            first_diff("per local expert", &hc.tokens_per_local_expert, &per)?;
+            ensure(most < g.recv_capacity(), || {
+                "no smaller than the capacity".into()
+            })?;
+            // One row short: refused on every rank (all make the mistake).
+            let mut short = g.pool().alloc::<bf16>((most.max(1) - 1) * HIDDEN)?;
+            let x = up(s, &me.tokens)?;
+            let tw = up(s, &me.topk_weights)?;
+            match g.dispatch(
+                s,
+                &h,
+                &x,
+                &tw,
+                DispatchOut {
+                    recv_tokens: Some(&mut short),
+                    recv_topk_weights: None,
+                },
+            ) {
+                Err(Error::InvalidArgument {
+                    arg: "recv_tokens", ..
+                }) => {}
+                Err(e) => return Err(Error::InvalidState(format!("short buffer: {e}"))),
+                Ok(_) if most == 0 => {}
+                Ok(_) => return Err(Error::InvalidState("a short buffer was taken".into())),
+            }
+            drop(short);
+            // Exactly that many rows: the round trip through them.
+            round_trip_against(r, &g, &h, me, &inputs, Some(most))?;
+            g.check()?;
+        }
+        Ok(())
+    });
 }

@@ -1030,3 +1030,103 @@ fn prop_dispatch_rows_move_any_payload_with_its_rows() {
     );
     assert!(err_text(e).contains("rows"));
 }
+
+/// The drop policy: below capacity nothing is dropped; above it, every
+/// rank's kept rows fit its capacity exactly (rank-major) or in padded
+/// blocks (expert-major), the kept routing is the input's with exactly the
+/// dropped slots cleared, and the counts and masks agree.
+#[test]
+fn prop_drop_keeps_what_fits_and_reports_the_rest() {
+    for seed in 0..CASES {
+        let c = gen_case(seed);
+        let s = &c.shape;
+        for layout in [
+            RecvLayout::RankMajor,
+            RecvLayout::ExpertMajor {
+                alignment: c.alignment,
+            },
+        ] {
+            let rows =
+                |inputs: &[RankInput], d: usize| dispatch(s, inputs, d, layout).unwrap().num_rows;
+            let most = (0..s.num_ranks)
+                .map(|d| rows(&c.inputs, d))
+                .max()
+                .unwrap_or(0);
+            // Everything fits: nothing dropped.
+            let all = drop_over_capacity(s, &c.inputs, layout, most).unwrap();
+            assert!(all.dropped_rows.iter().all(|&n| n == 0), "seed {seed}");
+            for (a, b) in all.kept.iter().zip(&c.inputs) {
+                assert_eq!(a.topk_idx, b.topk_idx);
+            }
+            // Half of it.
+            let cap = most / 2;
+            let dr = drop_over_capacity(s, &c.inputs, layout, cap).unwrap();
+            for d in 0..s.num_ranks {
+                let before = rows(&c.inputs, d);
+                let after = rows(&dr.kept, d);
+                assert!(
+                    after <= cap.max(0),
+                    "seed {seed} {layout:?} rank {d}: {after} > {cap}"
+                );
+                if before > cap {
+                    if layout == RecvLayout::RankMajor {
+                        assert_eq!(after, cap, "seed {seed}: rank-major keeps exactly cap");
+                    }
+                    assert!(dr.dropped_rows[d] > 0);
+                } else {
+                    assert_eq!(dr.dropped_rows[d], 0);
+                }
+            }
+            let mut dropped_slots = 0;
+            for (r, (kept, inp)) in dr.kept.iter().zip(&c.inputs).enumerate() {
+                for (i, (&a, &b)) in kept.topk_idx.iter().zip(&inp.topk_idx).enumerate() {
+                    let gone = dr.dropped_slots[r][i];
+                    assert_eq!(
+                        a,
+                        if gone { -1 } else { b },
+                        "seed {seed} rank {r} slot {i}"
+                    );
+                    assert!(!gone || b >= 0);
+                    dropped_slots += gone as usize;
+                }
+            }
+            if let RecvLayout::ExpertMajor { .. } = layout {
+                assert_eq!(
+                    dropped_slots,
+                    dr.dropped_rows.iter().sum::<usize>(),
+                    "seed {seed}"
+                );
+            }
+        }
+    }
+}
+
+/// The drop order on a hand-made case: 2 ranks, rank-major, capacity 3 on
+/// rank 0, which both ranks send 4 tokens: water level 1, one extra row
+/// for the lowest rank, so rank 0 keeps its first 2 and rank 1 its first 1.
+#[test]
+fn drop_order_by_hand() {
+    let shape = Shape {
+        num_ranks: 2,
+        num_experts: 2,
+        hidden: 8,
+        topk: 1,
+    };
+    let inp = |n: usize| RankInput {
+        tokens: vec![bf16::ZERO; n * 8],
+        topk_idx: vec![0; n],
+        topk_weights: vec![1.0; n],
+    };
+    let inputs = vec![inp(4), inp(4)];
+    let dr = drop_over_capacity(&shape, &inputs, RecvLayout::RankMajor, 3).unwrap();
+    assert_eq!(dr.dropped_rows, vec![5, 0]);
+    assert_eq!(dr.kept[0].topk_idx, vec![0, 0, -1, -1]);
+    assert_eq!(dr.kept[1].topk_idx, vec![0, -1, -1, -1]);
+    // Expert-major, alignment 2, capacity 4: experts 0 (8 rows) keeps 4
+    // rows, all of rank 0's; rank 1 is dropped entirely.
+    let dr =
+        drop_over_capacity(&shape, &inputs, RecvLayout::ExpertMajor { alignment: 2 }, 4).unwrap();
+    assert_eq!(dr.dropped_rows, vec![4, 0]);
+    assert_eq!(dr.kept[0].topk_idx, vec![0, 0, 0, 0]);
+    assert_eq!(dr.kept[1].topk_idx, vec![-1; 4]);
+}

@@ -316,6 +316,9 @@ pub struct OpCommon {
 pub struct LayoutParams {
     pub op: OpCommon,
     pub topk_idx: u64,
+    /// The overflow policy: 0 error, 1 drop rows beyond the capacity.
+    pub drop: i32,
+    pub _pad: i32,
 }
 
 /// `moe_ep_publish_refusal` (`layout.cu`): the descriptor of a call this
@@ -503,6 +506,7 @@ pub struct InfoOffsets {
     pub expert_start: usize,
     pub expert_count: usize,
     pub rows_needed: usize,
+    pub dropped: usize,
     pub bad: usize,
     pub total: usize,
 }
@@ -518,7 +522,8 @@ pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
     let expert_start = home_slot + r + 1;
     let expert_count = expert_start + el + 1;
     let rows_needed = expert_count + el;
-    let bad = (rows_needed + r).div_ceil(2) * 2;
+    let dropped = rows_needed + r;
+    let bad = (dropped + r).div_ceil(2) * 2;
     let total = bad + 2;
     InfoOffsets {
         counts,
@@ -530,6 +535,7 @@ pub fn info_offsets(r: usize, e: usize, el: usize) -> InfoOffsets {
         expert_start,
         expert_count,
         rows_needed,
+        dropped,
         bad,
         total,
     }
@@ -646,7 +652,7 @@ const _: () = assert!(std::mem::size_of::<LayoutBufs>() == 40);
 const _: () = assert!(std::mem::size_of::<Workspace>() == 80);
 const _: () = assert!(std::mem::size_of::<LayoutKind>() == 4);
 const _: () = assert!(std::mem::size_of::<OpCommon>() == 240);
-const _: () = assert!(std::mem::size_of::<LayoutParams>() == 248);
+const _: () = assert!(std::mem::size_of::<LayoutParams>() == 256);
 const _: () = assert!(std::mem::size_of::<RefusalParams>() == 304);
 const _: () = assert!(std::mem::size_of::<DispatchParams>() == 760);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 488);
@@ -815,7 +821,8 @@ mod tests {
         assert_eq!(o.dst_u_off, 2 * (256 + 2 * 16 + ROW_TAIL));
         // `bad` (a u64 the scan's atomics use) on an even word, last.
         assert_eq!(o.bad % 2, 0);
-        assert!(o.bad >= o.rows_needed + 2 && o.bad <= o.rows_needed + 3);
+        assert_eq!(o.dropped, o.rows_needed + 2);
+        assert!(o.bad >= o.dropped + 2 && o.bad <= o.dropped + 3);
         assert_eq!(o.total, o.bad + 2);
         assert_eq!(o.expert_count - o.expert_start, 129);
     }

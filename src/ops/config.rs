@@ -28,6 +28,29 @@ pub enum Mode {
     LowLatency,
 }
 
+/// What a high-throughput layout does when a rank would receive more rows
+/// than its `recv_capacity` ([`GroupConfig::overflow`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overflow {
+    /// Every rank stops in that call with [`Error::CapacityExceeded`]
+    /// (`check()` reports it), and nothing is written.
+    #[default]
+    Error,
+    /// The rows beyond the capacity are dropped, the same way on every rank
+    /// (all decide from the same count matrix): a rank's senders share its
+    /// capacity by water-filling (rank-major: the largest per-source quota
+    /// that fits, then one more row for each source that has more, lowest
+    /// rank first; expert-major: per local expert, in whole blocks of the
+    /// alignment, lowest expert first), and each source or expert keeps its
+    /// first rows in (source rank, token) order, dropping the last ones.
+    /// A dropped (token, expert) is not sent, its combine adds nothing and
+    /// its gradients are zero; [`Handle::dropped_slots`](crate::Handle::dropped_slots) says which of this
+    /// rank's were dropped, [`HostCounts::dropped_rows`](crate::HostCounts::dropped_rows) how many each rank
+    /// dropped, and [`Handle::kept_topk_idx`](crate::Handle::kept_topk_idx) is the routing that was kept.
+    /// One node only.
+    Drop,
+}
+
 /// Sizes fixed when a group is created (the same on every rank).
 #[derive(Clone, Debug)]
 pub struct GroupConfig {
@@ -75,6 +98,9 @@ pub struct GroupConfig {
     /// marked either way (0, -1, (-1, -1)). Also the combine backward's
     /// padding rows. Each rank's own choice (it writes only its own rows).
     pub zero_padding: bool,
+    /// Rows beyond `recv_capacity`: an error ([`Overflow::Error`], the
+    /// default) or dropped ([`Overflow::Drop`]). The same on every rank.
+    pub overflow: Overflow,
 }
 
 impl GroupConfig {
@@ -93,6 +119,7 @@ impl GroupConfig {
             ranks_per_node: 0,
             hop_chunk_rows: DEFAULT_HOP_CHUNK_ROWS,
             zero_padding: true,
+            overflow: Overflow::Error,
         }
     }
 
@@ -181,6 +208,13 @@ impl GroupConfig {
                 self.max_tokens_per_rank,
             ));
         }
+        if self.mode == Mode::LowLatency && self.overflow == Overflow::Drop {
+            return Err(Error::arg(
+                "overflow",
+                "Overflow::Error for Mode::LowLatency (its slots hold every token)",
+                "Overflow::Drop",
+            ));
+        }
         if self.timeout.is_zero() {
             return Err(Error::arg("timeout", "a positive duration", "0"));
         }
@@ -262,6 +296,13 @@ fn nodes_of(cfg: &GroupConfig, world: usize) -> Result<Topology> {
             "mode",
             "Mode::HighThroughput (the two-level path has no low-latency kernels)",
             format!("{:?}", cfg.mode),
+        ));
+    }
+    if cfg.overflow != Overflow::Error {
+        return Err(Error::arg(
+            "overflow",
+            "Overflow::Error on several nodes (the drop policy runs on one node)",
+            format!("{:?}", cfg.overflow),
         ));
     }
     Ok(topology)

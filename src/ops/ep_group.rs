@@ -557,12 +557,43 @@ impl Handle {
         }
     }
 
+    /// The routing the layout kept, `[T, K]` i32 on the device (no host
+    /// sync, graph-safe): the caller's `topk_idx` with -1 where a slot was
+    /// not routed or its row was dropped ([`Overflow::Drop`](crate::ops::Overflow::Drop)). `None` on
+    /// several nodes (whose node stage routes a forward batch, not this
+    /// rank's tokens; the drop policy runs on one node only).
+    pub fn kept_topk_idx(&self) -> Option<CudaView<'_, i32>> {
+        match &self.inner {
+            HandleOf::Node(h) => Some(h.kept_topk_idx()),
+            HandleOf::TwoLevel(_) => None,
+        }
+    }
+
+    /// This rank's dropped (token, slot) pairs, `[T, K]` on the host: true
+    /// where the slot was routed and its row dropped at the receiver
+    /// ([`Overflow::Drop`](crate::ops::Overflow::Drop); all false otherwise). One stream sync.
+    pub fn dropped_slots(&self, stream: &Arc<CudaStream>) -> Result<Vec<bool>> {
+        match &self.inner {
+            HandleOf::Node(h) => h.dropped_slots(stream),
+            HandleOf::TwoLevel(h) => Ok(vec![false; h.num_tokens() * h.topk()]),
+        }
+    }
+
     /// Unpadded (token, expert) rows per local expert, on the device (i32).
     pub fn tokens_per_local_expert(&self) -> CudaView<'_, i32> {
         self.node().tokens_per_local_expert()
     }
 
-    /// Copies the counts to the host (synchronises `stream`).
+    /// Copies the counts to the host (synchronises `stream`): eager sizing.
+    /// After it, on one node, the buffers this rank passes to the handle's
+    /// ops (dispatch's receive buffers, combine's `expert_out` and
+    /// `weights`, the backward passes' row buffers) need only hold
+    /// [`HostCounts::max_recv_rows`] rows instead of `recv_capacity`: a
+    /// runtime can allocate exactly that (collectively: it is the same on
+    /// every rank) between layout and dispatch. Per local expert:
+    /// [`HostCounts::tokens_per_local_expert`] (expert-major blocks are
+    /// these padded to the alignment); this rank's total:
+    /// [`HostCounts::recv_rows`].
     ///
     /// On several nodes: the node stage's counts (`recv_rows` and
     /// `tokens_per_local_expert` are this rank's; the rank and expert

@@ -59,7 +59,7 @@ pub use buffers::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Dispatched,
     DispatchedFp8, Fp8Rows, Fp8Scales, RecvBuf, RecvScales, RecvScalesOut, TopkIdx,
 };
-pub use config::{GroupConfig, Mode, DEFAULT_HOP_CHUNK_ROWS};
+pub use config::{GroupConfig, Mode, Overflow, DEFAULT_HOP_CHUNK_ROWS};
 pub use ep_group::{EpGroup, Handle};
 pub use footprint::{workspace_bytes, MemoryFootprint};
 pub use low_latency::{

@@ -232,7 +232,8 @@ impl NodeGroup {
             handle,
         } = at;
         Self::check_meta(handle)?;
-        let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
+        let (t, h) = (handle.num_tokens, self.cfg.hidden);
+        let cap = handle.rows_held(self.recv_capacity);
         self.check_region(
             "expert_out",
             expert_out,
@@ -311,12 +312,8 @@ impl NodeGroup {
             grad_topk_weights,
         } = args;
         Self::check_meta(handle)?;
-        let (t, k, h, cap) = (
-            handle.num_tokens,
-            handle.topk,
-            self.cfg.hidden,
-            self.recv_capacity,
-        );
+        let (t, k, h) = (handle.num_tokens, handle.topk, self.cfg.hidden);
+        let cap = handle.rows_held(self.recv_capacity);
         let wpr = handle.layout.weights_per_row(k);
         self.check_region(
             "grad_recv_tokens",

@@ -226,6 +226,7 @@ impl NodeGroup {
         let (t, h) = (at.handle.num_tokens, self.cfg.hidden);
         self.check_region("x", x, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let tokens = self.recv_buf(
+            at.handle,
             out.recv_tokens,
             "recv_tokens",
             h,
@@ -307,6 +308,7 @@ impl NodeGroup {
         let e8m0 = payload == desc::PAYLOAD_FP8_E8M0_32;
         let e8 = |c: Option<&'a mut dyn DeviceRegionMut<u8>>| {
             self.recv_buf(
+                at.handle,
                 c,
                 "recv_scales",
                 h / 32,
@@ -316,6 +318,7 @@ impl NodeGroup {
         };
         let f32s = |c: Option<&'a mut dyn DeviceRegionMut<f32>>| {
             self.recv_buf(
+                at.handle,
                 c,
                 "recv_scales",
                 h / 128,
@@ -337,6 +340,7 @@ impl NodeGroup {
             }
         };
         let codes = self.recv_buf(
+            at.handle,
             out.recv_codes,
             "recv_codes",
             h,
@@ -391,6 +395,7 @@ impl NodeGroup {
         self.check_region("topk_weights", topk_weights, t * k, "[T, K] f32", 4)?;
         let wpr = handle.layout.weights_per_row(k);
         let weights = self.recv_buf(
+            handle,
             recv_topk_weights,
             "recv_topk_weights",
             wpr,
@@ -478,7 +483,8 @@ impl NodeGroup {
             stream,
             handle,
         } = at;
-        let (t, h, cap) = (handle.num_tokens, self.cfg.hidden, self.recv_capacity);
+        let (t, h) = (handle.num_tokens, self.cfg.hidden);
+        let cap = handle.rows_held(self.recv_capacity);
         self.check_region("grad_out", grad_out, t * h, "[T, hidden] bf16", ROW_ALIGN)?;
         let scale_w = match (weights, handle.layout) {
             (None, _) => None,
@@ -495,6 +501,7 @@ impl NodeGroup {
             }
         };
         let out = self.recv_buf(
+            handle,
             grad_expert_out,
             "grad_expert_out",
             h,

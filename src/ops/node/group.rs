@@ -273,7 +273,7 @@ fn shared_fields(
     cfg: &GroupConfig,
     world: usize,
     recv_capacity: usize,
-) -> [(&'static str, u64); 8] {
+) -> [(&'static str, u64); 9] {
     let ranks_per_node = match cfg.ranks_per_node {
         0 => world,
         g => g,
@@ -287,6 +287,7 @@ fn shared_fields(
         ("combine_chunks", cfg.combine_chunks as u64),
         ("mode", cfg.mode as u64),
         ("ranks_per_node", ranks_per_node as u64),
+        ("overflow", cfg.overflow as u64),
     ]
 }
 

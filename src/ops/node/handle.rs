@@ -50,6 +50,10 @@ pub struct NodeHandle {
     pub(crate) epoch: u64,
     pub(crate) world: usize,
     pub(crate) experts: usize,
+    /// The most rows any rank receives, once [`NodeHandle::host_counts`]
+    /// has read it (`usize::MAX` until then): caller buffers of the
+    /// handle's ops need only hold that many rows.
+    pub(crate) rows_bound: std::sync::atomic::AtomicUsize,
 }
 
 impl NodeHandle {
@@ -102,9 +106,19 @@ impl ArenaOffsets {
 pub struct HostCounts {
     /// Rows received here in the handle's layout (expert-major: padded).
     pub recv_rows: usize,
-    /// Tokens received here (one per (source token, this rank)).
+    /// The most rows any rank receives: a symmetric receive buffer (the
+    /// same size on every rank) of this many rows is enough for every op
+    /// of the handle (dispatch's outputs, combine's `expert_out`, the
+    /// backward passes' row buffers), also below `recv_capacity`.
+    pub max_recv_rows: usize,
+    /// Rows each rank dropped (by rank; [`Overflow::Drop`](crate::ops::Overflow::Drop), else zeros):
+    /// rank-major, tokens; expert-major, (token, expert) rows.
+    pub dropped_rows: Vec<usize>,
+    /// Tokens received here (one per (source token, this rank); expert-major
+    /// with drops: also tokens whose every row here was dropped).
     pub recv_tokens: usize,
-    /// (token, expert) pairs per local expert, unpadded.
+    /// (token, expert) pairs per local expert, unpadded (rank-major with
+    /// drops: counted before the drop).
     pub tokens_per_local_expert: Vec<usize>,
     /// `rank_counts[s * R + d]`: tokens rank s sends to rank d.
     pub rank_counts: Vec<u32>,
@@ -124,6 +138,40 @@ impl NodeHandle {
     /// The receive layout this handle was computed for.
     pub fn layout(&self) -> RecvLayout {
         self.layout
+    }
+    /// The rows this rank's buffers of the handle's ops must hold: the most
+    /// any rank receives once the counts were read, else `cap`.
+    pub(crate) fn rows_held(&self, cap: usize) -> usize {
+        self.rows_bound
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .min(cap)
+    }
+    /// The routing the layout kept (`[T, K]` i32 on the device): the
+    /// caller's, with -1 for unrouted, bad and dropped slots.
+    pub fn kept_topk_idx(&self) -> CudaView<'_, i32> {
+        let a = self.arena_at;
+        self.arena
+            .slice(a.topk_norm..a.topk_norm + self.num_tokens * self.topk)
+    }
+    /// This rank's dropped slots (`[T, K]`, true where the slot was routed
+    /// and its row dropped at the receiver), copied to the host
+    /// (synchronises `stream`).
+    pub fn dropped_slots(&self, stream: &Arc<CudaStream>) -> Result<Vec<bool>> {
+        let n = self.num_tokens * self.topk;
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        let a = self.arena_at;
+        let pos: Vec<i32> = stream
+            .clone_dtoh(&self.arena.slice(a.expert_pos..a.expert_pos + n))
+            .map_err(Error::cuda("cuMemcpyDtoH"))?;
+        stream
+            .synchronize()
+            .map_err(Error::cuda("cuStreamSynchronize"))?;
+        Ok(pos.iter().map(|&p| p == -2).collect())
     }
     /// Device bytes of the handle: its arena and the symmetric meta rows.
     pub fn device_bytes(&self) -> u64 {
@@ -184,8 +232,18 @@ impl NodeHandle {
             RecvLayout::RankMajor => recv_tokens,
             RecvLayout::ExpertMajor { .. } => info[o.expert_start + el] as usize,
         };
+        let max_recv_rows = (0..r)
+            .map(|d| info[o.rows_needed + d].max(0) as usize)
+            .max()
+            .unwrap_or(0);
+        self.rows_bound
+            .store(max_recv_rows, std::sync::atomic::Ordering::Relaxed);
         Ok(HostCounts {
             recv_rows,
+            max_recv_rows,
+            dropped_rows: (0..r)
+                .map(|d| info[o.dropped + d].max(0) as usize)
+                .collect(),
             recv_tokens,
             tokens_per_local_expert: (0..el).map(|j| info[o.expert_count + j] as usize).collect(),
             rank_counts,

@@ -23,7 +23,7 @@ use crate::ops::abi::{
     desc, layout_check_blocks, layout_info_len, LayoutParams, MAX_TOPK, SCAN_EXPERTS, SCAN_THREADS,
 };
 use crate::ops::buffers::TopkIdx;
-use crate::ops::config::GroupConfig;
+use crate::ops::config::{GroupConfig, Overflow};
 use crate::types::RecvLayout;
 
 /// The tokens of a `[T, topk]` routing of `idx_len` entries, after the
@@ -126,10 +126,13 @@ impl NodeGroup {
             epoch: turn.turns.epoch,
             world: r,
             experts: e,
+            rows_bound: std::sync::atomic::AtomicUsize::new(usize::MAX),
         };
         let p = LayoutParams {
             op: self.op_common(&handle),
             topk_idx: idx_ptr,
+            drop: (self.cfg.overflow == Overflow::Drop) as i32,
+            _pad: 0,
         };
         let scan = match topk_idx {
             TopkIdx::I32(_) => &self.k.layout_scan_i32,

@@ -368,6 +368,9 @@ impl NodeGroup {
         let (layout, alignment) = handle.layout.kind();
         OpCommon {
             bufs: handle.bufs(),
+            // The rows this rank's buffers of the handle's ops hold (what
+            // the kernels bound a peer's row indices by).
+            recv_capacity: handle.rows_held(self.recv_capacity) as i32,
             num_tokens: handle.num_tokens as i32,
             topk: handle.topk as i32,
             layout,
@@ -546,19 +549,23 @@ impl NodeGroup {
     /// from the pool.
     pub(crate) fn recv_buf<'a, T: Copy>(
         &self,
+        handle: &NodeHandle,
         callers: Option<&'a mut dyn DeviceRegionMut<T>>,
         arg: &'static str,
         per_row: usize,
         what: &str,
         align: usize,
     ) -> Result<RecvBuf<'a, T>> {
-        let want = self.recv_capacity * per_row;
         match callers {
             Some(b) => {
+                let want = handle.rows_held(self.recv_capacity) * per_row;
                 self.check_region(arg, &*b, want, what, align)?;
                 Ok(RecvBuf::Caller(b))
             }
-            None => Ok(RecvBuf::Pool(self.pool.alloc(want)?)),
+            // Collective: the same size on every rank.
+            None => Ok(RecvBuf::Pool(
+                self.pool.alloc(self.recv_capacity * per_row)?,
+            )),
         }
     }
 
