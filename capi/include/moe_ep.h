@@ -70,20 +70,22 @@ extern "C" {
  * moe_ep_abi_version() is at least N (check it once at start-up); a change
  * that broke this would come with a new library name. ABI 2 added the
  * low-latency mode (MOE_EP_MODE_LOW_LATENCY and the moe_ep_ll_* calls), ABI 3
- * moe_ep_group_config_t.ranks_per_node.
+ * moe_ep_group_config_t.ranks_per_node, ABI 4 the caller's own symmetric
+ * memory (moe_ep_pool_wrap_window, moe_ep_pool_wrap_device) and ranges of a
+ * buffer (moe_ep_buffer_range).
  *
  * That name is the shared library's SONAME, libmoe_ep.so.1: its number is
  * the ABI's major version, which only such a breaking change raises, so a
  * program linked against any ABI of major 1 loads every later library of
  * major 1 and never one of another major. The library is installed as
- * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.3) with the
+ * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.4) with the
  * links libmoe_ep.so.1 and libmoe_ep.so; the pkg-config and CMake packages
- * have the version <major>.<MOE_EP_ABI_VERSION> (1.3): a caller of ABI N
+ * have the version <major>.<MOE_EP_ABI_VERSION> (1.4): a caller of ABI N
  * asks for at least 1.N. */
 #define MOE_EP_VERSION_MAJOR 0
 #define MOE_EP_VERSION_MINOR 1
 #define MOE_EP_VERSION_PATCH 0
-#define MOE_EP_ABI_VERSION 3
+#define MOE_EP_ABI_VERSION 4
 
 /* ---- status codes ---------------------------------------------------- */
 
@@ -160,6 +162,8 @@ typedef struct moe_ep_ll_handle moe_ep_ll_handle_t;   /* one low-latency batch (
 typedef struct CUstream_st *moe_ep_stream_t;
 /* ncclComm_t is `struct ncclComm *`. */
 struct ncclComm;
+/* ncclWindow_t (NCCL >= 2.28) is `struct ncclWindow_vidmem *`. */
+struct ncclWindow_vidmem;
 
 /* ---- buffers ------------------------------------------------------------ */
 
@@ -370,7 +374,7 @@ typedef struct moe_ep_unique_id {
 
 uint32_t moe_ep_abi_version(void);
 moe_ep_status_t moe_ep_version(moe_ep_version_info_t *out);
-/* "0.1.0 (ABI 3, NCCL headers 2.28.9)"; static storage. */
+/* "0.1.0 (ABI 4, NCCL headers 2.28.9)"; static storage. */
 const char *moe_ep_version_string(void);
 /* The message of this thread's last failing call ("" if none). */
 const char *moe_ep_last_error(void);
@@ -462,6 +466,61 @@ moe_ep_status_t moe_ep_buffer_get(const moe_ep_buffer_t *buffer, moe_ep_buf_mut_
  * communicator, else 0. */
 moe_ep_status_t moe_ep_is_symm_backed(const moe_ep_group_t *group, const void *ptr, size_t bytes,
                                       int *out);
+
+/* The caller's own symmetric memory (ABI 4). A runtime that owns its
+ * payload buffers (TransformerEngine's EP backend: an NCCL window it
+ * registered itself and a byte offset into it) wraps the window once and
+ * passes ranges of it to the ops. Every op accepts, for every buffer, any
+ * (pointer, length) that lies inside a registered window of the group's
+ * communicator (moe_ep_is_symm_backed says 1): pool buffers, wrapped
+ * windows, and ranges of either (moe_ep_buffer_range, or the caller's own
+ * arithmetic on moe_ep_buffer_get's pointer). Such a buffer is symmetric:
+ * it is located by its window and its offset in it, which must be the same
+ * on every rank (the kernels compare them between ranks before they touch
+ * a peer's copy), so zero copy works for receive tokens and weights
+ * (moe_ep_dispatch_args_t.recv_tokens, .recv_topk_weights), expert outputs
+ * read in place by combine (moe_ep_combine_args_t.expert_out: pulled over
+ * NVLink), backward gradients, and any payload later ABIs add (the fp8
+ * dispatch's scales among them).
+ *
+ * Collective: wraps `window`, a symmetric window (ncclCommWindowRegister
+ * with NCCL_WIN_COLL_SYMMETRIC) the caller registered on the group's NCCL
+ * communicator over `bytes` bytes at `base` on this rank (the same size on
+ * every rank), and returns a u8 buffer over all of it (moe_ep_buffer_get:
+ * {base, bytes}). Refused on every rank, naming `window`, when any rank's
+ * window, base or size is NULL or 0, the sizes differ, or a rank's window is
+ * not one of this communicator: its copy of this rank must be the memory at
+ * `base` (the same cuMem allocation), which a window registered on another
+ * communicator (where this process has another rank, or none) is not. Not
+ * told apart: a window of another communicator over the same processes with
+ * the same rank numbers (it maps the same memory, and works), and a `base`
+ * elsewhere in the window's own allocation. Refused naming `window` on a
+ * group of virtual ranks (they have no NCCL windows: use
+ * moe_ep_pool_wrap_device). The window stays the caller's: keep it
+ * registered, and its memory allocated, until the group is destroyed (the
+ * group's pool keeps a record of it until then; moe_ep_buffer_free releases
+ * only the returned handle). */
+moe_ep_status_t moe_ep_pool_wrap_window(const moe_ep_group_t *group,
+                                        struct ncclWindow_vidmem *window, void *base,
+                                        size_t bytes, moe_ep_buffer_t **out);
+/* Collective, on a group of virtual ranks (moe_ep_comm_create_virtual):
+ * the counterpart of moe_ep_pool_wrap_window. Every rank registers its own
+ * device buffer of `bytes` bytes at `base` (device memory of the group's
+ * GPU, the same size on every rank, else refused naming `buffer`), so that
+ * its siblings map it; returns a u8 buffer over all of it. Refused naming
+ * `group` on a group of NCCL ranks. Keep the memory allocated until the
+ * group is destroyed. */
+moe_ep_status_t moe_ep_pool_wrap_device(const moe_ep_group_t *group, void *base, size_t bytes,
+                                        moe_ep_buffer_t **out);
+/* `len` elements of `dtype` starting `byte_offset` bytes into `buffer` (a
+ * pool buffer or a wrapped window), as an op's argument: *out =
+ * {address of the range, len}. Refused naming `byte_offset` when it is not a
+ * multiple of the element's size, `len` when the range passes the buffer's
+ * end, `dtype` when it is not a moe_ep_dtype_t. The range is symmetric
+ * memory like its buffer; give every rank the same offset. The ops check the
+ * rest (length for their shapes, 16-byte aligned token rows). */
+moe_ep_status_t moe_ep_buffer_range(const moe_ep_buffer_t *buffer, uint64_t byte_offset,
+                                    moe_ep_dtype_t dtype, size_t len, moe_ep_buf_mut_t *out);
 
 /* ---- ops (collective, on the caller's stream) -------------------------- */
 

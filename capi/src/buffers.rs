@@ -4,7 +4,15 @@
 //! of its buffers; the pool buffers (`moe_ep_buffer_t`) and a dispatch's
 //! receive buffers (`moe_ep_dispatched_t`); and the symmetric-memory calls
 //! (`moe_ep_pool_alloc`, `moe_ep_buffer_free`, `moe_ep_buffer_get`,
-//! `moe_ep_is_symm_backed`).
+//! `moe_ep_is_symm_backed`), with the caller's own windows (ABI 4:
+//! `moe_ep_pool_wrap_window`, on virtual ranks `moe_ep_pool_wrap_device`)
+//! and ranges of a buffer as any op's argument (`moe_ep_buffer_range`).
+//!
+//! A range of a wrapped window is accepted by every op as any buffer is: the
+//! ops take `(pointer, length)`, and one that lies inside a registered
+//! window of the group's communicator (`is_symm_backed`) is symmetric
+//! memory, located by its window and offset, which the kernels compare
+//! between ranks before they touch a peer's copy.
 
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
@@ -188,6 +196,16 @@ impl<T> Kept<T> {
 }
 
 impl CBuffer {
+    /// The buffer's size in bytes.
+    fn bytes(&self) -> usize {
+        match self {
+            CBuffer::Bf16(b) => b.num_bytes(),
+            CBuffer::F32(b) => b.num_bytes(),
+            CBuffer::I32(b) => b.num_bytes(),
+            CBuffer::I64(b) => b.num_bytes(),
+            CBuffer::U8(b) => b.num_bytes(),
+        }
+    }
     fn ptr_len(&self) -> (u64, usize) {
         match self {
             CBuffer::Bf16(b) => (b.device_ptr(), b.len()),
@@ -244,6 +262,121 @@ pub unsafe extern "C" fn moe_ep_buffer_get(buffer: *const CBuffer, out: *mut CBu
     })
 }
 
+/// Bytes of one element of `dtype`, or an error naming `arg`.
+pub(crate) fn dtype_bytes(arg: &'static str, dtype: c_int) -> Result<usize> {
+    Ok(match dtype {
+        MOE_EP_DTYPE_BF16 => 2,
+        MOE_EP_DTYPE_F32 | MOE_EP_DTYPE_I32 => 4,
+        MOE_EP_DTYPE_I64 => 8,
+        MOE_EP_DTYPE_U8 => 1,
+        d => return Err(Error::arg(arg, "a moe_ep_dtype_t (1..=5)", d)),
+    })
+}
+
+/// `len` elements of `elem` bytes starting `offset` bytes into a buffer of
+/// `bytes` bytes at `ptr`: the range's address, or why not (naming
+/// `byte_offset` or `len`).
+pub(crate) fn range_in(
+    (ptr, bytes): (u64, usize),
+    offset: u64,
+    elem: usize,
+    len: usize,
+) -> Result<u64> {
+    if !offset.is_multiple_of(elem as u64) {
+        return Err(Error::arg(
+            "byte_offset",
+            format!("a multiple of the element's {elem} bytes"),
+            offset,
+        ));
+    }
+    let end = len
+        .checked_mul(elem)
+        .and_then(|n| offset.checked_add(n as u64));
+    match end {
+        Some(end) if end <= bytes as u64 => Ok(ptr + offset),
+        _ => Err(Error::arg(
+            "len",
+            format!("a range inside the buffer's {bytes} bytes"),
+            format!("{len} elements of {elem} bytes from byte {offset}"),
+        )),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_pool_wrap_window(
+    group: *const CGroup,
+    window: *mut c_void,
+    base: *mut c_void,
+    bytes: usize,
+    out: *mut *mut CBuffer,
+) -> Status {
+    ffi(|| {
+        let g = unsafe { obj(group, "group") }?;
+        let out = out_ptr(out, "out")?;
+        if g.comm().is_virtual() {
+            // Every rank of a virtual world is: refused alike, before the
+            // collective.
+            return Err(Error::arg(
+                "window",
+                "an NCCL window of a group of NCCL ranks (virtual ranks have none: wrap a \
+                 device buffer with moe_ep_pool_wrap_device)",
+                "a window given to a group of virtual ranks",
+            ));
+        }
+        // SAFETY: the header's contract: `window` is a live symmetric window
+        // (Segment::wrap checks that it is one of the group's communicator
+        // and that its copy here is the memory at `base`) of `bytes` bytes
+        // here, registered until the group is destroyed.
+        let b = unsafe { g.pool().wrap_window::<u8>(window, base as u64, bytes) }?;
+        unsafe { *out = boxed(CBuffer::U8(b)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_pool_wrap_device(
+    group: *const CGroup,
+    base: *mut c_void,
+    bytes: usize,
+    out: *mut *mut CBuffer,
+) -> Status {
+    ffi(|| {
+        let g = unsafe { obj(group, "group") }?;
+        let out = out_ptr(out, "out")?;
+        if !g.comm().is_virtual() {
+            return Err(Error::arg(
+                "group",
+                "a group of virtual ranks (on NCCL ranks, register an NCCL window and wrap it \
+                 with moe_ep_pool_wrap_window)",
+                "a group of NCCL ranks",
+            ));
+        }
+        // SAFETY: the header's contract: `bytes` of device memory of the
+        // group's GPU at `base`, allocated until the group is destroyed.
+        let b = unsafe { g.pool().wrap_device::<u8>(base as u64, bytes) }?;
+        unsafe { *out = boxed(CBuffer::U8(b)) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_buffer_range(
+    buffer: *const CBuffer,
+    byte_offset: u64,
+    dtype: c_int,
+    len: usize,
+    out: *mut CBufMut,
+) -> Status {
+    ffi(|| {
+        let b = unsafe { obj(buffer, "buffer") }?;
+        let out = out_ptr(out, "out")?;
+        let elem = dtype_bytes("dtype", dtype)?;
+        let at = range_in((b.ptr_len().0, b.bytes()), byte_offset, elem, len)?;
+        unsafe { *out = CBufMut::of(at, len) };
+        Ok(())
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_is_symm_backed(
     group: *const CGroup,
@@ -274,5 +407,25 @@ mod tests {
         .to_string();
         assert!(e.contains("`out`") && e.contains("expert_out"), "{e}");
         disjoint(&[Some(("out", 0x1000, 64))], &[Some(("x", 0x1040, 64))]).unwrap();
+    }
+
+    /// A range of a buffer: inside it, its offset a multiple of the element.
+    #[test]
+    fn ranges_of_a_buffer() {
+        let buf = (0x10000u64, 4096usize);
+        assert_eq!(range_in(buf, 0, 2, 2048).unwrap(), 0x10000);
+        assert_eq!(range_in(buf, 128, 2, 1984).unwrap(), 0x10080);
+        assert_eq!(range_in(buf, 4096, 4, 0).unwrap(), 0x11000);
+        let arg = |r: Result<u64>| match r {
+            Err(Error::InvalidArgument { arg, .. }) => arg,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(arg(range_in(buf, 130, 4, 1)), "byte_offset");
+        assert_eq!(arg(range_in(buf, 128, 2, 1985)), "len");
+        assert_eq!(arg(range_in(buf, 0, 8, usize::MAX)), "len");
+        assert_eq!(arg(range_in(buf, u64::MAX - 7, 8, 2)), "len");
+        assert_eq!(dtype_bytes("dtype", MOE_EP_DTYPE_BF16).unwrap(), 2);
+        assert_eq!(dtype_bytes("dtype", MOE_EP_DTYPE_I64).unwrap(), 8);
+        assert!(dtype_bytes("dtype", 0).is_err());
     }
 }

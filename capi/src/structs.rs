@@ -12,8 +12,10 @@ use moe_ep::error::{Error, Result};
 
 /// The ABI version of this library (`MOE_EP_ABI_VERSION`): one more with
 /// every release that adds to the ABI (the header has the rule). 2: the
-/// low-latency mode; 3: `moe_ep_group_config_t.ranks_per_node`.
-pub const ABI_VERSION: u32 = 3;
+/// low-latency mode; 3: `moe_ep_group_config_t.ranks_per_node`; 4: the
+/// caller's windows (`moe_ep_pool_wrap_window`, `moe_ep_pool_wrap_device`)
+/// and `moe_ep_buffer_range`.
+pub const ABI_VERSION: u32 = 4;
 
 /// The first two fields of every versioned struct.
 #[repr(C)]

@@ -511,6 +511,15 @@ static void arguments(void) {
          NULL);
   expect("buffer_get of NULL", moe_ep_buffer_get(NULL, &bm), BAD, "`buffer`", NULL);
   expect("is_symm_backed of NULL", moe_ep_is_symm_backed(NULL, fake, 8, &n), BAD, "`group`", NULL);
+  /* The caller's windows (ABI 4): the group, the buffer and the out-parameter
+   * are named before anything is wrapped. */
+  expect("pool_wrap_window of a NULL group",
+         moe_ep_pool_wrap_window(NULL, (struct ncclWindow_vidmem *)fake, fake, 4096, &b), BAD,
+         "`group`", NULL);
+  expect("pool_wrap_device of a NULL group", moe_ep_pool_wrap_device(NULL, fake, 4096, &b), BAD,
+         "`group`", NULL);
+  expect("buffer_range of a NULL buffer",
+         moe_ep_buffer_range(NULL, 0, MOE_EP_DTYPE_BF16, 8, &bm), BAD, "`buffer`", NULL);
   expect("tokens_per_local_expert of NULL", moe_ep_handle_tokens_per_local_expert(NULL, &bi), BAD,
          "`handle`", NULL);
   moe_ep_recv_buffers_t rb = MOE_EP_RECV_BUFFERS_INIT;

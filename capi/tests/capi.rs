@@ -6,7 +6,9 @@
 //! the C compiler sees them equal the Rust mirrors of this crate. The shared
 //! library carries its SONAME, and `capi/install.sh` installs a package that
 //! `pkg-config --cflags --libs moe_ep` links the C test against (shared and
-//! static).
+//! static). On a GPU, `capi/tests/window_test.c` wraps a buffer the caller
+//! registered itself and dispatches into it at a byte offset (without one
+//! it says `SKIP: c_window_dispatch_at_an_offset: no GPU`).
 //!
 //! Needs `cc`, `c++`, `readelf` and `pkg-config` on the PATH (`CC`, `CXX`,
 //! `READELF`, `PKG_CONFIG` override them). In this file `moe_ep` is this
@@ -82,10 +84,15 @@ fn tmp(name: &str) -> PathBuf {
 
 /// Builds the C test into `name`, with `flags` (include paths, libraries).
 fn build_c_test_with(name: &str, flags: &[&str]) -> PathBuf {
+    build_c_file("abi_test.c", name, flags)
+}
+
+/// Builds `tests/<source>` into `name`, with `flags`.
+fn build_c_file(source: &str, name: &str, flags: &[&str]) -> PathBuf {
     let out = tmp(name);
     run(Command::new(tool("CC", "cc"))
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic"])
-        .arg(Path::new(ROOT).join("tests/abi_test.c"))
+        .arg(Path::new(ROOT).join("tests").join(source))
         .arg("-o")
         .arg(&out)
         .args(flags));
@@ -98,12 +105,18 @@ fn build_c_test(name: &str, link: &[&str]) -> PathBuf {
     build_c_test_with(name, &[&[inc.as_str()], link].concat())
 }
 
-/// The C test against libmoe_ep.so of `lib_dir()`, into `name`. The program
+/// The C test against libmoe_ep.so of `lib_dir()`, into `name` (see
+/// [`shared_c_file`]).
+fn shared_test(name: &str) -> PathBuf {
+    shared_c_file("abi_test.c", name, &[])
+}
+
+/// `tests/<source>` against libmoe_ep.so of `lib_dir()`, into `name`. The program
 /// needs the library by its SONAME, which cargo does not make: a directory
 /// of this test holds it as a link to the built file, and the program finds
 /// it there through DT_RPATH, which (unlike RUNPATH) comes before the
 /// LD_LIBRARY_PATH that cargo gives tests.
-fn shared_test(name: &str) -> PathBuf {
+fn shared_c_file(source: &str, name: &str, extra: &[&str]) -> PathBuf {
     let dir = lib_dir();
     let sodir = tmp(&format!("{name}-lib"));
     std::fs::create_dir_all(&sodir).unwrap();
@@ -111,15 +124,16 @@ fn shared_test(name: &str) -> PathBuf {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(dir.join("libmoe_ep.so"), &link).unwrap();
     let (d, s) = (dir.to_str().unwrap(), sodir.to_str().unwrap());
-    build_c_test(
-        name,
-        &[
-            &format!("-L{d}"),
-            "-lmoe_ep",
-            &format!("-Wl,-rpath,{s}"),
-            "-Wl,--disable-new-dtags",
-        ],
-    )
+    let inc = format!("-I{}", Path::new(ROOT).join("include").display());
+    let (libs, rpath) = (format!("-L{d}"), format!("-Wl,-rpath,{s}"));
+    let flags = [
+        inc.as_str(),
+        &libs,
+        "-lmoe_ep",
+        &rpath,
+        "-Wl,--disable-new-dtags",
+    ];
+    build_c_file(source, name, &[&flags[..], extra].concat())
 }
 
 /// The checks must pass without a GPU against both libraries.
@@ -143,6 +157,38 @@ fn c_test_passes_against_the_static_and_the_shared_library() {
         println!("{}:\n{text}", exe.display());
         assert!(text.contains("passed: 0 failures"), "{text}");
     }
+}
+
+/// On a GPU (one: 2 virtual ranks and `moe_ep_pool_wrap_device`; two: 2
+/// NCCL ranks, a communicator and window the C program makes itself, and
+/// `moe_ep_pool_wrap_window`): a range of the wrapped buffer at a byte
+/// offset is dispatch's `recv_tokens`, written in place, and combine's
+/// `expert_out`, read in place, every value checked; `moe_ep_buffer_range`
+/// and the wrap of the other kind refused by name. Without a GPU the program
+/// prints `SKIP: c_window_dispatch_at_an_offset: no GPU (...)`, passed on to
+/// the test's output.
+#[test]
+fn c_window_dispatch_at_an_offset() {
+    use std::io::Write;
+    let exe = shared_c_file("window_test.c", "window_test", &["-lpthread", "-ldl"]);
+    let out = Command::new(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    if let Some(skip) = text.lines().find(|l| l.starts_with("SKIP: ")) {
+        // Past the test harness's capture: scripts/test.sh counts it.
+        let _ = writeln!(std::io::stderr(), "{skip}");
+        assert!(out.status.success(), "{text}");
+        return;
+    }
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("passed: 0 failures"),
+        "{} ({}):\n{text}",
+        exe.display(),
+        out.status
+    );
 }
 
 /// The Rust mirrors' sizes, offsets and magics, by C name.

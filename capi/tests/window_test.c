@@ -1,0 +1,386 @@
+/* The C ABI on a GPU: a buffer the caller allocated and registered itself,
+ * wrapped in a group's pool, and a range of it at a byte offset used as
+ * dispatch's recv_tokens (written in place) and then, identity experts, as
+ * combine's expert_out (read in place by every rank). Built and run by
+ * capi/tests/capi.rs against libmoe_ep.so; without a GPU it prints
+ * "SKIP: c_window_dispatch_at_an_offset: no GPU (...)" and exits 0.
+ *
+ * World 2, one thread per rank. With 2 GPUs and libnccl.so.2
+ * (MOE_EP_NCCL_LIBRARY names another), an NCCL communicator this test makes
+ * itself (borrowed with moe_ep_comm_borrow_nccl) and an NCCL window it
+ * registers over ncclMemAlloc memory, wrapped with moe_ep_pool_wrap_window;
+ * with one GPU, two virtual ranks on it (moe_ep_comm_create_virtual) and a
+ * cuMemAlloc buffer wrapped with moe_ep_pool_wrap_device, the virtual
+ * counterpart. The CUDA driver and NCCL are loaded at run time, as the
+ * library loads them: nothing here needs their headers.
+ *
+ * Routing: 4 experts, 2 a rank, every token to experts 0 and 2, so every
+ * rank receives every token of both ranks, rank-major: row s * T + t is
+ * token t of rank s. Token values are small integers (exact in bf16), so
+ * combine's sum over the two ranks is exactly 2 x.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "moe_ep.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define TEST "c_window_dispatch_at_an_offset"
+enum { WORLD = 2, T = 8, HIDDEN = 256, EXPERTS = 4, TOPK = 2 };
+/* The range starts 3 rows and 128 bytes into the window (16-byte aligned). */
+#define OFFSET ((uint64_t)(3 * HIDDEN * 2 + 128))
+#define WINDOW_BYTES ((size_t)2 << 20)
+#define FILLER 0x7f7fu
+
+/* ---- the CUDA driver and NCCL, loaded at run time ---------------------- */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+
+static struct {
+  CUresult (*init)(unsigned);
+  CUresult (*device_get_count)(int *);
+  CUresult (*device_get)(CUdevice *, int);
+  CUresult (*primary_ctx_retain)(CUcontext *, CUdevice);
+  CUresult (*ctx_set_current)(CUcontext);
+  CUresult (*stream_create)(moe_ep_stream_t *, unsigned);
+  CUresult (*stream_destroy)(moe_ep_stream_t);
+  CUresult (*stream_synchronize)(moe_ep_stream_t);
+  CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+  CUresult (*mem_free)(CUdeviceptr);
+  CUresult (*htod)(CUdeviceptr, const void *, size_t, moe_ep_stream_t);
+  CUresult (*dtoh)(void *, CUdeviceptr, size_t, moe_ep_stream_t);
+} cu;
+
+typedef struct {
+  char internal[128];
+} nccl_id_t;
+
+static struct {
+  int (*get_unique_id)(nccl_id_t *);
+  int (*comm_init_rank)(struct ncclComm **, int, nccl_id_t, int);
+  int (*comm_destroy)(struct ncclComm *);
+  int (*mem_alloc)(void **, size_t);
+  int (*mem_free)(void *);
+  int (*window_register)(struct ncclComm *, void *, size_t, struct ncclWindow_vidmem **, int);
+  int (*window_deregister)(struct ncclComm *, struct ncclWindow_vidmem *);
+} nccl;
+
+/* dlsym into the function pointer at `field` (copied: -pedantic refuses
+ * the object-to-function cast); 0 when the symbol is missing. */
+static int load(void *lib, void *field, const char *name) {
+  void *sym = dlsym(lib, name);
+  memcpy(field, &sym, sizeof sym);
+  return sym != NULL;
+}
+#define LOAD(lib, field, name) load((lib), &(field), (name))
+
+static int load_cuda(void) {
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) return 0;
+  int ok = LOAD(lib, cu.init, "cuInit") && LOAD(lib, cu.device_get_count, "cuDeviceGetCount") &&
+           LOAD(lib, cu.device_get, "cuDeviceGet") &&
+           LOAD(lib, cu.primary_ctx_retain, "cuDevicePrimaryCtxRetain") &&
+           LOAD(lib, cu.ctx_set_current, "cuCtxSetCurrent") &&
+           LOAD(lib, cu.stream_create, "cuStreamCreate") &&
+           LOAD(lib, cu.stream_destroy, "cuStreamDestroy_v2") &&
+           LOAD(lib, cu.stream_synchronize, "cuStreamSynchronize") &&
+           LOAD(lib, cu.mem_alloc, "cuMemAlloc_v2") && LOAD(lib, cu.mem_free, "cuMemFree_v2") &&
+           LOAD(lib, cu.htod, "cuMemcpyHtoDAsync_v2") &&
+           LOAD(lib, cu.dtoh, "cuMemcpyDtoHAsync_v2");
+  return ok && cu.init(0) == 0;
+}
+
+static int load_nccl(void) {
+  const char *path = getenv("MOE_EP_NCCL_LIBRARY");
+  void *lib = dlopen(path && *path ? path : "libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) return 0;
+  return LOAD(lib, nccl.get_unique_id, "ncclGetUniqueId") &&
+         LOAD(lib, nccl.comm_init_rank, "ncclCommInitRank") &&
+         LOAD(lib, nccl.comm_destroy, "ncclCommDestroy") &&
+         LOAD(lib, nccl.mem_alloc, "ncclMemAlloc") && LOAD(lib, nccl.mem_free, "ncclMemFree") &&
+         LOAD(lib, nccl.window_register, "ncclCommWindowRegister") &&
+         LOAD(lib, nccl.window_deregister, "ncclCommWindowDeregister");
+}
+
+/* ---- checks ------------------------------------------------------------ */
+
+static pthread_mutex_t print_lock = PTHREAD_MUTEX_INITIALIZER;
+static int failures = 0;
+
+static void report(int rank, const char *what, int ok, const char *detail) {
+  pthread_mutex_lock(&print_lock);
+  printf("%s rank %d: %s%s%s\n", ok ? "ok  " : "FAIL", rank, what, detail ? ": " : "",
+         detail ? detail : "");
+  failures += !ok;
+  pthread_mutex_unlock(&print_lock);
+}
+
+/* `got` must be `want`, with a message containing `word` (unless NULL). */
+static int expect(int rank, const char *what, moe_ep_status_t got, moe_ep_status_t want,
+                  const char *word) {
+  const char *msg = got == MOE_EP_OK ? "" : moe_ep_last_error();
+  int ok = got == want && (!word || strstr(msg, word));
+  char detail[1024];
+  snprintf(detail, sizeof detail, "%s%s%s", moe_ep_status_name(got), *msg ? ": " : "", msg);
+  report(rank, what, ok, detail);
+  return ok;
+}
+
+static int cu_ok(int rank, const char *what, CUresult rc) {
+  if (rc != 0) {
+    char detail[64];
+    snprintf(detail, sizeof detail, "CUresult %d", rc);
+    report(rank, what, 0, detail);
+  }
+  return rc == 0;
+}
+
+static uint16_t bf16(float f) { /* exact for the small integers used here */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+
+static float token(int rank, int t, int h) { return (float)(rank * 32 + t + 1 + h % 3); }
+
+/* ---- one rank ----------------------------------------------------------- */
+
+struct rank_args {
+  int rank;
+  int nccl;                /* 1: NCCL ranks on GPUs 0 and 1; 0: virtual ranks on GPU 0 */
+  nccl_id_t id;            /* NCCL ranks: the communicator's id */
+  moe_ep_comm_t *comm;     /* virtual ranks: made by main */
+  pthread_barrier_t *line; /* all ranks meet here between phases */
+};
+
+#define CHECK(call, what) \
+  if (!expect(r, (what), (call), MOE_EP_OK, NULL)) goto out
+
+static void *run_rank(void *p) {
+  struct rank_args *a = p;
+  const int r = a->rank;
+  const int device = a->nccl ? r : 0;
+  CUdevice dev;
+  CUcontext ctx;
+  if (!cu_ok(r, "cuDeviceGet", cu.device_get(&dev, device)) ||
+      !cu_ok(r, "cuDevicePrimaryCtxRetain", cu.primary_ctx_retain(&ctx, dev)) ||
+      !cu_ok(r, "cuCtxSetCurrent", cu.ctx_set_current(ctx)))
+    return NULL;
+  moe_ep_stream_t stream = NULL;
+  struct ncclComm *nc = NULL;
+  struct ncclWindow_vidmem *win = NULL;
+  moe_ep_comm_t *comm = a->comm;
+  moe_ep_group_t *group = NULL;
+  moe_ep_buffer_t *window = NULL;
+  moe_ep_handle_t *handle = NULL;
+  moe_ep_dispatched_t *dispatched = NULL;
+  CUdeviceptr base = 0, x = 0, w = 0, idx = 0, out = 0;
+  void *nccl_mem = NULL;
+  uint16_t *host = malloc(WINDOW_BYTES);
+  /* 1 (NCCL ranks): the communicator and the window, collective. */
+  if (a->nccl) {
+    if (nccl.comm_init_rank(&nc, WORLD, a->id, r) != 0) {
+      report(r, "ncclCommInitRank", 0, NULL);
+      goto out;
+    }
+    CHECK(moe_ep_comm_borrow_nccl(device, nc, &comm), "moe_ep_comm_borrow_nccl");
+    if (nccl.mem_alloc(&nccl_mem, WINDOW_BYTES) != 0 ||
+        nccl.window_register(nc, nccl_mem, WINDOW_BYTES, &win, 1 /* COLL_SYMMETRIC */) != 0) {
+      report(r, "ncclMemAlloc + ncclCommWindowRegister", 0, NULL);
+      goto out;
+    }
+    base = (CUdeviceptr)(uintptr_t)nccl_mem;
+  }
+  /* 2: every allocation before any kernel runs (on virtual ranks a
+   * cuMemAlloc can wait for the GPU, where a sibling's kernels wait). */
+  if (!cu_ok(r, "cuStreamCreate", cu.stream_create(&stream, 1 /* NON_BLOCKING */)) ||
+      (!a->nccl && !cu_ok(r, "cuMemAlloc window", cu.mem_alloc(&base, WINDOW_BYTES))) ||
+      !cu_ok(r, "cuMemAlloc x", cu.mem_alloc(&x, T * HIDDEN * 2)) ||
+      !cu_ok(r, "cuMemAlloc w", cu.mem_alloc(&w, T * TOPK * 4)) ||
+      !cu_ok(r, "cuMemAlloc idx", cu.mem_alloc(&idx, T * TOPK * 8)) ||
+      !cu_ok(r, "cuMemAlloc out", cu.mem_alloc(&out, T * HIDDEN * 2)))
+    goto out;
+  {
+    static uint16_t hx[WORLD][T * HIDDEN];
+    static float hw[WORLD][T * TOPK];
+    static int64_t hi[WORLD][T * TOPK];
+    for (int t = 0; t < T; t++) {
+      for (int h = 0; h < HIDDEN; h++) hx[r][t * HIDDEN + h] = bf16(token(r, t, h));
+      for (int k = 0; k < TOPK; k++) {
+        hw[r][t * TOPK + k] = 1.0f;
+        hi[r][t * TOPK + k] = 2 * k; /* experts 0 (rank 0) and 2 (rank 1) */
+      }
+    }
+    for (size_t i = 0; i < WINDOW_BYTES / 2; i++) host[i] = FILLER;
+    if (!cu_ok(r, "upload x", cu.htod(x, hx[r], sizeof hx[r], stream)) ||
+        !cu_ok(r, "upload w", cu.htod(w, hw[r], sizeof hw[r], stream)) ||
+        !cu_ok(r, "upload idx", cu.htod(idx, hi[r], sizeof hi[r], stream)) ||
+        !cu_ok(r, "fill the window", cu.htod(base, host, WINDOW_BYTES, stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+  }
+  pthread_barrier_wait(a->line);
+
+  /* 3: the group, the window wrapped, the range at OFFSET. */
+  moe_ep_group_config_t cfg = MOE_EP_GROUP_CONFIG_INIT;
+  cfg.num_experts = EXPERTS;
+  cfg.hidden = HIDDEN;
+  cfg.max_tokens_per_rank = T;
+  uint32_t sms = 0;
+  CHECK(moe_ep_comm_max_sms(comm, EXPERTS, &sms), "max_sms");
+  cfg.num_sms = sms < 8 ? sms : 8;
+  CHECK(moe_ep_group_create(comm, &cfg, &group), "group_create");
+  if (a->nccl) {
+    expect(r, "wrap_device on NCCL ranks refused", moe_ep_pool_wrap_device(group, (void *)(uintptr_t)base, WINDOW_BYTES, &window),
+           MOE_EP_ERR_INVALID_ARGUMENT, "`group`");
+    CHECK(moe_ep_pool_wrap_window(group, win, (void *)(uintptr_t)base, WINDOW_BYTES, &window),
+          "pool_wrap_window");
+  } else {
+    expect(r, "wrap_window on virtual ranks refused", moe_ep_pool_wrap_window(group, NULL, (void *)(uintptr_t)base, WINDOW_BYTES, &window),
+           MOE_EP_ERR_INVALID_ARGUMENT, "moe_ep_pool_wrap_device");
+    CHECK(moe_ep_pool_wrap_device(group, (void *)(uintptr_t)base, WINDOW_BYTES, &window),
+          "pool_wrap_device");
+  }
+  moe_ep_buf_mut_t whole;
+  CHECK(moe_ep_buffer_get(window, &whole), "buffer_get");
+  report(r, "the wrapped buffer is the window", whole.ptr == (void *)(uintptr_t)base &&
+                                                    whole.len == WINDOW_BYTES, NULL);
+  uint64_t cap = 0;
+  CHECK(moe_ep_group_recv_capacity(group, &cap), "recv_capacity");
+  moe_ep_buf_mut_t recv, bad;
+  expect(r, "range at an odd byte offset refused",
+         moe_ep_buffer_range(window, OFFSET + 1, MOE_EP_DTYPE_BF16, 4, &bad),
+         MOE_EP_ERR_INVALID_ARGUMENT, "`byte_offset`");
+  expect(r, "range past the end refused",
+         moe_ep_buffer_range(window, OFFSET, MOE_EP_DTYPE_BF16, WINDOW_BYTES / 2, &bad),
+         MOE_EP_ERR_INVALID_ARGUMENT, "`len`");
+  expect(r, "range of dtype 0 refused", moe_ep_buffer_range(window, 0, 0, 1, &bad),
+         MOE_EP_ERR_INVALID_ARGUMENT, "`dtype`");
+  CHECK(moe_ep_buffer_range(window, OFFSET, MOE_EP_DTYPE_BF16, cap * HIDDEN, &recv),
+        "buffer_range");
+  int symm = 0;
+  CHECK(moe_ep_is_symm_backed(group, recv.ptr, recv.len * 2, &symm), "is_symm_backed");
+  report(r, "the range is symmetric memory", symm == 1 && recv.ptr == (char *)whole.ptr + OFFSET,
+         NULL);
+
+  /* 4: layout, dispatch into the range. */
+  moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
+  la.topk_idx = (moe_ep_buf_t){(const void *)(uintptr_t)idx, T * TOPK};
+  la.topk_idx_dtype = MOE_EP_DTYPE_I64;
+  la.topk = TOPK;
+  la.layout = MOE_EP_LAYOUT_RANK_MAJOR;
+  CHECK(moe_ep_layout(group, stream, &la, &handle), "layout");
+  moe_ep_dispatch_args_t da = MOE_EP_DISPATCH_ARGS_INIT;
+  da.x = (moe_ep_buf_t){(const void *)(uintptr_t)x, T * HIDDEN};
+  da.topk_weights = (moe_ep_buf_t){(const void *)(uintptr_t)w, T * TOPK};
+  da.recv_tokens = recv;
+  CHECK(moe_ep_dispatch(group, stream, handle, &da, &dispatched), "dispatch into the range");
+  moe_ep_recv_buffers_t rb = MOE_EP_RECV_BUFFERS_INIT;
+  CHECK(moe_ep_dispatched_buffers(dispatched, &rb), "dispatched_buffers");
+  report(r, "recv_tokens used in place", rb.tokens.ptr == recv.ptr, NULL);
+  if (!cu_ok(r, "sync after dispatch", cu.stream_synchronize(stream)) ||
+      !cu_ok(r, "download the window", cu.dtoh(host, base, WINDOW_BYTES, stream)) ||
+      !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+    goto out;
+  {
+    int before = 1, rows = 1, after = 1;
+    const size_t at = OFFSET / 2, n = (size_t)WORLD * T * HIDDEN;
+    for (size_t i = 0; i < at; i++) before &= host[i] == FILLER;
+    for (size_t i = 0; i < n; i++) {
+      int s = (int)(i / (T * HIDDEN)), t = (int)(i / HIDDEN % T), h = (int)(i % HIDDEN);
+      rows &= host[at + i] == bf16(token(s, t, h));
+    }
+    for (size_t i = at + (size_t)cap * HIDDEN; i < at + (size_t)cap * HIDDEN + HIDDEN; i++)
+      after &= host[i] == FILLER;
+    report(r, "the window before the offset untouched", before, NULL);
+    report(r, "every rank's rows at the offset (row s * T + t: token t of rank s)", rows, NULL);
+    report(r, "the window past the range untouched", after, NULL);
+  }
+
+  /* 5: the same range as combine's expert_out (identity experts). */
+  moe_ep_combine_args_t ca = MOE_EP_COMBINE_ARGS_INIT;
+  ca.expert_out = (moe_ep_buf_t){recv.ptr, recv.len};
+  ca.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
+  CHECK(moe_ep_combine(group, stream, handle, &ca), "combine of the range");
+  {
+    static uint16_t got[WORLD][T * HIDDEN];
+    if (!cu_ok(r, "sync after combine", cu.stream_synchronize(stream)) ||
+        !cu_ok(r, "download out", cu.dtoh(got[r], out, sizeof got[r], stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+    int ok = 1;
+    for (int i = 0; i < T * HIDDEN; i++)
+      ok &= got[r][i] == bf16(2.0f * token(r, i / HIDDEN, i % HIDDEN));
+    report(r, "combine of the window's rows is 2 x (each token reached both ranks)", ok, NULL);
+  }
+  CHECK(moe_ep_group_check(group), "group_check");
+
+out:
+  /* Every rank is done with its peers' windows before anything goes. */
+  pthread_barrier_wait(a->line);
+  moe_ep_dispatched_destroy(dispatched);
+  moe_ep_handle_destroy(handle);
+  moe_ep_buffer_free(window);
+  moe_ep_group_destroy(group);
+  pthread_barrier_wait(a->line);
+  if (win) nccl.window_deregister(nc, win);
+  if (nccl_mem) nccl.mem_free(nccl_mem);
+  if (!a->nccl && base) cu.mem_free(base);
+  if (x) cu.mem_free(x);
+  if (w) cu.mem_free(w);
+  if (idx) cu.mem_free(idx);
+  if (out) cu.mem_free(out);
+  if (stream) cu.stream_destroy(stream);
+  moe_ep_comm_destroy(comm);
+  if (nc) nccl.comm_destroy(nc);
+  free(host);
+  return NULL;
+}
+
+int main(void) {
+  int gpus = 0;
+  if (!load_cuda() || cu.device_get_count(&gpus) != 0 || gpus == 0) {
+    printf("SKIP: " TEST ": no GPU (no CUDA driver, or no device)\n");
+    return 0;
+  }
+  /* A rank that fails can leave its peer in a collective: end the test. */
+  alarm(300);
+  struct rank_args a[WORLD];
+  pthread_barrier_t line;
+  pthread_barrier_init(&line, NULL, WORLD);
+  int use_nccl = gpus >= 2 && load_nccl();
+  nccl_id_t id;
+  memset(&id, 0, sizeof id);
+  moe_ep_comm_t *comms[WORLD] = {NULL, NULL};
+  if (use_nccl) {
+    if (nccl.get_unique_id(&id) != 0) {
+      printf("FAILED: ncclGetUniqueId\n");
+      return 1;
+    }
+    printf(TEST ": 2 NCCL ranks on GPUs 0 and 1, an NCCL window (moe_ep_pool_wrap_window)\n");
+  } else {
+    moe_ep_status_t s = moe_ep_comm_create_virtual(0, WORLD, comms);
+    if (s != MOE_EP_OK) {
+      printf("FAILED: moe_ep_comm_create_virtual: %s: %s\n", moe_ep_status_name(s),
+             moe_ep_last_error());
+      return 1;
+    }
+    printf(TEST ": 2 virtual ranks on GPU 0, a device buffer (moe_ep_pool_wrap_device)\n");
+  }
+  pthread_t th[WORLD];
+  for (int r = 0; r < WORLD; r++) {
+    a[r] = (struct rank_args){r, use_nccl, id, comms[r], &line};
+    pthread_create(&th[r], NULL, run_rank, &a[r]);
+  }
+  for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+  pthread_barrier_destroy(&line);
+  printf("%s: %d failures\n", failures ? "FAILED" : "passed", failures);
+  return failures ? 1 : 0;
+}
