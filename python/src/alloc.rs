@@ -70,7 +70,22 @@ pub unsafe extern "C" fn moe_ep_torch_alloc(
         if device < 0 || device as usize != ctx.ordinal() || size < 0 {
             return None;
         }
-        let b = pool.alloc::<u8>(size as usize).ok()?;
+        // A new segment is a host collective of a virtual world, and torch
+        // calls this with the GIL held (torch.empty): release it while the
+        // pool allocates, or the sibling ranks' threads could never reach
+        // their own allocation. (Ensure first: the GIL may not be held.)
+        // SAFETY: the interpreter runs (CURRENT is set from Python only);
+        // the pairs are balanced on this thread.
+        let b = unsafe {
+            let g = pyo3::ffi::PyGILState_Ensure();
+            let ts = pyo3::ffi::PyEval_SaveThread();
+            let b = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.alloc::<u8>(size as usize)
+            }));
+            pyo3::ffi::PyEval_RestoreThread(ts);
+            pyo3::ffi::PyGILState_Release(g);
+            b.ok()?.ok()?
+        };
         let p = b.device_ptr();
         live().lock().ok()?.insert(p, (b, ctx));
         Some(p as *mut c_void)
