@@ -204,7 +204,8 @@ class Group:
     ``num_experts``, ``hidden``, ``max_tokens_per_rank``, ``mode``
     (``"high_throughput"`` or ``"low_latency"``), ``recv_capacity`` (0: world
     * max tokens), ``num_sms``, ``combine_chunks``, ``timeout`` (seconds),
-    ``ranks_per_node`` (0: one node), ``hop_chunk_rows``.
+    ``ranks_per_node`` (0: one node), ``hop_chunk_rows``, ``overflow``
+    (``"error"`` or ``"drop"``: rows beyond the receive capacity).
 
     Every op runs on torch's current stream of the group's GPU, or on
     ``stream=``; its arrays must be C-contiguous CUDA memory of that GPU, of

@@ -17,7 +17,7 @@ use moe_ep::cuda::CudaContext;
 use moe_ep::error::Error;
 use moe_ep::ops::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, EpGroup, GroupConfig,
-    Handle as EpHandle, Mode, RecvBuf, RecvLayout, TopkIdx,
+    Handle as EpHandle, Mode, Overflow, RecvBuf, RecvLayout, TopkIdx,
 };
 use moe_ep::runtime::{Communicator, UniqueId};
 use moe_ep::{bf16, SymmBuffer};
@@ -332,7 +332,7 @@ impl Group {
     #[new]
     #[pyo3(signature = (comm, *, num_experts, hidden, max_tokens_per_rank, mode="high_throughput",
         recv_capacity=0, num_sms=None, combine_chunks=None, timeout=None, ranks_per_node=0,
-        hop_chunk_rows=None))]
+        hop_chunk_rows=None, overflow="error"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -347,6 +347,7 @@ impl Group {
         timeout: Option<f64>,
         ranks_per_node: usize,
         hop_chunk_rows: Option<usize>,
+        overflow: &str,
     ) -> PyResult<Group> {
         guarded(py, || {
             let mut cfg = GroupConfig::new(num_experts, hidden, max_tokens_per_rank);
@@ -365,6 +366,11 @@ impl Group {
             if let Some(r) = hop_chunk_rows {
                 cfg.hop_chunk_rows = r;
             }
+            cfg.overflow = match overflow {
+                "error" => Overflow::Error,
+                "drop" => Overflow::Drop,
+                other => return Err(value_err("overflow", "\"error\" or \"drop\"", other)),
+            };
             let c = comm.comm.clone();
             let g = detached(py, || EpGroup::new(&c, cfg))?;
             Ok(Group {
@@ -419,6 +425,13 @@ impl Group {
         d.set_item("timeout", c.timeout.as_secs_f64())?;
         d.set_item("ranks_per_node", c.ranks_per_node)?;
         d.set_item("hop_chunk_rows", c.hop_chunk_rows)?;
+        d.set_item(
+            "overflow",
+            match c.overflow {
+                Overflow::Error => "error",
+                Overflow::Drop => "drop",
+            },
+        )?;
         Ok(d)
     }
 
