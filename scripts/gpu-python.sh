@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (python3 with torch + CUDA; no Rust toolchain, no
 # network), from the repository root with the wheel built here in .pywheel/
-# (.toolchain/maturin/bin/maturin build --release -m python/Cargo.toml -o .pywheel):
+# (.toolchain/maturin/bin/maturin build --release --compatibility linux -m python/Cargo.toml
+# -o .pywheel: the plain linux tag, which pip takes whatever the GPU machine's glibc;
+# the binary needs glibc >= 2.34 as built on Debian 12):
 # installs it into /tmp/site, then runs the Python package's GPU tests at
 # NCCL world 1 and virtual worlds 2, 4 and 8, the example at virtual world 4
 # and NCCL world 1, and the overhead measurement (Python over Rust). Logs
