@@ -39,6 +39,9 @@ const HIDDEN: usize = 1024;
 const TOPK: usize = 4;
 const TOKENS: usize = 96;
 const SEED: u64 = 0xF8;
+/// The groups' bound on waits: far above any wait here, also under
+/// compute-sanitizer (which slows the kernels many times over).
+const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The routing and weights of every rank (the same on every rank: each
 /// computes the reference for all).
@@ -78,7 +81,7 @@ fn group(r: &Rank, zero_padding: bool) -> Result<EpGroup> {
     let mut cfg: GroupConfig = r.config(EXPERTS, HIDDEN, TOKENS)?;
     // Enough for expert-major alignment 16 of any routing here.
     cfg.recv_capacity = r.world * TOKENS * TOPK.min(EXPERTS / r.world) + EXPERTS * 16;
-    cfg.timeout = Duration::from_secs(10);
+    cfg.timeout = TIMEOUT;
     cfg.zero_padding = zero_padding;
     EpGroup::new(&r.comm, cfg)
 }
@@ -461,6 +464,8 @@ fn round_trip_against(
         None => DispatchOut::default(),
     };
     let got = g.dispatch(s, handle, &x, &tw, out)?;
+    // What the kernels found first (a timeout, a refusal), before the data.
+    g.check()?;
     let rows = want.num_rows;
     first_diff(
         "tokens",
@@ -487,6 +492,7 @@ fn round_trip_against(
         .alloc_zeros::<bf16>(me.tokens.len().max(1))
         .map_err(Error::cuda("alloc"))?;
     g.combine(s, handle, &got.tokens, None, &mut out)?;
+    g.check()?;
     first_diff(
         "combine",
         &bits(&down(s, &out, me.tokens.len())?),
@@ -515,7 +521,7 @@ fn overflow_drop_and_error_below_capacity() {
             for policy in [Overflow::Drop, Overflow::Error] {
                 let mut cfg = r.config(EXPERTS, HIDDEN, TOKENS)?;
                 cfg.recv_capacity = cap;
-                cfg.timeout = Duration::from_secs(10);
+                cfg.timeout = TIMEOUT;
                 cfg.overflow = policy;
                 let g = EpGroup::new(&r.comm, cfg)?;
                 let t0 = std::time::Instant::now();

@@ -1065,7 +1065,7 @@ fn prop_drop_keeps_what_fits_and_reports_the_rest() {
                 let before = rows(&c.inputs, d);
                 let after = rows(&dr.kept, d);
                 assert!(
-                    after <= cap.max(0),
+                    after <= cap,
                     "seed {seed} {layout:?} rank {d}: {after} > {cap}"
                 );
                 if before > cap {
