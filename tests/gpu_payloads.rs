@@ -32,7 +32,7 @@ use moe_ep::{
 
 #[path = "common/device.rs"]
 mod device;
-use device::{bits, down, first_diff, up, weights_per_row};
+use device::{bits, down, f32_bits, first_diff, up, weights_per_row};
 
 const EXPERTS: usize = 64;
 const HIDDEN: usize = 1024;
@@ -125,28 +125,46 @@ fn check_fp8(
         (RecvScales::F32Per128(b), false) => {
             let sc: Vec<Vec<f32>> = (0..w).map(|q| f32_of(q, t_of(q), seed)).collect();
             let want_sc = refr::dispatch_rows(&sh, inputs, &sc, HIDDEN / 128, me, layout)?;
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             first_diff(
                 "f32 scales",
-                &bits(&down(s, b, rows * HIDDEN / 128)?),
-                &bits(&want_sc),
+                &f32_bits(&down(s, b, rows * HIDDEN / 128)?),
+                &f32_bits(&want_sc),
             )?;
         }
         _ => return Err(Error::InvalidState("scales of the other kind".into())),
     }
-    let wpr = weights_per_row(layout, TOPK);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    check_meta(
+        s,
+        (&got.topk_weights, &got.topk_idx, &got.src),
+        weights_per_row(layout, TOPK),
+        &want,
+    )
+}
+
+/// A dispatch's received weights, local expert ids and sources (rows of
+/// the reference's `want`) against the reference, bit for bit.
+fn check_meta(
+    s: &Arc<CudaStream>,
+    (w, idx, src): (
+        &dyn DeviceRegion<f32>,
+        &dyn DeviceRegion<i32>,
+        &dyn DeviceRegion<i32>,
+    ),
+    wpr: usize,
+    want: &refr::DispatchOutput,
+) -> Result<()> {
+    let rows = want.num_rows;
     first_diff(
         "weights",
-        &bits(&down(s, &got.topk_weights, rows * wpr)?),
-        &bits(&want.topk_weights),
+        &f32_bits(&down(s, w, rows * wpr)?),
+        &f32_bits(&want.topk_weights),
     )?;
     first_diff(
         "local ids",
-        &down(s, &got.topk_idx, rows * wpr)?,
+        &down(s, idx, rows * wpr)?,
         &want.topk_local_idx,
     )?;
-    let src: Vec<(i32, i32)> = down(s, &got.src, rows * 2)?
+    let src: Vec<(i32, i32)> = down(s, src, rows * 2)?
         .chunks(2)
         .map(|p| (p[0], p[1]))
         .collect();
@@ -472,17 +490,7 @@ fn round_trip_against(
         &bits(&down(s, &got.tokens, rows * HIDDEN)?),
         &bits(&want.tokens),
     )?;
-    let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    first_diff(
-        "weights",
-        &fb(&down(s, &got.topk_weights, rows * wpr)?),
-        &fb(&want.topk_weights),
-    )?;
-    first_diff(
-        "local ids",
-        &down(s, &got.topk_idx, rows * wpr)?,
-        &want.topk_local_idx,
-    )?;
+    check_meta(s, (&got.topk_weights, &got.topk_idx, &got.src), wpr, &want)?;
     // Identity experts: combine reads the received rows in place.
     let expert_out: Vec<Vec<bf16>> = (0..w)
         .map(|d| Ok(refr::dispatch(&sh, kept, d, layout)?.tokens))
