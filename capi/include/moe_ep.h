@@ -72,20 +72,27 @@ extern "C" {
  * low-latency mode (MOE_EP_MODE_LOW_LATENCY and the moe_ep_ll_* calls), ABI 3
  * moe_ep_group_config_t.ranks_per_node, ABI 4 the caller's own symmetric
  * memory (moe_ep_pool_wrap_window, moe_ep_pool_wrap_device) and ranges of a
- * buffer (moe_ep_buffer_range).
+ * buffer (moe_ep_buffer_range), ABI 5 what a TransformerEngine-style runtime
+ * needs: the fp8 dispatch (moe_ep_dispatch_fp8, moe_ep_fp8_scales_t,
+ * moe_ep_recv_buffers_t.scales and .scale_kind), the padding and overflow
+ * policies (moe_ep_group_config_t.padding and .overflow), eager sizing and
+ * the drop policy's results (moe_ep_handle_counts_t.max_recv_rows and
+ * .dropped_rows, moe_ep_handle_dropped_rows, moe_ep_handle_dropped_slots,
+ * moe_ep_handle_kept_topk_idx) and the memory footprint
+ * (moe_ep_group_memory_footprint, moe_ep_handle_device_bytes).
  *
  * That name is the shared library's SONAME, libmoe_ep.so.1: its number is
  * the ABI's major version, which only such a breaking change raises, so a
  * program linked against any ABI of major 1 loads every later library of
  * major 1 and never one of another major. The library is installed as
- * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.4) with the
+ * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.5) with the
  * links libmoe_ep.so.1 and libmoe_ep.so; the pkg-config and CMake packages
- * have the version <major>.<MOE_EP_ABI_VERSION> (1.4): a caller of ABI N
+ * have the version <major>.<MOE_EP_ABI_VERSION> (1.5): a caller of ABI N
  * asks for at least 1.N. */
 #define MOE_EP_VERSION_MAJOR 0
 #define MOE_EP_VERSION_MINOR 1
 #define MOE_EP_VERSION_PATCH 0
-#define MOE_EP_ABI_VERSION 4
+#define MOE_EP_ABI_VERSION 5
 
 /* ---- status codes ---------------------------------------------------- */
 
@@ -149,6 +156,30 @@ typedef enum moe_ep_ll_state {
   MOE_EP_LL_COMBINED = 4
 } moe_ep_ll_state_t;
 
+/* Expert-major padding rows (moe_ep_group_config_t.padding, ABI 5). */
+typedef enum moe_ep_padding {
+  MOE_EP_PADDING_ZERO = 0,      /* zero codes, rows and scales of each expert's padding rows */
+  MOE_EP_PADDING_UNTOUCHED = 1  /* leave them as they are (a grouped GEMM that takes per-expert
+                                   counts never reads them); their weights, ids and sources are
+                                   marked either way (0, -1, (-1, -1)) */
+} moe_ep_padding_t;
+
+/* Rows over a rank's recv_capacity (moe_ep_group_config_t.overflow, ABI 5). */
+typedef enum moe_ep_overflow {
+  MOE_EP_OVERFLOW_ERROR = 0,  /* every rank stops in that call, MOE_EP_ERR_CAPACITY_EXCEEDED
+                                 (moe_ep_group_check reports it); nothing is written */
+  MOE_EP_OVERFLOW_DROP = 1    /* the rows past the capacity are dropped, the same way on every
+                                 rank (see moe_ep_group_config_t.overflow); one node only */
+} moe_ep_overflow_t;
+
+/* The block scales of fp8 rows (moe_ep_dispatch_fp8_args_t.scale_kind,
+ * moe_ep_recv_buffers_t.scale_kind; ABI 5). */
+typedef enum moe_ep_fp8_scales {
+  MOE_EP_FP8_SCALES_NONE = 0,         /* no scales: bf16 rows (a result's kind only) */
+  MOE_EP_FP8_SCALES_E8M0_PER_32 = 1,  /* MXFP8: one e8m0 exponent byte per 32 values, [rows, hidden / 32] u8 */
+  MOE_EP_FP8_SCALES_F32_PER_128 = 2   /* one f32 per 128 values (DeepEP's recipe), [rows, hidden / 128] f32 */
+} moe_ep_fp8_scales_t;
+
 /* ---- opaque handles ---------------------------------------------------- */
 
 typedef struct moe_ep_comm moe_ep_comm_t;             /* one rank of a world */
@@ -192,6 +223,8 @@ typedef struct moe_ep_buf_mut {  /* an output */
 #define MOE_EP_MAGIC_LL_COMBINE_ARGS 0x4d4f450bu
 #define MOE_EP_MAGIC_LL_HANDLE_INFO 0x4d4f450cu
 #define MOE_EP_MAGIC_LL_BUFFERS 0x4d4f450du
+#define MOE_EP_MAGIC_DISPATCH_FP8_ARGS 0x4d4f450eu
+#define MOE_EP_MAGIC_MEMORY_FOOTPRINT 0x4d4f450fu
 
 /* Output of moe_ep_version. */
 typedef struct moe_ep_version_info {
@@ -221,8 +254,23 @@ typedef struct moe_ep_group_config {
                                     divisor of the world, at most 8; 0: the whole world on one
                                     node. Below the world size: several nodes, the two-level
                                     path (see moe_ep_group_create) */
+  uint32_t padding;              /* (ABI 5) moe_ep_padding_t: expert-major padding rows (and
+                                    the combine backward's) zeroed (0) or left untouched. Each
+                                    rank's own choice (it writes only its own rows) */
+  uint32_t overflow;             /* (ABI 5) moe_ep_overflow_t, the same on every rank; 0: an
+                                    error. MOE_EP_OVERFLOW_DROP (high throughput, one node):
+                                    a rank's senders share its capacity by water-filling
+                                    (rank-major: the largest per-source quota that fits, then
+                                    one more row for each source that has more, lowest rank
+                                    first; expert-major: per local expert, in whole blocks of
+                                    the alignment, lowest expert first), and each source or
+                                    expert keeps its first rows in (source rank, token) order.
+                                    A dropped (token, expert) is not sent, its combine adds
+                                    nothing and its gradients are zero; see
+                                    moe_ep_handle_dropped_slots, moe_ep_handle_dropped_rows,
+                                    moe_ep_handle_kept_topk_idx */
 } moe_ep_group_config_t;
-#define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define MOE_EP_GROUP_CONFIG_INIT {sizeof(moe_ep_group_config_t), MOE_EP_MAGIC_GROUP_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
 typedef struct moe_ep_layout_args {
   uint32_t size;
@@ -274,16 +322,25 @@ typedef struct moe_ep_dispatch_backward_args {
 #define MOE_EP_DISPATCH_BACKWARD_ARGS_INIT {sizeof(moe_ep_dispatch_backward_args_t), MOE_EP_MAGIC_DISPATCH_BACKWARD_ARGS, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
 
 /* Output of moe_ep_dispatched_buffers: the receive buffers of a dispatch
- * (the caller's where given, else pool buffers owned by the result). */
+ * (the caller's where given, else pool buffers owned by the result). `rows`
+ * below is recv_capacity for pool buffers; a caller's buffers hold as many,
+ * or, given after moe_ep_handle_counts, at least its max_recv_rows (eager
+ * sizing). Rows past the handle's recv_rows are not written. */
 typedef struct moe_ep_recv_buffers {
   uint32_t size;
   uint32_t magic;
-  moe_ep_buf_mut_t tokens;        /* [recv_capacity, hidden] bf16 */
-  moe_ep_buf_mut_t topk_weights;  /* rank-major [recv_capacity, topk], expert-major [recv_capacity] f32 */
+  moe_ep_buf_mut_t tokens;        /* [rows, hidden] bf16; of moe_ep_dispatch_fp8: the e4m3 codes,
+                                     [rows, hidden] u8 */
+  moe_ep_buf_mut_t topk_weights;  /* rank-major [rows, topk], expert-major [rows] f32 */
   moe_ep_buf_mut_t topk_idx;      /* local expert ids, shaped as the weights, i32; -1 = none */
-  moe_ep_buf_mut_t src;           /* [recv_capacity, 2] i32: (source rank, source token) */
+  moe_ep_buf_mut_t src;           /* [rows, 2] i32: (source rank, source token) */
+  moe_ep_buf_mut_t scales;        /* (ABI 5) of moe_ep_dispatch_fp8: row i's scales beside row i,
+                                     of scale_kind ([rows, hidden / 32] u8 or [rows, hidden / 128]
+                                     f32); {NULL, 0} for bf16 rows */
+  uint32_t scale_kind;            /* (ABI 5) moe_ep_fp8_scales_t; MOE_EP_FP8_SCALES_NONE for bf16 */
+  uint32_t reserved;
 } moe_ep_recv_buffers_t;
-#define MOE_EP_RECV_BUFFERS_INIT {sizeof(moe_ep_recv_buffers_t), MOE_EP_MAGIC_RECV_BUFFERS, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
+#define MOE_EP_RECV_BUFFERS_INIT {sizeof(moe_ep_recv_buffers_t), MOE_EP_MAGIC_RECV_BUFFERS, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, 0, 0}
 
 /* Output of moe_ep_handle_counts. */
 typedef struct moe_ep_handle_counts {
@@ -294,8 +351,56 @@ typedef struct moe_ep_handle_counts {
   uint64_t recv_rows;            /* rows received here in the handle's layout (expert-major: padded) */
   uint64_t recv_tokens;          /* tokens received here */
   uint64_t num_local_experts;
+  uint64_t max_recv_rows;        /* (ABI 5) the most rows any rank receives (the same on every
+                                    rank): after this call, on one node, the buffers this rank
+                                    passes to the handle's ops (dispatch's receive buffers,
+                                    combine's expert_out and weights, the backward passes' row
+                                    buffers) need only this many rows instead of recv_capacity,
+                                    so a runtime can allocate exactly that (collectively) between
+                                    layout and dispatch: eager sizing */
+  uint64_t dropped_rows;         /* (ABI 5) rows dropped over all ranks (MOE_EP_OVERFLOW_DROP,
+                                    else 0); per rank: moe_ep_handle_dropped_rows */
 } moe_ep_handle_counts_t;
-#define MOE_EP_HANDLE_COUNTS_INIT {sizeof(moe_ep_handle_counts_t), MOE_EP_MAGIC_HANDLE_COUNTS, 0, 0, 0, 0, 0}
+#define MOE_EP_HANDLE_COUNTS_INIT {sizeof(moe_ep_handle_counts_t), MOE_EP_MAGIC_HANDLE_COUNTS, 0, 0, 0, 0, 0, 0, 0}
+
+/* Arguments of moe_ep_dispatch_fp8 (ABI 5): fp8 e4m3 codes and their block
+ * scales, forwarded as given (x ~ e4m3(code) * scale of its block). */
+typedef struct moe_ep_dispatch_fp8_args {
+  uint32_t size;
+  uint32_t magic;
+  moe_ep_buf_t codes;                /* [T, hidden] u8 e4m3 codes, 16-byte aligned */
+  moe_ep_buf_t scales;               /* of scale_kind: [T, hidden / 32] u8 e8m0, or
+                                        [T, hidden / 128] f32 */
+  uint32_t scale_kind;               /* moe_ep_fp8_scales_t: E8M0_PER_32 or F32_PER_128 (0 refused) */
+  uint32_t reserved;                 /* 0 */
+  moe_ep_buf_t topk_weights;         /* [T, topk] f32 */
+  moe_ep_buf_mut_t recv_codes;       /* optional, symmetric: [rows, hidden] u8 (zero copy) */
+  moe_ep_buf_mut_t recv_scales;      /* optional, symmetric, of scale_kind: [rows, hidden / 32] u8
+                                        or [rows, hidden / 128] f32 */
+  moe_ep_buf_mut_t recv_topk_weights;/* optional, symmetric: rank-major [rows, topk], expert-major
+                                        [rows] f32 */
+} moe_ep_dispatch_fp8_args_t;
+#define MOE_EP_DISPATCH_FP8_ARGS_INIT {sizeof(moe_ep_dispatch_fp8_args_t), MOE_EP_MAGIC_DISPATCH_FP8_ARGS, {0, 0}, {0, 0}, 0, 0, {0, 0}, {0, 0}, {0, 0}, {0, 0}}
+
+/* Output of moe_ep_group_memory_footprint (ABI 5): what one rank of a group
+ * holds, in bytes. Everything but handles (moe_ep_handle_device_bytes) is
+ * held from moe_ep_group_create to the group's destroy; receive buffers a
+ * dispatch takes from the pool come and go within pool_other / pool_free. */
+typedef struct moe_ep_memory_footprint {
+  uint32_t size;
+  uint32_t magic;
+  uint64_t workspace;    /* the symmetric workspace: flags, count matrix, descriptors and, most
+                            of it, the combine stage (about 4 * world * max_tokens * hidden) */
+  uint64_t low_latency;  /* the low-latency buffer sets (moe_ep_ll_buffer_bytes); 0 in
+                            high-throughput mode */
+  uint64_t pool_other;   /* the pool's segments beside those: receive buffers and handles'
+                            symmetric arrays in use now, and freed ranges kept for reuse */
+  uint64_t pool_free;    /* of pool_other, the bytes in free ranges now */
+  uint64_t two_level;    /* the two-level path's own device buffers; 0 on one node */
+  uint64_t pinned_host;  /* pinned host memory (the error report the kernels write) */
+  uint64_t device_total; /* workspace + low_latency + pool_other + two_level */
+} moe_ep_memory_footprint_t;
+#define MOE_EP_MEMORY_FOOTPRINT_INIT {sizeof(moe_ep_memory_footprint_t), MOE_EP_MAGIC_MEMORY_FOOTPRINT, 0, 0, 0, 0, 0, 0, 0}
 
 /* Arguments of moe_ep_ll_dispatch and moe_ep_ll_dispatch_send (ABI 2). */
 typedef struct moe_ep_ll_dispatch_args {
@@ -374,7 +479,7 @@ typedef struct moe_ep_unique_id {
 
 uint32_t moe_ep_abi_version(void);
 moe_ep_status_t moe_ep_version(moe_ep_version_info_t *out);
-/* "0.1.0 (ABI 4, NCCL headers 2.28.9)"; static storage. */
+/* "0.1.0 (ABI 5, NCCL headers 2.28.9)"; static storage. */
 const char *moe_ep_version_string(void);
 /* The message of this thread's last failing call ("" if none). */
 const char *moe_ep_last_error(void);
@@ -451,6 +556,11 @@ moe_ep_status_t moe_ep_group_check(const moe_ep_group_t *group);
  * times, in the same order relative to the group's other ops. */
 moe_ep_status_t moe_ep_group_allow_graph_capture(const moe_ep_group_t *group);
 moe_ep_status_t moe_ep_group_recv_capacity(const moe_ep_group_t *group, uint64_t *out);
+/* (ABI 5) The memory this rank of the group holds now, by category (no GPU
+ * work; the pool's figures change as buffers come and go). On several
+ * nodes: the node stage's group and the network hop's flags. */
+moe_ep_status_t moe_ep_group_memory_footprint(const moe_ep_group_t *group,
+                                              moe_ep_memory_footprint_t *out);
 
 /* ---- symmetric memory -------------------------------------------------- */
 
@@ -527,17 +637,59 @@ moe_ep_status_t moe_ep_buffer_range(const moe_ep_buffer_t *buffer, uint64_t byte
 moe_ep_status_t moe_ep_layout(const moe_ep_group_t *group, moe_ep_stream_t stream,
                               const moe_ep_layout_args_t *args, moe_ep_handle_t **out);
 moe_ep_status_t moe_ep_handle_destroy(moe_ep_handle_t *handle);
-/* Copies the handle's counts to the host (synchronises `stream`). */
+/* Copies the handle's counts to the host (synchronises `stream`). After it,
+ * on one node, the caller's buffers of this rank's later ops of the handle
+ * need hold only max_recv_rows rows, not recv_capacity (eager sizing). */
 moe_ep_status_t moe_ep_handle_counts(const moe_ep_handle_t *handle, moe_ep_stream_t stream,
                                      moe_ep_handle_counts_t *out);
 /* Unpadded (token, expert) rows per local expert, on the device (i32),
  * valid while the handle lives. */
 moe_ep_status_t moe_ep_handle_tokens_per_local_expert(const moe_ep_handle_t *handle,
                                                       moe_ep_buf_t *out);
+/* (ABI 5) Rows each rank dropped (MOE_EP_OVERFLOW_DROP, else zeros), by
+ * receiving rank, into the host array `out` of `len` >= world entries
+ * (rank-major: tokens; expert-major: (token, expert) rows); synchronises
+ * `stream` (as moe_ep_handle_counts). Refused naming `out` (NULL) or `len`. */
+moe_ep_status_t moe_ep_handle_dropped_rows(const moe_ep_handle_t *handle, moe_ep_stream_t stream,
+                                           uint64_t *out, size_t len);
+/* (ABI 5) This rank's dropped slots: out[t * topk + k] = 1 where token t's
+ * k-th expert was routed and its row dropped at the receiver, else 0, into
+ * the host array `out` of `len` >= T * topk bytes; synchronises `stream`.
+ * All zeros without MOE_EP_OVERFLOW_DROP and on several nodes. */
+moe_ep_status_t moe_ep_handle_dropped_slots(const moe_ep_handle_t *handle, moe_ep_stream_t stream,
+                                            uint8_t *out, size_t len);
+/* (ABI 5) The routing the layout kept: [T, topk] i32 on the device, the
+ * caller's topk_idx with -1 for unrouted, bad and dropped slots (what a
+ * runtime's own permutation or a grouped GEMM should route by), written by
+ * the layout on its stream and valid while the handle lives. One node: a
+ * handle of a group of several nodes is refused naming `handle`. */
+moe_ep_status_t moe_ep_handle_kept_topk_idx(const moe_ep_handle_t *handle, moe_ep_buf_t *out);
+/* (ABI 5) Device bytes the handle holds (its arrays and symmetric rows), on
+ * top of the group's footprint. */
+moe_ep_status_t moe_ep_handle_device_bytes(const moe_ep_handle_t *handle, uint64_t *out);
 
 moe_ep_status_t moe_ep_dispatch(const moe_ep_group_t *group, moe_ep_stream_t stream,
                                 const moe_ep_handle_t *handle, const moe_ep_dispatch_args_t *args,
                                 moe_ep_dispatched_t **out);
+/* (ABI 5) moe_ep_dispatch of fp8 rows: the e4m3 codes and their block scales
+ * (args->scale_kind), forwarded as given; each received row's scales land
+ * beside it (same row index) in a buffer of the same kind. Both layouts;
+ * expert-major padding rows get zero codes and scales unless the config's
+ * padding is MOE_EP_PADDING_UNTOUCHED. hidden must be a multiple of 128
+ * (else refused naming `hidden`). Every rank must send the same payload: a
+ * rank whose dispatch is bf16 or whose scales are of the other kind makes
+ * every rank stop naming `op`. *out is a moe_ep_dispatched_t as the bf16
+ * dispatch's: moe_ep_dispatched_buffers gives the codes as `tokens` and the
+ * scales as `scales`. Combine stays bf16 (moe_ep_combine of the experts'
+ * bf16 outputs). One node only: a group of several nodes is refused naming
+ * `ranks_per_node`. Errors before the op name the field: `codes`, `scales`,
+ * `scale_kind`, `topk_weights`, `recv_codes`, `recv_scales`,
+ * `recv_topk_weights` (the library's length checks of the inputs name
+ * `x.codes` and `x.scales`). */
+moe_ep_status_t moe_ep_dispatch_fp8(const moe_ep_group_t *group, moe_ep_stream_t stream,
+                                    const moe_ep_handle_t *handle,
+                                    const moe_ep_dispatch_fp8_args_t *args,
+                                    moe_ep_dispatched_t **out);
 moe_ep_status_t moe_ep_dispatched_buffers(const moe_ep_dispatched_t *dispatched,
                                           moe_ep_recv_buffers_t *out);
 /* Returns its pool buffers (not the caller's) to the pool; as moe_ep_buffer_free. */

@@ -164,27 +164,32 @@ pub enum CBuffer {
     I64(SymmBuffer<i64>),
     U8(SymmBuffer<u8>),
 }
-/// `moe_ep_dispatched_t`: the receive buffers of a dispatch; the pool's
-/// are owned here, the caller's only named.
+/// `moe_ep_dispatched_t`: the receive buffers of a dispatch (bf16 rows, or
+/// fp8 codes and their scales); the pool's are owned here, the caller's
+/// only named.
 pub struct CDispatched {
-    pub(crate) tokens: Kept<bf16>,
-    pub(crate) topk_weights: Kept<f32>,
+    /// bf16 rows, or an fp8 dispatch's codes.
+    pub(crate) tokens: Kept,
+    /// An fp8 dispatch's scales and their `moe_ep_fp8_scales_t`.
+    pub(crate) scales: Option<(Kept, u32)>,
+    pub(crate) topk_weights: Kept,
     pub(crate) topk_idx: SymmBuffer<i32>,
     pub(crate) src: SymmBuffer<i32>,
 }
 
-/// A receive buffer's address and length, and the pool buffer if it is one.
-pub(crate) struct Kept<T> {
+/// A receive buffer's address and length, and the pool buffer if it is one
+/// (of any element type: kept only to be dropped with the result).
+pub(crate) struct Kept {
     pub(crate) ptr: u64,
     pub(crate) len: usize,
-    _pool: Option<SymmBuffer<T>>,
+    _pool: Option<Box<dyn std::any::Any>>,
 }
 
-impl<T> Kept<T> {
-    pub(crate) fn of(b: RecvBuf<'_, T>) -> Kept<T> {
+impl Kept {
+    pub(crate) fn of<T: 'static>(b: RecvBuf<'_, T>) -> Kept {
         let (ptr, len) = (b.device_ptr(), b.len());
         let pool = match b {
-            RecvBuf::Pool(s) => Some(s),
+            RecvBuf::Pool(s) => Some(Box::new(s) as Box<dyn std::any::Any>),
             RecvBuf::Caller(_) => None,
         };
         Kept {

@@ -3,7 +3,8 @@
 //! stream checked against the communicator's context, and the calls on
 //! devices, communicators (`moe_ep_device_count`, `moe_ep_unique_id_create`,
 //! `moe_ep_comm_*`) and groups (`moe_ep_group_config_validate`,
-//! `moe_ep_group_create` and the other `moe_ep_group_*`).
+//! `moe_ep_group_create` and the other `moe_ep_group_*`, the memory
+//! footprint `moe_ep_group_memory_footprint` among them).
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
@@ -11,15 +12,18 @@ use std::time::Duration;
 
 use moe_ep::cuda::{CudaContext, CudaStream};
 use moe_ep::error::{Error, Result};
-use moe_ep::ops::{EpGroup, GroupConfig, Mode};
+use moe_ep::ops::{EpGroup, GroupConfig, Mode, Overflow};
 use moe_ep::runtime::{Communicator, UniqueId};
 use moe_ep::symm::SymmPool;
 
 use crate::status::{
     boxed, device_of, ffi, obj, out_ptr, to_usize, unboxed, Status, MOE_EP_MODE_HIGH_THROUGHPUT,
-    MOE_EP_MODE_LOW_LATENCY,
+    MOE_EP_MODE_LOW_LATENCY, MOE_EP_OVERFLOW_DROP, MOE_EP_OVERFLOW_ERROR, MOE_EP_PADDING_UNTOUCHED,
+    MOE_EP_PADDING_ZERO,
 };
-use crate::structs::{read_in, CGroupConfig, CUniqueId};
+use crate::structs::{
+    head, read_in, write_out, CGroupConfig, CMemoryFootprint, CUniqueId, Versioned,
+};
 
 /// `moe_ep_comm_t`.
 pub struct CComm(Arc<Communicator>);
@@ -266,6 +270,30 @@ pub(crate) fn group_config(c: &CGroupConfig) -> Result<GroupConfig> {
     }
     // 0 (and a struct of ABI 1 or 2, which lacks the field) is one node.
     g.ranks_per_node = to_usize("ranks_per_node", c.ranks_per_node)?;
+    // 0 (and a struct of ABI 4 or older) keeps the defaults: zeroed padding
+    // rows, rows over the capacity an error.
+    g.zero_padding = match c.padding {
+        MOE_EP_PADDING_ZERO => true,
+        MOE_EP_PADDING_UNTOUCHED => false,
+        p => {
+            return Err(Error::arg(
+                "padding",
+                "MOE_EP_PADDING_ZERO (0) or MOE_EP_PADDING_UNTOUCHED (1)",
+                p,
+            ))
+        }
+    };
+    g.overflow = match c.overflow {
+        MOE_EP_OVERFLOW_ERROR => Overflow::Error,
+        MOE_EP_OVERFLOW_DROP => Overflow::Drop,
+        o => {
+            return Err(Error::arg(
+                "overflow",
+                "MOE_EP_OVERFLOW_ERROR (0) or MOE_EP_OVERFLOW_DROP (1)",
+                o,
+            ))
+        }
+    };
     Ok(g)
 }
 
@@ -321,6 +349,29 @@ pub unsafe extern "C" fn moe_ep_group_allow_graph_capture(group: *const CGroup) 
         // (that of EpGroup::allow_graph_capture).
         unsafe { g.0.allow_graph_capture() };
         Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_group_memory_footprint(
+    group: *const CGroup,
+    out: *mut CMemoryFootprint,
+) -> Status {
+    ffi(|| {
+        unsafe { head(out, "out") }?;
+        let g = unsafe { obj(group, "group") }?;
+        let f = g.0.memory_footprint();
+        let v = CMemoryFootprint {
+            workspace: f.workspace,
+            low_latency: f.low_latency,
+            pool_other: f.pool_other,
+            pool_free: f.pool_free,
+            two_level: f.two_level,
+            pinned_host: f.pinned_host,
+            device_total: f.device_total(),
+            ..CMemoryFootprint::init()
+        };
+        unsafe { write_out(out, "out", &v) }
     })
 }
 

@@ -1,8 +1,9 @@
 //! High-throughput ops: the layout's handle `moe_ep_handle_t` ([`CHandle`],
 //! of either kind of group) and the calls `moe_ep_layout`,
-//! `moe_ep_handle_*`, `moe_ep_dispatch`, `moe_ep_dispatched_*`,
-//! `moe_ep_combine`, `moe_ep_combine_backward` and
-//! `moe_ep_dispatch_backward`.
+//! `moe_ep_handle_*` (the counts, and the drop policy's results: dropped
+//! rows and slots, the kept routing), `moe_ep_dispatch`,
+//! `moe_ep_dispatch_fp8`, `moe_ep_dispatched_*`, `moe_ep_combine`,
+//! `moe_ep_combine_backward` and `moe_ep_dispatch_backward`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -11,17 +12,19 @@ use moe_ep::bf16;
 use moe_ep::cuda::{CudaStream, DeviceSlice};
 use moe_ep::error::{Error, Result};
 use moe_ep::ops::{
-    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Handle, RecvBuf, RecvLayout,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Fp8Rows,
+    Fp8Scales, Handle, RecvBuf, RecvLayout, RecvScales, RecvScalesOut,
 };
 
-use crate::buffers::{disjoint, span_of, CBuffer, CDispatched, CRegion, CTopkIdx, Kept};
+use crate::buffers::{disjoint, span_of, CBuffer, CDispatched, CRegion, CTopkIdx, Kept, Span};
 use crate::group::{stream_of, CGroup};
 use crate::status::{
-    boxed, ffi, obj, out_ptr, unboxed, Status, MOE_EP_LAYOUT_EXPERT_MAJOR, MOE_EP_LAYOUT_RANK_MAJOR,
+    boxed, ffi, obj, out_ptr, unboxed, Status, MOE_EP_FP8_SCALES_E8M0_PER_32,
+    MOE_EP_FP8_SCALES_F32_PER_128, MOE_EP_LAYOUT_EXPERT_MAJOR, MOE_EP_LAYOUT_RANK_MAJOR,
 };
 use crate::structs::{
     head, read_in, write_out, CBuf, CBufMut, CCombineArgs, CCombineBackwardArgs, CDispatchArgs,
-    CDispatchBackwardArgs, CHandleCounts, CLayoutArgs, CRecvBuffers, Versioned,
+    CDispatchBackwardArgs, CDispatchFp8Args, CHandleCounts, CLayoutArgs, CRecvBuffers, Versioned,
 };
 
 /// `moe_ep_handle_t`: a layout of the group (of one node or of several).
@@ -109,6 +112,14 @@ pub unsafe extern "C" fn moe_ep_handle_destroy(handle: *mut CHandle) -> Status {
     })
 }
 
+/// The caller's stream, checked against the context of the handle's arrays
+/// (a view of them names their stream, as the arena does inside moe-ep).
+unsafe fn handle_stream(h: &Handle, stream: *mut c_void) -> Result<Arc<CudaStream>> {
+    let ctx = h.tokens_per_local_expert().stream().context().clone();
+    // SAFETY: the header's contract for streams.
+    unsafe { stream_of(&ctx, stream) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_handle_counts(
     handle: *const CHandle,
@@ -119,10 +130,7 @@ pub unsafe extern "C" fn moe_ep_handle_counts(
         unsafe { head(out, "out") }?;
         let handle = unsafe { obj(handle, "handle") }?;
         let h = handle.node();
-        // The context of the handle's arrays (a view of them names their
-        // stream, as the arena does inside moe-ep).
-        let ctx = h.tokens_per_local_expert().stream().context().clone();
-        let s = unsafe { stream_of(&ctx, stream) }?;
+        let s = unsafe { handle_stream(h, stream) }?;
         let c = h.host_counts(&s)?;
         let (num_tokens, topk) = handle.tokens_topk();
         let v = CHandleCounts {
@@ -131,6 +139,8 @@ pub unsafe extern "C" fn moe_ep_handle_counts(
             recv_rows: c.recv_rows as u64,
             recv_tokens: c.recv_tokens as u64,
             num_local_experts: c.tokens_per_local_expert.len() as u64,
+            max_recv_rows: c.max_recv_rows as u64,
+            dropped_rows: c.dropped_rows.iter().sum::<usize>() as u64,
             ..CHandleCounts::init()
         };
         unsafe { write_out(out, "out", &v) }
@@ -153,6 +163,109 @@ pub unsafe extern "C" fn moe_ep_handle_tokens_per_local_expert(
                 len: n,
             }
         };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_dropped_rows(
+    handle: *const CHandle,
+    stream: *mut c_void,
+    out: *mut u64,
+    len: usize,
+) -> Status {
+    ffi(|| {
+        if out.is_null() {
+            return Err(Error::arg("out", "a host array of `len` uint64_t", "NULL"));
+        }
+        let h = unsafe { obj(handle, "handle") }?.node();
+        let s = unsafe { handle_stream(h, stream) }?;
+        let rows = h.host_counts(&s)?.dropped_rows;
+        if len < rows.len() {
+            return Err(Error::arg(
+                "len",
+                format!("at least the world's {} ranks", rows.len()),
+                len,
+            ));
+        }
+        for (i, &n) in rows.iter().enumerate() {
+            // SAFETY: the caller's array of `len` >= rows.len() entries.
+            unsafe { *out.add(i) = n as u64 };
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_dropped_slots(
+    handle: *const CHandle,
+    stream: *mut c_void,
+    out: *mut u8,
+    len: usize,
+) -> Status {
+    ffi(|| {
+        if out.is_null() && len > 0 {
+            return Err(Error::arg(
+                "out",
+                "a host array of `len` bytes (NULL only with len 0)",
+                format!("NULL with len {len}"),
+            ));
+        }
+        let handle = unsafe { obj(handle, "handle") }?;
+        let (t, k) = handle.tokens_topk();
+        if len < t * k {
+            return Err(Error::arg(
+                "len",
+                format!("at least the handle's T * topk = {t} * {k} slots"),
+                len,
+            ));
+        }
+        let h = handle.node();
+        let s = unsafe { handle_stream(h, stream) }?;
+        let slots = h.dropped_slots(&s)?;
+        for (i, &d) in slots.iter().enumerate() {
+            // SAFETY: the caller's array of `len` >= T * topk bytes.
+            unsafe { *out.add(i) = d as u8 };
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_kept_topk_idx(
+    handle: *const CHandle,
+    out: *mut CBuf,
+) -> Status {
+    ffi(|| {
+        let h = unsafe { obj(handle, "handle") }?.node();
+        let out = out_ptr(out, "out")?;
+        let Some(v) = h.kept_topk_idx() else {
+            return Err(Error::arg(
+                "handle",
+                "a handle of a group of one node (the drop policy runs on one node)",
+                "a handle of a group of several nodes",
+            ));
+        };
+        let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
+        unsafe {
+            *out = CBuf {
+                ptr: p as *const c_void,
+                len: n,
+            }
+        };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_handle_device_bytes(
+    handle: *const CHandle,
+    out: *mut u64,
+) -> Status {
+    ffi(|| {
+        let h = unsafe { obj(handle, "handle") }?.node();
+        let out = out_ptr(out, "out")?;
+        unsafe { *out = h.device_bytes() };
         Ok(())
     })
 }
@@ -196,6 +309,113 @@ pub unsafe extern "C" fn moe_ep_dispatch(
         ))?;
         let kept = CDispatched {
             tokens: Kept::of(d.tokens),
+            scales: None,
+            topk_weights: Kept::of(d.topk_weights),
+            topk_idx: d.topk_idx,
+            src: d.src,
+        };
+        unsafe { *out = boxed(kept) };
+        Ok(())
+    })
+}
+
+/// An fp8 dispatch's scales of `kind`: the caller's input and, where given,
+/// its receive buffer.
+enum CScales {
+    E8m0(CRegion<u8>, Option<CRegion<u8>>),
+    F32(CRegion<f32>, Option<CRegion<f32>>),
+}
+
+impl CScales {
+    fn new(kind: u32, x: CBuf, recv: CBufMut) -> Result<CScales> {
+        let rp = recv.ptr as *const c_void;
+        Ok(match kind {
+            MOE_EP_FP8_SCALES_E8M0_PER_32 => CScales::E8m0(
+                CRegion::new("scales", x.ptr, x.len)?,
+                CRegion::opt("recv_scales", rp, recv.len)?,
+            ),
+            MOE_EP_FP8_SCALES_F32_PER_128 => CScales::F32(
+                CRegion::new("scales", x.ptr, x.len)?,
+                CRegion::opt("recv_scales", rp, recv.len)?,
+            ),
+            k => {
+                return Err(Error::arg(
+                    "scale_kind",
+                    "MOE_EP_FP8_SCALES_E8M0_PER_32 (1) or MOE_EP_FP8_SCALES_F32_PER_128 (2)",
+                    k,
+                ))
+            }
+        })
+    }
+    fn spans(&self) -> (Option<Span>, Option<Span>) {
+        match self {
+            CScales::E8m0(x, r) => (Some(x.span("scales")), span_of("recv_scales", r)),
+            CScales::F32(x, r) => (Some(x.span("scales")), span_of("recv_scales", r)),
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_dispatch_fp8(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CHandle,
+    args: *const CDispatchFp8Args,
+    out: *mut *mut CDispatched,
+) -> Status {
+    ffi(|| {
+        let a = unsafe { read_in(args, "args") }?;
+        let codes = CRegion::<u8>::new("codes", a.codes.ptr, a.codes.len)?;
+        let mut sc = CScales::new(a.scale_kind, a.scales, a.recv_scales)?;
+        let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
+        let mut rc = CRegion::<u8>::opt("recv_codes", a.recv_codes.ptr, a.recv_codes.len)?;
+        let mut rw = CRegion::<f32>::opt(
+            "recv_topk_weights",
+            a.recv_topk_weights.ptr,
+            a.recv_topk_weights.len,
+        )?;
+        let (xs, rs) = sc.spans();
+        disjoint(
+            &[
+                span_of("recv_codes", &rc),
+                rs,
+                span_of("recv_topk_weights", &rw),
+            ],
+            &[Some(codes.span("codes")), xs, Some(w.span("topk_weights"))],
+        )?;
+        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let out = out_ptr(out, "out")?;
+        let (scales, recv_scales) = match &mut sc {
+            CScales::E8m0(x, r) => (
+                Fp8Scales::E8m0Per32(x as &dyn DeviceRegion<u8>),
+                r.as_mut().map(|r| RecvScalesOut::E8m0Per32(r)),
+            ),
+            CScales::F32(x, r) => (
+                Fp8Scales::F32Per128(x as &dyn DeviceRegion<f32>),
+                r.as_mut().map(|r| RecvScalesOut::F32Per128(r)),
+            ),
+        };
+        let d = on_kind!(g, h, |g, h| g.dispatch_fp8(
+            &s,
+            h,
+            Fp8Rows {
+                codes: &codes,
+                scales,
+            },
+            &w,
+            DispatchOutFp8 {
+                recv_codes: rc.as_mut().map(|r| r as &mut dyn DeviceRegionMut<u8>),
+                recv_scales,
+                recv_topk_weights: rw.as_mut().map(|r| r as &mut dyn DeviceRegionMut<f32>),
+            },
+        ))?;
+        let scales = match d.scales {
+            RecvScales::E8m0Per32(b) => (Kept::of(b), MOE_EP_FP8_SCALES_E8M0_PER_32),
+            RecvScales::F32Per128(b) => (Kept::of(b), MOE_EP_FP8_SCALES_F32_PER_128),
+        };
+        let kept = CDispatched {
+            tokens: Kept::of(d.codes),
+            scales: Some(scales),
             topk_weights: Kept::of(d.topk_weights),
             topk_idx: d.topk_idx,
             src: d.src,
@@ -218,6 +438,11 @@ pub unsafe extern "C" fn moe_ep_dispatched_buffers(
             topk_weights: CBufMut::of(d.topk_weights.ptr, d.topk_weights.len),
             topk_idx: CBufMut::of(d.topk_idx.device_ptr(), d.topk_idx.len()),
             src: CBufMut::of(d.src.device_ptr(), d.src.len()),
+            scales: d
+                .scales
+                .as_ref()
+                .map_or(CBufMut::of(0, 0), |(b, _)| CBufMut::of(b.ptr, b.len)),
+            scale_kind: d.scales.as_ref().map_or(0, |&(_, k)| k),
             ..CRecvBuffers::init()
         };
         unsafe { write_out(out, "out", &v) }

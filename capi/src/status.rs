@@ -91,6 +91,16 @@ pub const MOE_EP_LL_SENT: u32 = 1;
 pub const MOE_EP_LL_RECEIVED: u32 = 2;
 pub const MOE_EP_LL_COMBINE_SENT: u32 = 3;
 pub const MOE_EP_LL_COMBINED: u32 = 4;
+/// `moe_ep_padding_t` (ABI 5).
+pub const MOE_EP_PADDING_ZERO: u32 = 0;
+pub const MOE_EP_PADDING_UNTOUCHED: u32 = 1;
+/// `moe_ep_overflow_t` (ABI 5).
+pub const MOE_EP_OVERFLOW_ERROR: u32 = 0;
+pub const MOE_EP_OVERFLOW_DROP: u32 = 1;
+/// `moe_ep_fp8_scales_t` (ABI 5).
+pub const MOE_EP_FP8_SCALES_NONE: u32 = 0;
+pub const MOE_EP_FP8_SCALES_E8M0_PER_32: u32 = 1;
+pub const MOE_EP_FP8_SCALES_F32_PER_128: u32 = 2;
 
 /// The code of an error.
 pub fn status_of(e: &Error) -> Status {

@@ -14,8 +14,14 @@ use moe_ep::error::{Error, Result};
 /// every release that adds to the ABI (the header has the rule). 2: the
 /// low-latency mode; 3: `moe_ep_group_config_t.ranks_per_node`; 4: the
 /// caller's windows (`moe_ep_pool_wrap_window`, `moe_ep_pool_wrap_device`)
-/// and `moe_ep_buffer_range`.
-pub const ABI_VERSION: u32 = 4;
+/// and `moe_ep_buffer_range`; 5: the fp8 dispatch (`moe_ep_dispatch_fp8`),
+/// `moe_ep_group_config_t.padding` and `.overflow`, the drop policy's
+/// results (`moe_ep_handle_counts_t.max_recv_rows` and `.dropped_rows`,
+/// `moe_ep_handle_dropped_rows`, `moe_ep_handle_dropped_slots`,
+/// `moe_ep_handle_kept_topk_idx`), `moe_ep_recv_buffers_t.scales` and the
+/// memory footprint (`moe_ep_group_memory_footprint`,
+/// `moe_ep_handle_device_bytes`).
+pub const ABI_VERSION: u32 = 5;
 
 /// The first two fields of every versioned struct.
 #[repr(C)]
@@ -204,6 +210,10 @@ pub struct CGroupConfig {
     pub timeout_ms: u32,
     /// ABI 3; past the first version's 56 bytes.
     pub ranks_per_node: u64,
+    /// ABI 5: `moe_ep_padding_t` (0: zero the expert-major padding rows).
+    pub padding: u32,
+    /// ABI 5: `moe_ep_overflow_t` (0: rows over the capacity are an error).
+    pub overflow: u32,
 }
 
 /// `moe_ep_layout_args_t`.
@@ -275,6 +285,42 @@ pub struct CRecvBuffers {
     pub topk_weights: CBufMut,
     pub topk_idx: CBufMut,
     pub src: CBufMut,
+    /// ABI 5: an fp8 dispatch's scales (`tokens` then holds its codes).
+    pub scales: CBufMut,
+    /// ABI 5: `moe_ep_fp8_scales_t` of `scales`; 0 (none) for bf16 rows.
+    pub scale_kind: u32,
+    pub reserved: u32,
+}
+
+/// `moe_ep_dispatch_fp8_args_t` (ABI 5).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CDispatchFp8Args {
+    pub size: u32,
+    pub magic: u32,
+    pub codes: CBuf,
+    pub scales: CBuf,
+    pub scale_kind: u32,
+    pub reserved: u32,
+    pub topk_weights: CBuf,
+    pub recv_codes: CBufMut,
+    pub recv_scales: CBufMut,
+    pub recv_topk_weights: CBufMut,
+}
+
+/// `moe_ep_memory_footprint_t` (ABI 5).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CMemoryFootprint {
+    pub size: u32,
+    pub magic: u32,
+    pub workspace: u64,
+    pub low_latency: u64,
+    pub pool_other: u64,
+    pub pool_free: u64,
+    pub two_level: u64,
+    pub pinned_host: u64,
+    pub device_total: u64,
 }
 
 /// `moe_ep_handle_counts_t`.
@@ -288,6 +334,10 @@ pub struct CHandleCounts {
     pub recv_rows: u64,
     pub recv_tokens: u64,
     pub num_local_experts: u64,
+    /// ABI 5: the most rows any rank receives (eager sizing).
+    pub max_recv_rows: u64,
+    /// ABI 5: rows dropped over all ranks (the drop policy; else 0).
+    pub dropped_rows: u64,
 }
 
 /// `moe_ep_ll_dispatch_args_t`.
@@ -453,10 +503,29 @@ versioned!(
     "MOE_EP_LL_BUFFERS_INIT",
     152
 );
+// ABI 5.
+versioned!(
+    CDispatchFp8Args,
+    "moe_ep_dispatch_fp8_args_t",
+    0x4d4f_450e,
+    "MOE_EP_DISPATCH_FP8_ARGS_INIT",
+    112
+);
+versioned!(
+    CMemoryFootprint,
+    "moe_ep_memory_footprint_t",
+    0x4d4f_450f,
+    "MOE_EP_MEMORY_FOOTPRINT_INIT",
+    64
+);
 
 // The first versions are the structs as they are now (ABI 1; the moe_ep_ll_*
-// structs ABI 2), except moe_ep_group_config_t, which ABI 3 grew by
-// ranks_per_node (8 bytes); the C test asserts the same sizes with
+// structs ABI 2, moe_ep_dispatch_fp8_args_t and moe_ep_memory_footprint_t
+// ABI 5), except those ABI 3 and 5 grew: moe_ep_group_config_t by
+// ranks_per_node (ABI 3, 8 bytes) and padding and overflow (ABI 5, 8 bytes),
+// moe_ep_recv_buffers_t by scales and scale_kind (ABI 5, 24 bytes) and
+// moe_ep_handle_counts_t by max_recv_rows and dropped_rows (ABI 5, 16
+// bytes); the C test asserts the same sizes with
 // _Static_assert, and capi/tests/capi.rs compares every field offset with
 // the C compiler's.
 const _: () = {
@@ -467,18 +536,20 @@ const _: () = {
     );
     assert!(size_of::<CBuf>() == 16 && size_of::<CBufMut>() == 16);
     assert!(size_of::<CVersionInfo>() == CVersionInfo::MIN_SIZE);
-    assert!(size_of::<CGroupConfig>() == CGroupConfig::MIN_SIZE + 8);
+    assert!(size_of::<CGroupConfig>() == CGroupConfig::MIN_SIZE + 16);
     assert!(size_of::<CLayoutArgs>() == CLayoutArgs::MIN_SIZE);
     assert!(size_of::<CDispatchArgs>() == CDispatchArgs::MIN_SIZE);
     assert!(size_of::<CCombineArgs>() == CCombineArgs::MIN_SIZE);
     assert!(size_of::<CCombineBackwardArgs>() == CCombineBackwardArgs::MIN_SIZE);
     assert!(size_of::<CDispatchBackwardArgs>() == CDispatchBackwardArgs::MIN_SIZE);
-    assert!(size_of::<CRecvBuffers>() == CRecvBuffers::MIN_SIZE);
-    assert!(size_of::<CHandleCounts>() == CHandleCounts::MIN_SIZE);
+    assert!(size_of::<CRecvBuffers>() == CRecvBuffers::MIN_SIZE + 24);
+    assert!(size_of::<CHandleCounts>() == CHandleCounts::MIN_SIZE + 16);
     assert!(size_of::<CLlDispatchArgs>() == CLlDispatchArgs::MIN_SIZE);
     assert!(size_of::<CLlCombineArgs>() == CLlCombineArgs::MIN_SIZE);
     assert!(size_of::<CLlHandleInfo>() == CLlHandleInfo::MIN_SIZE);
     assert!(size_of::<CLlBuffers>() == CLlBuffers::MIN_SIZE);
+    assert!(size_of::<CDispatchFp8Args>() == CDispatchFp8Args::MIN_SIZE);
+    assert!(size_of::<CMemoryFootprint>() == CMemoryFootprint::MIN_SIZE);
     assert!(size_of::<CUniqueId>() == 128);
 };
 

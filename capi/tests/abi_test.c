@@ -15,14 +15,16 @@ _Static_assert(sizeof(void *) == 8, "the ABI is laid out for 64-bit targets");
 _Static_assert(sizeof(moe_ep_buf_t) == 16, "moe_ep_buf_t");
 _Static_assert(sizeof(moe_ep_buf_mut_t) == 16, "moe_ep_buf_mut_t");
 _Static_assert(sizeof(moe_ep_version_info_t) == 32, "moe_ep_version_info_t");
-_Static_assert(sizeof(moe_ep_group_config_t) == 64, "moe_ep_group_config_t");
+_Static_assert(sizeof(moe_ep_group_config_t) == 72, "moe_ep_group_config_t");
 _Static_assert(sizeof(moe_ep_layout_args_t) == 40, "moe_ep_layout_args_t");
 _Static_assert(sizeof(moe_ep_dispatch_args_t) == 72, "moe_ep_dispatch_args_t");
 _Static_assert(sizeof(moe_ep_combine_args_t) == 56, "moe_ep_combine_args_t");
 _Static_assert(sizeof(moe_ep_combine_backward_args_t) == 56, "moe_ep_combine_backward_args_t");
 _Static_assert(sizeof(moe_ep_dispatch_backward_args_t) == 72, "moe_ep_dispatch_backward_args_t");
-_Static_assert(sizeof(moe_ep_recv_buffers_t) == 72, "moe_ep_recv_buffers_t");
-_Static_assert(sizeof(moe_ep_handle_counts_t) == 48, "moe_ep_handle_counts_t");
+_Static_assert(sizeof(moe_ep_recv_buffers_t) == 96, "moe_ep_recv_buffers_t");
+_Static_assert(sizeof(moe_ep_handle_counts_t) == 64, "moe_ep_handle_counts_t");
+_Static_assert(sizeof(moe_ep_dispatch_fp8_args_t) == 112, "moe_ep_dispatch_fp8_args_t");
+_Static_assert(sizeof(moe_ep_memory_footprint_t) == 64, "moe_ep_memory_footprint_t");
 _Static_assert(sizeof(moe_ep_ll_dispatch_args_t) == 88, "moe_ep_ll_dispatch_args_t");
 _Static_assert(sizeof(moe_ep_ll_combine_args_t) == 56, "moe_ep_ll_combine_args_t");
 _Static_assert(sizeof(moe_ep_ll_handle_info_t) == 80, "moe_ep_ll_handle_info_t");
@@ -51,7 +53,8 @@ static void layout(void) {
   OFF(moe_ep_group_config_t, max_tokens_per_rank); OFF(moe_ep_group_config_t, recv_capacity);
   OFF(moe_ep_group_config_t, num_sms); OFF(moe_ep_group_config_t, combine_chunks);
   OFF(moe_ep_group_config_t, mode); OFF(moe_ep_group_config_t, timeout_ms);
-  OFF(moe_ep_group_config_t, ranks_per_node);
+  OFF(moe_ep_group_config_t, ranks_per_node); OFF(moe_ep_group_config_t, padding);
+  OFF(moe_ep_group_config_t, overflow);
   SIZE(moe_ep_layout_args_t); INIT(moe_ep_layout_args_t, MOE_EP_LAYOUT_ARGS_INIT);
   OFF(moe_ep_layout_args_t, topk_idx); OFF(moe_ep_layout_args_t, topk_idx_dtype);
   OFF(moe_ep_layout_args_t, topk); OFF(moe_ep_layout_args_t, layout);
@@ -75,10 +78,26 @@ static void layout(void) {
   SIZE(moe_ep_recv_buffers_t); INIT(moe_ep_recv_buffers_t, MOE_EP_RECV_BUFFERS_INIT);
   OFF(moe_ep_recv_buffers_t, tokens); OFF(moe_ep_recv_buffers_t, topk_weights);
   OFF(moe_ep_recv_buffers_t, topk_idx); OFF(moe_ep_recv_buffers_t, src);
+  OFF(moe_ep_recv_buffers_t, scales); OFF(moe_ep_recv_buffers_t, scale_kind);
+  OFF(moe_ep_recv_buffers_t, reserved);
   SIZE(moe_ep_handle_counts_t); INIT(moe_ep_handle_counts_t, MOE_EP_HANDLE_COUNTS_INIT);
   OFF(moe_ep_handle_counts_t, num_tokens); OFF(moe_ep_handle_counts_t, topk);
   OFF(moe_ep_handle_counts_t, recv_rows); OFF(moe_ep_handle_counts_t, recv_tokens);
-  OFF(moe_ep_handle_counts_t, num_local_experts);
+  OFF(moe_ep_handle_counts_t, num_local_experts); OFF(moe_ep_handle_counts_t, max_recv_rows);
+  OFF(moe_ep_handle_counts_t, dropped_rows);
+  SIZE(moe_ep_dispatch_fp8_args_t);
+  INIT(moe_ep_dispatch_fp8_args_t, MOE_EP_DISPATCH_FP8_ARGS_INIT);
+  OFF(moe_ep_dispatch_fp8_args_t, codes); OFF(moe_ep_dispatch_fp8_args_t, scales);
+  OFF(moe_ep_dispatch_fp8_args_t, scale_kind); OFF(moe_ep_dispatch_fp8_args_t, reserved);
+  OFF(moe_ep_dispatch_fp8_args_t, topk_weights); OFF(moe_ep_dispatch_fp8_args_t, recv_codes);
+  OFF(moe_ep_dispatch_fp8_args_t, recv_scales);
+  OFF(moe_ep_dispatch_fp8_args_t, recv_topk_weights);
+  SIZE(moe_ep_memory_footprint_t);
+  INIT(moe_ep_memory_footprint_t, MOE_EP_MEMORY_FOOTPRINT_INIT);
+  OFF(moe_ep_memory_footprint_t, workspace); OFF(moe_ep_memory_footprint_t, low_latency);
+  OFF(moe_ep_memory_footprint_t, pool_other); OFF(moe_ep_memory_footprint_t, pool_free);
+  OFF(moe_ep_memory_footprint_t, two_level); OFF(moe_ep_memory_footprint_t, pinned_host);
+  OFF(moe_ep_memory_footprint_t, device_total);
   SIZE(moe_ep_ll_dispatch_args_t); INIT(moe_ep_ll_dispatch_args_t, MOE_EP_LL_DISPATCH_ARGS_INIT);
   OFF(moe_ep_ll_dispatch_args_t, x); OFF(moe_ep_ll_dispatch_args_t, x_scales);
   OFF(moe_ep_ll_dispatch_args_t, topk_idx); OFF(moe_ep_ll_dispatch_args_t, topk_weights);
@@ -242,6 +261,34 @@ static void structs(void) {
   c.size = 56;
   expect("an ABI 2 config (56 bytes)", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL,
          NULL);
+  /* padding and overflow (ABI 5): 0 the defaults; an ABI 4 struct (64 bytes)
+   * lacks them and means the defaults; unknown values and the drop policy
+   * where it cannot run are refused by name. */
+  c = good_config();
+  c.padding = MOE_EP_PADDING_UNTOUCHED;
+  c.overflow = MOE_EP_OVERFLOW_DROP;
+  expect("padding untouched, overflow drop", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL,
+         NULL);
+  c.padding = 2;
+  expect("padding 2", moe_ep_group_config_validate(&c, 2), BAD, "`padding`",
+         "MOE_EP_PADDING_UNTOUCHED");
+  c.padding = MOE_EP_PADDING_ZERO;
+  c.overflow = 7;
+  expect("overflow 7", moe_ep_group_config_validate(&c, 2), BAD, "`overflow`",
+         "MOE_EP_OVERFLOW_DROP");
+  c.overflow = 7; /* past an ABI 4 struct's end: not read */
+  c.size = 64;
+  expect("an ABI 4 config (64 bytes)", moe_ep_group_config_validate(&c, 2), MOE_EP_OK, NULL,
+         NULL);
+  c = good_config();
+  c.overflow = MOE_EP_OVERFLOW_DROP;
+  c.mode = MOE_EP_MODE_LOW_LATENCY;
+  expect("overflow drop in low-latency mode", moe_ep_group_config_validate(&c, 2), BAD,
+         "`overflow`", NULL);
+  c.mode = MOE_EP_MODE_HIGH_THROUGHPUT;
+  c.ranks_per_node = 1;
+  expect("overflow drop over 2 nodes", moe_ep_group_config_validate(&c, 2), BAD, "`overflow`",
+         "one node");
 
   /* Every argument struct of an op is checked before anything else. */
   moe_ep_layout_args_t la = MOE_EP_LAYOUT_ARGS_INIT;
@@ -274,6 +321,37 @@ static void structs(void) {
   hc.size = 9;
   expect("handle counts out, size 9", moe_ep_handle_counts(NULL, NULL, &hc), BAD,
          "moe_ep_handle_counts_t", "size 9");
+  /* An ABI 4 caller's smaller output structs are accepted (filled up to
+   * their size): the call gets past them to the handle. */
+  hc = (moe_ep_handle_counts_t)MOE_EP_HANDLE_COUNTS_INIT;
+  hc.size = 48;
+  expect("an ABI 4 handle counts out (48 bytes)", moe_ep_handle_counts(NULL, NULL, &hc), BAD,
+         "`handle`", NULL);
+  rb = (moe_ep_recv_buffers_t)MOE_EP_RECV_BUFFERS_INIT;
+  rb.size = 72;
+  expect("an ABI 4 recv buffers out (72 bytes)", moe_ep_dispatched_buffers(NULL, &rb), BAD,
+         "`dispatched`", NULL);
+
+  /* ABI 5 structs. */
+  moe_ep_dispatch_fp8_args_t fa = MOE_EP_DISPATCH_FP8_ARGS_INIT;
+  fa.magic = MOE_EP_MAGIC_DISPATCH_ARGS;
+  expect("fp8 dispatch args with the dispatch's magic",
+         moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD, "`args`",
+         "moe_ep_dispatch_fp8_args_t");
+  fa = (moe_ep_dispatch_fp8_args_t)MOE_EP_DISPATCH_FP8_ARGS_INIT;
+  fa.size = 100;
+  expect("fp8 dispatch args, size 100", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "moe_ep_dispatch_fp8_args_t", "size 100");
+  expect("fp8 dispatch args NULL", moe_ep_dispatch_fp8(NULL, NULL, NULL, NULL, &d), BAD,
+         "`args`", "NULL");
+  moe_ep_memory_footprint_t fp = MOE_EP_MEMORY_FOOTPRINT_INIT;
+  fp.magic = MOE_EP_MAGIC_HANDLE_COUNTS;
+  expect("memory footprint out, wrong magic", moe_ep_group_memory_footprint(NULL, &fp), BAD,
+         "`out`", "moe_ep_memory_footprint_t");
+  fp = (moe_ep_memory_footprint_t)MOE_EP_MEMORY_FOOTPRINT_INIT;
+  fp.size = 12;
+  expect("memory footprint out, size 12", moe_ep_group_memory_footprint(NULL, &fp), BAD,
+         "moe_ep_memory_footprint_t", "size 12");
 
   /* The low-latency structs (ABI 2). */
   moe_ep_ll_dispatch_args_t lda = MOE_EP_LL_DISPATCH_ARGS_INIT;
@@ -366,6 +444,40 @@ static void arguments(void) {
   da.recv_tokens.ptr = fake + 1024;
   expect("dispatch of a NULL group", moe_ep_dispatch(NULL, NULL, NULL, &da, &d), BAD, "`group`",
          NULL);
+
+  /* The fp8 dispatch (ABI 5): every buffer and the scale kind named before
+   * the group is looked at. */
+  moe_ep_dispatch_fp8_args_t fa = MOE_EP_DISPATCH_FP8_ARGS_INIT;
+  expect("fp8 dispatch without a scale kind", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`scale_kind`", "MOE_EP_FP8_SCALES_E8M0_PER_32");
+  fa.scale_kind = 3;
+  expect("fp8 dispatch, scale kind 3", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`scale_kind`", NULL);
+  fa.scale_kind = MOE_EP_FP8_SCALES_F32_PER_128;
+  fa.codes.len = 256;
+  expect("codes NULL with 256 elements", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`codes`", "NULL");
+  fa.codes.ptr = fake;
+  fa.scales.len = 2;
+  expect("scales NULL with 2 elements", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`scales`", "NULL");
+  fa.scales.ptr = fake + 256;
+  fa.recv_scales.len = 4;
+  expect("recv_scales NULL with 4 elements", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`recv_scales`", "NULL");
+  fa.recv_scales.ptr = fake + 1024;
+  fa.recv_codes.ptr = fake + 1024 + 8;
+  fa.recv_codes.len = 64;
+  expect("recv_codes overlapping recv_scales", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`recv_codes`", "`recv_scales`");
+  fa.recv_codes.ptr = fake + 2048;
+  fa.recv_topk_weights.ptr = fake + 128;
+  fa.recv_topk_weights.len = 8;
+  expect("recv_topk_weights overlapping codes", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d),
+         BAD, "`recv_topk_weights`", "`codes`");
+  fa.recv_topk_weights.ptr = fake + 3072;
+  expect("fp8 dispatch of a NULL group", moe_ep_dispatch_fp8(NULL, NULL, NULL, &fa, &d), BAD,
+         "`group`", NULL);
 
   moe_ep_combine_args_t ca = MOE_EP_COMBINE_ARGS_INIT;
   ca.out.len = 3;
@@ -527,6 +639,23 @@ static void arguments(void) {
          NULL);
   moe_ep_handle_counts_t hc = MOE_EP_HANDLE_COUNTS_INIT;
   expect("handle_counts of NULL", moe_ep_handle_counts(NULL, NULL, &hc), BAD, "`handle`", NULL);
+  /* The drop policy's results and the footprint (ABI 5). */
+  uint64_t rows[2];
+  uint8_t slots[8];
+  uint64_t bytes = 0;
+  moe_ep_memory_footprint_t fp = MOE_EP_MEMORY_FOOTPRINT_INIT;
+  expect("dropped_rows into NULL", moe_ep_handle_dropped_rows(NULL, NULL, NULL, 2), BAD, "`out`",
+         NULL);
+  expect("dropped_rows of NULL", moe_ep_handle_dropped_rows(NULL, NULL, rows, 2), BAD,
+         "`handle`", NULL);
+  expect("dropped_slots into NULL with len 8", moe_ep_handle_dropped_slots(NULL, NULL, NULL, 8),
+         BAD, "`out`", "NULL");
+  expect("dropped_slots of NULL", moe_ep_handle_dropped_slots(NULL, NULL, slots, 8), BAD,
+         "`handle`", NULL);
+  expect("kept_topk_idx of NULL", moe_ep_handle_kept_topk_idx(NULL, &bi), BAD, "`handle`", NULL);
+  expect("device_bytes of NULL", moe_ep_handle_device_bytes(NULL, &bytes), BAD, "`handle`", NULL);
+  expect("memory_footprint of NULL", moe_ep_group_memory_footprint(NULL, &fp), BAD, "`group`",
+         NULL);
   expect("device_count to NULL", moe_ep_device_count(NULL), BAD, "`out`", NULL);
   moe_ep_comm_t *comms[2];
   expect("virtual world 0", moe_ep_comm_create_virtual(0, 0, comms), BAD, "`world`", NULL);

@@ -7,8 +7,10 @@
 //! library carries its SONAME, and `capi/install.sh` installs a package that
 //! `pkg-config --cflags --libs moe_ep` links the C test against (shared and
 //! static). On a GPU, `capi/tests/window_test.c` wraps a buffer the caller
-//! registered itself and dispatches into it at a byte offset (without one
-//! it says `SKIP: c_window_dispatch_at_an_offset: no GPU`).
+//! registered itself and dispatches into it at a byte offset, then runs the
+//! ABI 5 calls (an fp8 dispatch, the drop policy's results, eager sizes, the
+//! footprint); without one it says `SKIP: c_window_dispatch_at_an_offset:
+//! no GPU`.
 //!
 //! Needs `cc`, `c++`, `readelf` and `pkg-config` on the PATH (`CC`, `CXX`,
 //! `READELF`, `PKG_CONFIG` override them). In this file `moe_ep` is this
@@ -236,7 +238,9 @@ fn rust_layout() -> BTreeMap<String, usize> {
             combine_chunks,
             mode,
             timeout_ms,
-            ranks_per_node
+            ranks_per_node,
+            padding,
+            overflow
         ]
     );
     s!(
@@ -278,13 +282,58 @@ fn rust_layout() -> BTreeMap<String, usize> {
         CRecvBuffers,
         "moe_ep_recv_buffers_t",
         versioned,
-        [tokens, topk_weights, topk_idx, src]
+        [
+            tokens,
+            topk_weights,
+            topk_idx,
+            src,
+            scales,
+            scale_kind,
+            reserved
+        ]
     );
     s!(
         CHandleCounts,
         "moe_ep_handle_counts_t",
         versioned,
-        [num_tokens, topk, recv_rows, recv_tokens, num_local_experts]
+        [
+            num_tokens,
+            topk,
+            recv_rows,
+            recv_tokens,
+            num_local_experts,
+            max_recv_rows,
+            dropped_rows
+        ]
+    );
+    s!(
+        CDispatchFp8Args,
+        "moe_ep_dispatch_fp8_args_t",
+        versioned,
+        [
+            codes,
+            scales,
+            scale_kind,
+            reserved,
+            topk_weights,
+            recv_codes,
+            recv_scales,
+            recv_topk_weights
+        ]
+    );
+    s!(
+        CMemoryFootprint,
+        "moe_ep_memory_footprint_t",
+        versioned,
+        [
+            workspace,
+            low_latency,
+            pool_other,
+            pool_free,
+            two_level,
+            pinned_host,
+            device_total
+        ]
     );
     s!(
         CLlDispatchArgs,
@@ -434,6 +483,19 @@ fn header_constants_agree_with_the_library() {
         ("MOE_EP_LL_RECEIVED", MOE_EP_LL_RECEIVED as i64),
         ("MOE_EP_LL_COMBINE_SENT", MOE_EP_LL_COMBINE_SENT as i64),
         ("MOE_EP_LL_COMBINED", MOE_EP_LL_COMBINED as i64),
+        ("MOE_EP_PADDING_ZERO", MOE_EP_PADDING_ZERO as i64),
+        ("MOE_EP_PADDING_UNTOUCHED", MOE_EP_PADDING_UNTOUCHED as i64),
+        ("MOE_EP_OVERFLOW_ERROR", MOE_EP_OVERFLOW_ERROR as i64),
+        ("MOE_EP_OVERFLOW_DROP", MOE_EP_OVERFLOW_DROP as i64),
+        ("MOE_EP_FP8_SCALES_NONE", MOE_EP_FP8_SCALES_NONE as i64),
+        (
+            "MOE_EP_FP8_SCALES_E8M0_PER_32",
+            MOE_EP_FP8_SCALES_E8M0_PER_32 as i64,
+        ),
+        (
+            "MOE_EP_FP8_SCALES_F32_PER_128",
+            MOE_EP_FP8_SCALES_F32_PER_128 as i64,
+        ),
     ] {
         assert_eq!(value(name), v, "{name}");
     }

@@ -18,6 +18,17 @@
  * rank receives every token of both ranks, rank-major: row s * T + t is
  * token t of rank s. Token values are small integers (exact in bf16), so
  * combine's sum over the two ranks is exactly 2 x.
+ *
+ * Then the ABI 5 calls on the same ranks: the host counts' max_recv_rows
+ * and dropped_rows, the memory footprint and a handle's bytes, an fp8
+ * dispatch (e4m3 codes with e8m0 scales per 32 values) into pool buffers,
+ * every code and scale checked at its row; and a second group of
+ * recv_capacity 12 with MOE_EP_OVERFLOW_DROP, where each rank needs 16 rows
+ * (8 tokens from each source): water-filling keeps every source's first 6
+ * tokens on each rank, so tokens 6 and 7 of every rank are dropped on both
+ * ranks (4 rows a rank), their slots say so, the kept routing has -1 there,
+ * dispatch delivers row s * 6 + t = token t < 6 of rank s, and combine gives
+ * 2 x for t < 6 and zeros for the dropped tokens.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe_ep.h"
@@ -31,6 +42,8 @@
 
 #define TEST "c_window_dispatch_at_an_offset"
 enum { WORLD = 2, T = 8, HIDDEN = 256, EXPERTS = 4, TOPK = 2 };
+/* The drop group: capacity 12 of the 16 rows each rank needs; 6 kept per source. */
+enum { DROP_CAP = 12, KEPT = 6 };
 /* The range starts 3 rows and 128 bytes into the window (16-byte aligned). */
 #define OFFSET ((uint64_t)(3 * HIDDEN * 2 + 128))
 #define WINDOW_BYTES ((size_t)2 << 20)
@@ -150,6 +163,10 @@ static uint16_t bf16(float f) { /* exact for the small integers used here */
 
 static float token(int rank, int t, int h) { return (float)(rank * 32 + t + 1 + h % 3); }
 
+/* fp8 rows: any bytes (dispatch moves them as they are). */
+static uint8_t code(int rank, int t, int h) { return (uint8_t)(rank * 97 + t * 13 + h * 7 + 1); }
+static uint8_t scale(int rank, int t, int j) { return (uint8_t)(100 + rank * 40 + t * 3 + j); }
+
 /* ---- one rank ----------------------------------------------------------- */
 
 struct rank_args {
@@ -180,8 +197,10 @@ static void *run_rank(void *p) {
   moe_ep_group_t *group = NULL;
   moe_ep_buffer_t *window = NULL;
   moe_ep_handle_t *handle = NULL;
-  moe_ep_dispatched_t *dispatched = NULL;
-  CUdeviceptr base = 0, x = 0, w = 0, idx = 0, out = 0;
+  moe_ep_dispatched_t *dispatched = NULL, *fp8 = NULL, *dropped = NULL;
+  moe_ep_group_t *drop_group = NULL;
+  moe_ep_handle_t *drop_handle = NULL;
+  CUdeviceptr base = 0, x = 0, w = 0, idx = 0, out = 0, codes = 0, scales = 0;
   void *nccl_mem = NULL;
   uint16_t *host = malloc(WINDOW_BYTES);
   /* 1 (NCCL ranks): the communicator and the window, collective. */
@@ -205,8 +224,20 @@ static void *run_rank(void *p) {
       !cu_ok(r, "cuMemAlloc x", cu.mem_alloc(&x, T * HIDDEN * 2)) ||
       !cu_ok(r, "cuMemAlloc w", cu.mem_alloc(&w, T * TOPK * 4)) ||
       !cu_ok(r, "cuMemAlloc idx", cu.mem_alloc(&idx, T * TOPK * 8)) ||
-      !cu_ok(r, "cuMemAlloc out", cu.mem_alloc(&out, T * HIDDEN * 2)))
+      !cu_ok(r, "cuMemAlloc out", cu.mem_alloc(&out, T * HIDDEN * 2)) ||
+      !cu_ok(r, "cuMemAlloc codes", cu.mem_alloc(&codes, T * HIDDEN)) ||
+      !cu_ok(r, "cuMemAlloc scales", cu.mem_alloc(&scales, T * HIDDEN / 32)))
     goto out;
+  {
+    static uint8_t hc[WORLD][T * HIDDEN], hs[WORLD][T * HIDDEN / 32];
+    for (int t = 0; t < T; t++) {
+      for (int h = 0; h < HIDDEN; h++) hc[r][t * HIDDEN + h] = code(r, t, h);
+      for (int j = 0; j < HIDDEN / 32; j++) hs[r][t * HIDDEN / 32 + j] = scale(r, t, j);
+    }
+    if (!cu_ok(r, "upload codes", cu.htod(codes, hc[r], sizeof hc[r], stream)) ||
+        !cu_ok(r, "upload scales", cu.htod(scales, hs[r], sizeof hs[r], stream)))
+      goto out;
+  }
   {
     static uint16_t hx[WORLD][T * HIDDEN];
     static float hw[WORLD][T * TOPK];
@@ -237,6 +268,12 @@ static void *run_rank(void *p) {
   CHECK(moe_ep_comm_max_sms(comm, EXPERTS, &sms), "max_sms");
   cfg.num_sms = sms < 8 ? sms : 8;
   CHECK(moe_ep_group_create(comm, &cfg, &group), "group_create");
+  /* The drop group (ABI 5), made before any kernel runs. */
+  moe_ep_group_config_t drop_cfg = cfg;
+  drop_cfg.recv_capacity = DROP_CAP;
+  drop_cfg.overflow = MOE_EP_OVERFLOW_DROP;
+  drop_cfg.padding = MOE_EP_PADDING_UNTOUCHED;
+  CHECK(moe_ep_group_create(comm, &drop_cfg, &drop_group), "group_create (overflow drop)");
   if (a->nccl) {
     expect(r, "wrap_device on NCCL ranks refused", moe_ep_pool_wrap_device(group, (void *)(uintptr_t)base, WINDOW_BYTES, &window),
            MOE_EP_ERR_INVALID_ARGUMENT, "`group`");
@@ -322,13 +359,145 @@ static void *run_rank(void *p) {
   }
   CHECK(moe_ep_group_check(group), "group_check");
 
+  /* 6 (ABI 5): eager sizes, the footprint, the fp8 dispatch. */
+  {
+    moe_ep_handle_counts_t hc = MOE_EP_HANDLE_COUNTS_INIT;
+    CHECK(moe_ep_handle_counts(handle, stream, &hc), "handle_counts");
+    report(r, "counts: WORLD * T rows here and at most on any rank, none dropped",
+           hc.recv_rows == WORLD * T && hc.max_recv_rows == WORLD * T && hc.dropped_rows == 0,
+           NULL);
+    report(r, "a bf16 dispatch has no scales",
+           rb.scale_kind == MOE_EP_FP8_SCALES_NONE && rb.scales.ptr == NULL && rb.scales.len == 0,
+           NULL);
+    moe_ep_memory_footprint_t fp = MOE_EP_MEMORY_FOOTPRINT_INIT;
+    CHECK(moe_ep_group_memory_footprint(group, &fp), "group_memory_footprint");
+    report(r, "footprint: a workspace, no low-latency or two-level bytes, the total their sum",
+           fp.workspace > 0 && fp.low_latency == 0 && fp.two_level == 0 &&
+               fp.pool_free <= fp.pool_other &&
+               fp.device_total == fp.workspace + fp.low_latency + fp.pool_other + fp.two_level,
+           NULL);
+    uint64_t hbytes = 0;
+    CHECK(moe_ep_handle_device_bytes(handle, &hbytes), "handle_device_bytes");
+    report(r, "the handle holds device bytes", hbytes > 0, NULL);
+
+    moe_ep_dispatch_fp8_args_t fa = MOE_EP_DISPATCH_FP8_ARGS_INIT;
+    fa.codes = (moe_ep_buf_t){(const void *)(uintptr_t)codes, T * HIDDEN};
+    fa.scales = (moe_ep_buf_t){(const void *)(uintptr_t)scales, T * HIDDEN / 32};
+    fa.topk_weights = da.topk_weights;
+    expect(r, "fp8 dispatch without a scale kind refused",
+           moe_ep_dispatch_fp8(group, stream, handle, &fa, &fp8), MOE_EP_ERR_INVALID_ARGUMENT,
+           "`scale_kind`");
+    fa.scale_kind = MOE_EP_FP8_SCALES_E8M0_PER_32;
+    CHECK(moe_ep_dispatch_fp8(group, stream, handle, &fa, &fp8), "dispatch_fp8 (e8m0 per 32)");
+    moe_ep_recv_buffers_t fb = MOE_EP_RECV_BUFFERS_INIT;
+    CHECK(moe_ep_dispatched_buffers(fp8, &fb), "dispatched_buffers of the fp8 dispatch");
+    report(r, "fp8 buffers: codes [cap, H] u8, e8m0 scales [cap, H / 32]",
+           fb.scale_kind == MOE_EP_FP8_SCALES_E8M0_PER_32 && fb.tokens.len == cap * HIDDEN &&
+               fb.scales.len == cap * HIDDEN / 32 && fb.scales.ptr != NULL,
+           NULL);
+    static uint8_t gc[WORLD][WORLD * T * HIDDEN], gs[WORLD][WORLD * T * HIDDEN / 32];
+    if (!cu_ok(r, "sync after dispatch_fp8", cu.stream_synchronize(stream)) ||
+        !cu_ok(r, "download codes", cu.dtoh(gc[r], (CUdeviceptr)(uintptr_t)fb.tokens.ptr,
+                                            sizeof gc[r], stream)) ||
+        !cu_ok(r, "download scales", cu.dtoh(gs[r], (CUdeviceptr)(uintptr_t)fb.scales.ptr,
+                                             sizeof gs[r], stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+    int ok_c = 1, ok_s = 1;
+    for (int s = 0; s < WORLD; s++)
+      for (int t = 0; t < T; t++) {
+        for (int h = 0; h < HIDDEN; h++) ok_c &= gc[r][(s * T + t) * HIDDEN + h] == code(s, t, h);
+        for (int j = 0; j < HIDDEN / 32; j++)
+          ok_s &= gs[r][(s * T + t) * (HIDDEN / 32) + j] == scale(s, t, j);
+      }
+    report(r, "fp8 codes at row s * T + t, bit for bit", ok_c, NULL);
+    report(r, "e8m0 scales beside their rows, bit for bit", ok_s, NULL);
+  }
+  CHECK(moe_ep_group_check(group), "group_check after dispatch_fp8");
+
+  /* 7 (ABI 5): the drop policy. */
+  CHECK(moe_ep_layout(drop_group, stream, &la, &drop_handle), "layout (overflow drop)");
+  {
+    moe_ep_handle_counts_t hc = MOE_EP_HANDLE_COUNTS_INIT;
+    CHECK(moe_ep_handle_counts(drop_handle, stream, &hc), "handle_counts (overflow drop)");
+    report(r, "drop counts: 12 rows here and at most, 8 dropped in all",
+           hc.recv_rows == DROP_CAP && hc.max_recv_rows == DROP_CAP &&
+               hc.dropped_rows == WORLD * (T - KEPT) * WORLD,
+           NULL);
+    uint64_t per[WORLD + 1] = {0};
+    expect(r, "dropped_rows into a short array refused",
+           moe_ep_handle_dropped_rows(drop_handle, stream, per, WORLD - 1),
+           MOE_EP_ERR_INVALID_ARGUMENT, "`len`");
+    CHECK(moe_ep_handle_dropped_rows(drop_handle, stream, per, WORLD + 1), "handle_dropped_rows");
+    int ok = per[WORLD] == 0;
+    for (int d = 0; d < WORLD; d++) ok &= per[d] == WORLD * (T - KEPT);
+    report(r, "each rank dropped the last 2 tokens of each source", ok, NULL);
+    uint8_t slots[T * TOPK];
+    expect(r, "dropped_slots into a short array refused",
+           moe_ep_handle_dropped_slots(drop_handle, stream, slots, T * TOPK - 1),
+           MOE_EP_ERR_INVALID_ARGUMENT, "`len`");
+    CHECK(moe_ep_handle_dropped_slots(drop_handle, stream, slots, T * TOPK), "dropped_slots");
+    moe_ep_buf_t kept;
+    CHECK(moe_ep_handle_kept_topk_idx(drop_handle, &kept), "kept_topk_idx");
+    int32_t hk[T * TOPK];
+    if (!cu_ok(r, "download the kept routing",
+               cu.dtoh(hk, (CUdeviceptr)(uintptr_t)kept.ptr, sizeof hk, stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+    int ok_slots = kept.len == T * TOPK, ok_kept = ok_slots;
+    for (int t = 0; t < T; t++)
+      for (int k = 0; k < TOPK; k++) {
+        ok_slots &= slots[t * TOPK + k] == (t >= KEPT);
+        ok_kept &= hk[t * TOPK + k] == (t >= KEPT ? -1 : 2 * k);
+      }
+    report(r, "dropped slots: tokens 6 and 7, both experts", ok_slots, NULL);
+    report(r, "kept routing: -1 on the dropped slots, the experts elsewhere", ok_kept, NULL);
+  }
+  CHECK(moe_ep_dispatch(drop_group, stream, drop_handle, &da, &dropped), "dispatch (overflow drop)");
+  {
+    moe_ep_recv_buffers_t db = MOE_EP_RECV_BUFFERS_INIT;
+    CHECK(moe_ep_dispatched_buffers(dropped, &db), "dispatched_buffers (overflow drop)");
+    static uint16_t got[WORLD][DROP_CAP * HIDDEN];
+    if (!cu_ok(r, "sync", cu.stream_synchronize(stream)) ||
+        !cu_ok(r, "download the kept rows",
+               cu.dtoh(got[r], (CUdeviceptr)(uintptr_t)db.tokens.ptr, sizeof got[r], stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+    int ok = db.tokens.len == DROP_CAP * HIDDEN;
+    for (int s = 0; s < WORLD; s++)
+      for (int t = 0; t < KEPT; t++)
+        for (int h = 0; h < HIDDEN; h++)
+          ok &= got[r][(s * KEPT + t) * HIDDEN + h] == bf16(token(s, t, h));
+    report(r, "kept rows: row s * 6 + t is token t < 6 of rank s", ok, NULL);
+    moe_ep_combine_args_t dc = MOE_EP_COMBINE_ARGS_INIT;
+    dc.expert_out = (moe_ep_buf_t){db.tokens.ptr, db.tokens.len};
+    dc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
+    CHECK(moe_ep_combine(drop_group, stream, drop_handle, &dc), "combine (overflow drop)");
+    static uint16_t sum[WORLD][T * HIDDEN];
+    if (!cu_ok(r, "sync", cu.stream_synchronize(stream)) ||
+        !cu_ok(r, "download out", cu.dtoh(sum[r], out, sizeof sum[r], stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+    ok = 1;
+    for (int i = 0; i < T * HIDDEN; i++) {
+      int t = i / HIDDEN;
+      ok &= sum[r][i] == (t < KEPT ? bf16(2.0f * token(r, t, i % HIDDEN)) : 0);
+    }
+    report(r, "combine: 2 x for kept tokens, zeros for dropped ones", ok, NULL);
+  }
+  CHECK(moe_ep_group_check(drop_group), "group_check (overflow drop)");
+
 out:
   /* Every rank is done with its peers' windows before anything goes. */
   pthread_barrier_wait(a->line);
   moe_ep_dispatched_destroy(dispatched);
+  moe_ep_dispatched_destroy(fp8);
+  moe_ep_dispatched_destroy(dropped);
   moe_ep_handle_destroy(handle);
+  moe_ep_handle_destroy(drop_handle);
   moe_ep_buffer_free(window);
   moe_ep_group_destroy(group);
+  moe_ep_group_destroy(drop_group);
   pthread_barrier_wait(a->line);
   if (win) nccl.window_deregister(nc, win);
   if (nccl_mem) nccl.mem_free(nccl_mem);
@@ -337,6 +506,8 @@ out:
   if (w) cu.mem_free(w);
   if (idx) cu.mem_free(idx);
   if (out) cu.mem_free(out);
+  if (codes) cu.mem_free(codes);
+  if (scales) cu.mem_free(scales);
   if (stream) cu.stream_destroy(stream);
   moe_ep_comm_destroy(comm);
   if (nc) nccl.comm_destroy(nc);
