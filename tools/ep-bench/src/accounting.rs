@@ -21,6 +21,12 @@
 //! Malformed inputs (matrix of the wrong length, `rank >= R`) never panic:
 //! missing entries count as 0, and products saturate.
 //!
+//! The fp8 dispatch (`dispatch-fp8`, [`fp8_row_bytes`]) is the exception:
+//! its rows are the e4m3 codes (`hidden` bytes), their scales (`hidden /
+//! 32` bytes, either kind) and the token's top-k f32 weights, all of it
+//! counted, so that its GB/s and NCCL EP's fp8 dispatch's (the same bytes)
+//! say what crossed.
+//!
 //! The low-latency ops ([`LlTraffic`]) count the same way, with their own
 //! rows: dispatch sends a token to a rank once (bf16 rows of `2 * hidden`
 //! bytes, fp8 rows of `hidden` bytes: the scales are metadata), combine
@@ -48,6 +54,19 @@ pub struct Traffic<'a> {
     world: usize,
     /// Bytes of one payload row (`hidden * elem_bytes`, saturating).
     row: u64,
+    /// Bytes of one `dispatch-fp8` row ([`fp8_row_bytes`]; top-k 0 until
+    /// [`Traffic::with_topk`]).
+    fp8_row: u64,
+}
+
+/// Bytes of one row of `dispatch-fp8` with rows of `hidden` values and
+/// `topk` experts per token: `hidden` e4m3 codes, `hidden / 32` bytes of
+/// scales (f32 per 128 values or e8m0 per 32: the same bytes) and the
+/// token's `topk` f32 weights.
+pub fn fp8_row_bytes(hidden: usize, topk: usize) -> u64 {
+    let h = hidden as u64;
+    h.saturating_add(h / 32)
+        .saturating_add((topk as u64).saturating_mul(4))
 }
 
 impl<'a> Traffic<'a> {
@@ -55,7 +74,21 @@ impl<'a> Traffic<'a> {
     /// elements of `elem_bytes` bytes.
     pub fn new(counts: &'a [u32], world: usize, hidden: usize, elem_bytes: usize) -> Self {
         let row = (hidden as u64).saturating_mul(elem_bytes as u64);
-        Traffic { counts, world, row }
+        Traffic {
+            counts,
+            world,
+            row,
+            fp8_row: fp8_row_bytes(hidden, 0),
+        }
+    }
+
+    /// The same traffic whose `dispatch-fp8` rows carry `topk` f32 weights
+    /// each ([`fp8_row_bytes`]).
+    pub fn with_topk(self, hidden: usize, topk: usize) -> Self {
+        Traffic {
+            fp8_row: fp8_row_bytes(hidden, topk),
+            ..self
+        }
     }
 
     /// Entry `[src][dst]`, 0 when out of range.
@@ -109,9 +142,20 @@ impl<'a> Traffic<'a> {
 
     /// Bytes of one of our ops on `rank`: dispatch and combine-bwd move data
     /// like dispatch, combine and dispatch-bwd like combine; layout moves no
-    /// payload (0 bytes).
+    /// payload (0 bytes); dispatch-fp8 moves dispatch's rows, each of
+    /// [`fp8_row_bytes`].
     pub fn op(&self, op: Op, rank: usize) -> OpBytes {
         let nvlink = match op {
+            Op::DispatchFp8 => {
+                let fp8 = Traffic {
+                    row: self.fp8_row,
+                    ..*self
+                };
+                return OpBytes {
+                    nvlink: fp8.dispatch_nvlink(rank),
+                    logical: fp8.logical(rank),
+                };
+            }
             Op::Layout => {
                 return OpBytes {
                     nvlink: 0,
@@ -257,6 +301,25 @@ mod tests {
         assert_eq!(t.op(Op::DispatchBwd, 0).nvlink, 352);
         assert_eq!(t.op(Op::CombinePush, 2), both(288, 576));
         assert_eq!(t.op(Op::Layout, 1), both(0, 0));
+    }
+
+    #[test]
+    fn fp8_dispatch_by_hand() {
+        // counts = [[3, 5], [2, 4]]; hidden 128, top-8: 128 codes + 4 scale
+        // bytes + 32 weight bytes = 164 B a row.
+        assert_eq!(fp8_row_bytes(128, 8), 164);
+        // hidden 7168, top-8: 7168 + 224 + 32.
+        assert_eq!(fp8_row_bytes(7168, 8), 7424);
+        let both = |nvlink, logical| OpBytes { nvlink, logical };
+        let t = Traffic::new(&[3, 5, 2, 4], 2, 128, 2).with_topk(128, 8);
+        assert_eq!(t.op(Op::DispatchFp8, 0), both(5 * 164, 5 * 164));
+        assert_eq!(t.op(Op::DispatchFp8, 1), both(2 * 164, 9 * 164));
+        // The bf16 ops keep their rows.
+        assert_eq!(t.op(Op::Dispatch, 0), both(5 * 256, 5 * 256));
+        // Without the top-k: codes and scales only.
+        let t = Traffic::new(&[3, 5, 2, 4], 2, 128, 2);
+        assert_eq!(t.op(Op::DispatchFp8, 0).nvlink, 5 * 132);
+        assert_eq!(fp8_row_bytes(usize::MAX, usize::MAX), u64::MAX);
     }
 
     #[test]

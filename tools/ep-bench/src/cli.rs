@@ -29,8 +29,8 @@ pub const LL_MAX_TOKENS: usize = moe_ep::ops::LL_MAX_TOKENS;
 pub const DEFAULT_TOKENS: usize = 4096;
 /// Tokens per rank when `--tokens` is not given with `--mode ll` (decode).
 pub const LL_DEFAULT_TOKENS: usize = 128;
-/// Values per fp8 scale: the hidden size of `ll-dispatch-fp8` and `ll-pair`
-/// is a multiple of it.
+/// Values per f32 fp8 scale: the hidden size of `dispatch-fp8`,
+/// `ll-dispatch-fp8` and `ll-pair` is a multiple of it.
 pub const FP8_BLOCK: usize = 128;
 /// Largest accepted `--topk` value (experts per token).
 pub const MAX_TOPK: usize = 16;
@@ -78,6 +78,15 @@ per-128 scales), ll-combine (bf16 expert outputs home) and ll-pair (the fp8
 dispatch and its combine timed together); --layout rank = rank-major,
 expert[:A] = expert-major. NCCL EP's LL mode runs beside them (rows
 nccl-ep-ll-*); --check compares with the CPU reference bit for bit.
+
+fp8 dispatch (--ops dispatch-fp8, --mode ht, one node): EpGroup::dispatch_fp8
+moving e4m3 codes [T, H] and their scales as given, --fp8-scales f32 (one f32
+per 128 values, [T, H/128], the default: DeepEP's recipe, and what NCCL EP
+generates in its own fp8 cast) or e8m0 (MXFP8, one byte per 32 values,
+[T, H/32]); hidden a multiple of 128. Logical and NVLink GB/s count codes,
+scales and the top-k f32 weights of every row. Beside it nccl-ep-dispatch-fp8:
+NCCL EP's HT dispatch with its QUANT_FWD recipe forwarding the same codes and
+scales (its rows 16-byte aligned: hidden a multiple of 512).
 
 Local-copy ceilings (every layout, world 1 and virtual ranks included, same
 SMs): local-copy-dispatch reads each of this rank's token rows once and
@@ -143,6 +152,9 @@ pub enum Op {
     Layout,
     /// Sending token rows to the ranks that own their experts.
     Dispatch,
+    /// Dispatch of fp8 rows: e4m3 codes and their block scales, forwarded
+    /// as given (`--fp8-scales`).
+    DispatchFp8,
     /// Sending (weighted) expert outputs back and reducing them per token
     /// (expert outputs in symmetric memory: rank-major homes read them in
     /// place).
@@ -170,9 +182,10 @@ impl Op {
     pub const LL: [Op; 4] = [Op::LlDispatch, Op::LlDispatchFp8, Op::LlCombine, Op::LlPair];
 
     /// All ops, in their canonical order.
-    pub const ALL: [Op; 10] = [
+    pub const ALL: [Op; 11] = [
         Op::Layout,
         Op::Dispatch,
+        Op::DispatchFp8,
         Op::Combine,
         Op::DispatchBwd,
         Op::CombineBwd,
@@ -188,6 +201,7 @@ impl Op {
         match self {
             Op::Layout => "layout",
             Op::Dispatch => "dispatch",
+            Op::DispatchFp8 => "dispatch-fp8",
             Op::Combine => "combine",
             Op::DispatchBwd => "dispatch-bwd",
             Op::CombineBwd => "combine-bwd",
@@ -206,7 +220,7 @@ impl Op {
 
     /// Whether the op sends fp8 rows (its hidden size a multiple of [`FP8_BLOCK`]).
     pub fn is_fp8(self) -> bool {
-        matches!(self, Op::LlDispatchFp8 | Op::LlPair)
+        matches!(self, Op::DispatchFp8 | Op::LlDispatchFp8 | Op::LlPair)
     }
 
     /// Inverse of [`Op::name`]; `None` for baselines and unknown names.
@@ -224,6 +238,60 @@ pub enum Start {
     Gpu,
     /// The timer starts after a host barrier.
     Host,
+}
+
+/// `--fp8-scales`: the block scales that `dispatch-fp8` forwards beside
+/// its e4m3 codes (`moe_ep::Fp8Scales`). Either kind is `H / 32` bytes a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScaleKind {
+    /// One f32 per 128 values, `[T, H / 128]` (DeepEP's recipe).
+    F32,
+    /// MXFP8: one e8m0 exponent byte per 32 values, `[T, H / 32]`.
+    E8m0,
+}
+
+impl ScaleKind {
+    /// The command-line spelling (`f32`, `e8m0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleKind::F32 => "f32",
+            ScaleKind::E8m0 => "e8m0",
+        }
+    }
+
+    /// In words: `f32 per 128 values`, `e8m0 per 32 values`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            ScaleKind::F32 => "f32 per 128 values",
+            ScaleKind::E8m0 => "e8m0 per 32 values",
+        }
+    }
+
+    /// Values that share one scale.
+    pub fn block(self) -> usize {
+        match self {
+            ScaleKind::F32 => FP8_BLOCK,
+            ScaleKind::E8m0 => 32,
+        }
+    }
+
+    /// Bytes of one scale.
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            ScaleKind::F32 => 4,
+            ScaleKind::E8m0 => 1,
+        }
+    }
+
+    /// Scales of one row of `hidden` values.
+    pub fn per_row(self, hidden: usize) -> usize {
+        hidden / self.block()
+    }
+
+    /// Bytes of one row's scales (`hidden / 32` for either kind).
+    pub fn row_bytes(self, hidden: usize) -> usize {
+        self.per_row(hidden) * self.scale_bytes()
+    }
 }
 
 /// `rank` or `expert:ALIGN`, the `--layout` spelling of a receive layout.
@@ -280,6 +348,8 @@ pub struct Case {
     pub mode: Mode,
     /// Payload type (not swept).
     pub dtype: Dtype,
+    /// The scales `dispatch-fp8` forwards (not swept).
+    pub fp8_scales: ScaleKind,
     /// Routing distribution (not swept).
     pub routing: Routing,
 }
@@ -364,11 +434,16 @@ pub struct Opts {
     /// Timed iterations per op, >= 1 [default: 20; 3 under --profile]
     #[arg(long, value_name = "N", value_parser = in_range(1, usize::MAX))]
     pub iters: Option<usize>,
-    /// layout,dispatch,combine,dispatch-bwd,combine-bwd,combine-push [default:
+    /// layout,dispatch,dispatch-fp8,combine,dispatch-bwd,combine-bwd,combine-push [default:
     /// layout,dispatch,combine]; --mode ll: ll-dispatch,ll-dispatch-fp8,ll-combine,ll-pair
     /// [default: all four]
     #[arg(long, value_name = "LIST", value_delimiter = ',', action = ArgAction::Set, value_parser = parse_op)]
     pub ops: Vec<Op>,
+    /// The scales dispatch-fp8 forwards beside its e4m3 codes: f32 (one per
+    /// 128 values, [T, H/128]) or e8m0 (MXFP8, one byte per 32 values,
+    /// [T, H/32]) [default: f32]
+    #[arg(long, value_name = "f32|e8m0")]
+    pub fp8_scales: Option<ScaleKind>,
     /// Compare with the CPU reference once before timing
     #[arg(long)]
     pub check: bool,
@@ -502,7 +577,8 @@ impl Opts {
             } else {
                 (
                     "ht",
-                    "layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push",
+                    "layout, dispatch, dispatch-fp8, combine, dispatch-bwd, combine-bwd, \
+                     combine-push",
                 )
             };
             return Err(format!(
@@ -514,6 +590,20 @@ impl Opts {
             return Err(
                 "--ops: combine-push is not an op of --ranks-per-node (the two-level combine \
                  always pushes)"
+                    .into(),
+            );
+        }
+        if self.ranks_per_node.is_some() && self.ops.contains(&Op::DispatchFp8) {
+            return Err(
+                "--ops: dispatch-fp8 is not an op of --ranks-per-node (the two-level path has \
+                 no fp8 dispatch: one node only)"
+                    .into(),
+            );
+        }
+        if self.fp8_scales.is_some() && !self.ops.contains(&Op::DispatchFp8) {
+            return Err(
+                "--fp8-scales: only with --ops dispatch-fp8 (the scales it forwards; the \
+                 low-latency fp8 ops make their own f32 per 128 values)"
                     .into(),
             );
         }
@@ -529,17 +619,20 @@ impl Opts {
                     *alignment = 1;
                 }
             }
-            let fp8: Vec<&str> = (self.ops.iter().filter(|op| op.is_fp8()))
-                .map(|op| op.name())
-                .collect();
-            if let Some(h) = self.hidden.iter().find(|&&h| !h.is_multiple_of(FP8_BLOCK)) {
-                if !fp8.is_empty() {
-                    return Err(format!(
-                        "--hidden: {h} is not a multiple of {FP8_BLOCK}, which {} need (one fp8 \
-                         scale per {FP8_BLOCK} values); leave them out of --ops",
-                        fp8.join(" and ")
-                    ));
-                }
+        }
+        let fp8: Vec<&str> = (self.ops.iter().filter(|op| op.is_fp8()))
+            .map(|op| op.name())
+            .collect();
+        if let Some(h) = self.hidden.iter().find(|&&h| !h.is_multiple_of(FP8_BLOCK)) {
+            if !fp8.is_empty() {
+                return Err(format!(
+                    "--hidden: {h} is not a multiple of {FP8_BLOCK}, which {} need{} (one f32 \
+                     scale per {FP8_BLOCK} values, or 16-byte rows of codes and 4-byte rows of \
+                     e8m0 scales); leave {} out of --ops",
+                    fp8.join(" and "),
+                    if fp8.len() == 1 { "s" } else { "" },
+                    if fp8.len() == 1 { "it" } else { "them" }
+                ));
             }
         }
         dedup(&mut self.tokens);
@@ -643,6 +736,11 @@ impl Opts {
         !self.profile
     }
 
+    /// `--fp8-scales`, or its default (f32 per 128 values).
+    pub fn fp8_scales(&self) -> ScaleKind {
+        self.fp8_scales.unwrap_or(ScaleKind::F32)
+    }
+
     /// `--virtual-ranks` without `--num-sms`: each case takes
     /// min(24, what fits the ranks on one GPU).
     pub fn auto_num_sms(&self) -> bool {
@@ -674,6 +772,7 @@ impl Opts {
                                     num_sms,
                                     mode: self.mode,
                                     dtype: self.dtype,
+                                    fp8_scales: self.fp8_scales(),
                                     routing: self.routing.clone(),
                                 });
                             }
@@ -799,8 +898,8 @@ fn parse_routing(s: &str) -> Result<Routing, String> {
 /// One `--ops` name.
 fn parse_op(s: &str) -> Result<Op, String> {
     Op::from_name(s).ok_or_else(|| {
-        "not one of layout, dispatch, combine, dispatch-bwd, combine-bwd, combine-push \
-         (--mode ht), ll-dispatch, ll-dispatch-fp8, ll-combine, ll-pair (--mode ll)"
+        "not one of layout, dispatch, dispatch-fp8, combine, dispatch-bwd, combine-bwd, \
+         combine-push (--mode ht), ll-dispatch, ll-dispatch-fp8, ll-combine, ll-pair (--mode ll)"
             .into()
     })
 }
@@ -898,6 +997,9 @@ mod tests {
                         "vs local",
                         "--mode ll",
                         "ll-pair",
+                        "dispatch-fp8",
+                        "--fp8-scales",
+                        "QUANT_FWD",
                         "Exit status",
                     ] {
                         assert!(text.contains(opt), "help lacks {opt}:\n{text}");
@@ -1039,6 +1141,36 @@ mod tests {
             "1032",
         ),
         ("--mode ll --ops ll-foo", "--ops", "ll-dispatch"),
+        (
+            "--ops dispatch-fp8 --hidden 7232",
+            "--hidden",
+            "which dispatch-fp8 needs",
+        ),
+        (
+            "--mode ll --ops dispatch-fp8",
+            "--ops",
+            "not an op of --mode ll",
+        ),
+        (
+            "--ranks-per-node 1 --ops dispatch-fp8",
+            "--ops",
+            "not an op of --ranks-per-node",
+        ),
+        (
+            "--fp8-scales e8m0",
+            "--fp8-scales",
+            "only with --ops dispatch-fp8",
+        ),
+        (
+            "--ops dispatch-fp8 --fp8-scales e4m3",
+            "--fp8-scales",
+            "f32, e8m0",
+        ),
+        (
+            "--ops dispatch-fp8 --fp8-scales",
+            "--fp8-scales",
+            "value is required",
+        ),
         ("--ranks-per-node 0", "--ranks-per-node", "out of range"),
         ("--ranks-per-node 9", "--ranks-per-node", "out of range"),
         (
@@ -1245,6 +1377,39 @@ mod tests {
         assert!(Op::LlPair.is_fp8() && !Op::LlCombine.is_fp8() && !Op::Dispatch.is_ll());
         assert_eq!(ll_layout_name(LlLayout::ExpertMajor), "expert");
         assert_eq!(mode_name(Mode::LowLatency), "ll");
+    }
+
+    /// `dispatch-fp8`: an op of `--mode ht` on one node; `--fp8-scales`
+    /// picks the scales (f32 per 128 values unless given).
+    #[test]
+    fn fp8_dispatch_op() {
+        let o = run(&["--ops", "dispatch,dispatch-fp8", "--layout", "rank,expert"]);
+        assert_eq!(o.ops, [Op::Dispatch, Op::DispatchFp8]);
+        assert_eq!(o.fp8_scales(), ScaleKind::F32);
+        assert!(o.cases().iter().all(|c| c.fp8_scales == ScaleKind::F32));
+        let o = run(&["--ops", "dispatch-fp8", "--fp8-scales", "e8m0"]);
+        assert_eq!(o.fp8_scales, Some(ScaleKind::E8m0));
+        assert_eq!(o.cases()[0].fp8_scales, ScaleKind::E8m0);
+        assert_eq!(
+            run(&["--ops", "dispatch-fp8", "--fp8-scales", "f32"]).fp8_scales(),
+            ScaleKind::F32
+        );
+        assert!(Op::DispatchFp8.is_fp8() && !Op::DispatchFp8.is_ll());
+        assert_eq!(Op::from_name("dispatch-fp8"), Some(Op::DispatchFp8));
+        // Hidden a multiple of 128 (the library's rule); the bf16 ops take any.
+        run(&["--ops", "dispatch-fp8", "--hidden", "128,7168"]);
+        run(&["--ops", "dispatch", "--hidden", "7232"]);
+        // Virtual ranks run it too.
+        run(&["--virtual-ranks", "8", "--ops", "dispatch-fp8", "--check"]);
+        // Either kind is H / 32 bytes a row.
+        for k in [ScaleKind::F32, ScaleKind::E8m0] {
+            assert_eq!(k.row_bytes(7168), 224);
+        }
+        assert_eq!(
+            (ScaleKind::F32.per_row(7168), ScaleKind::E8m0.per_row(7168)),
+            (56, 224)
+        );
+        assert_eq!(ScaleKind::E8m0.describe(), "e8m0 per 32 values");
     }
 
     #[test]

@@ -41,11 +41,13 @@ use moe_ep::reference::{self as refr, RankInput, Shape};
 use moe_ep::testkit::nccl::{exchange_rows, StartGate};
 use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{
-    bf16, Communicator, EpGroup, Error, GroupConfig, Handle, RecvLayout, SymmBuffer, UniqueId,
+    bf16, Communicator, DispatchOutFp8, DispatchedFp8, EpGroup, Error, Fp8Rows, Fp8Scales,
+    GroupConfig, Handle, RecvLayout, RecvScalesOut, SymmBuffer, UniqueId,
 };
 
 use crate::accounting::OpBytes;
-use crate::cli::{Case, Op, Opts, Routing, DEFAULT_NUM_SMS};
+use crate::cli::{Case, Op, Opts, Routing, ScaleKind, DEFAULT_NUM_SMS};
+use crate::fp8;
 use crate::launch::RankEnv;
 use crate::memory::{Memory, MoeEpMemory, NcclEpMemory};
 use crate::nccl_ep;
@@ -404,6 +406,136 @@ struct HtBufs<'b> {
     recv_w: &'b mut SymmBuffer<f32>,
     out: &'b mut CudaSlice<bf16>,
     grad_w: &'b mut CudaSlice<f32>,
+}
+
+/// This rank's fp8 rows on the device (`dispatch-fp8`), the symmetric
+/// receive buffers its dispatch writes in place (zero copy, as `dispatch`
+/// into `recv`), and the host copy of every rank's rows under `--check`.
+struct Fp8Dev {
+    /// `[T, H]` e4m3 codes (one byte for an empty rank).
+    codes: CudaSlice<u8>,
+    /// The scales and their receive buffer, of the case's kind.
+    scales: Fp8Side,
+    /// `[cap, H]` received codes.
+    recv_codes: SymmBuffer<u8>,
+    /// Rank-major `[cap, K]`, expert-major `[cap]` received weights.
+    recv_w: SymmBuffer<f32>,
+    /// Tokens of this rank.
+    tokens: usize,
+    /// Hidden size.
+    hidden: usize,
+}
+
+/// Scales of one kind: this rank's `[T, H / 128]` f32 or `[T, H / 32]`
+/// e8m0, and the `[cap, ...]` receive buffer beside them.
+enum Fp8Side {
+    F32 {
+        x: CudaSlice<f32>,
+        recv: SymmBuffer<f32>,
+    },
+    E8m0 {
+        x: CudaSlice<u8>,
+        recv: SymmBuffer<u8>,
+    },
+}
+
+impl Fp8Dev {
+    /// `me` on the device, and receive buffers of `cap` rows from `group`'s
+    /// pool (collective: every rank allocates the same, in the same order),
+    /// `wpr` weights a row.
+    fn new(
+        s_: &Arc<CudaStream>,
+        group: &EpGroup,
+        me: fp8::Payload,
+        (tokens, hidden): (usize, usize),
+        (cap, wpr): (usize, usize),
+    ) -> R<Fp8Dev> {
+        fn up<T: moe_ep::cuda::DeviceRepr + Default + Copy>(
+            s_: &Arc<CudaStream>,
+            v: &[T],
+        ) -> R<CudaSlice<T>> {
+            match v.is_empty() {
+                true => s_.clone_htod(&[T::default()][..]).map_err(s),
+                false => s_.clone_htod(v).map_err(s),
+            }
+        }
+        let pool = group.pool();
+        let scales = match me.scales {
+            fp8::Scales::F32(v) => Fp8Side::F32 {
+                x: up(s_, &v)?,
+                recv: (pool.alloc::<f32>(cap * ScaleKind::F32.per_row(hidden))).map_err(s)?,
+            },
+            fp8::Scales::E8m0(v) => Fp8Side::E8m0 {
+                x: up(s_, &v)?,
+                recv: (pool.alloc::<u8>(cap * ScaleKind::E8m0.per_row(hidden))).map_err(s)?,
+            },
+        };
+        Ok(Fp8Dev {
+            codes: up(s_, &me.codes)?,
+            scales,
+            recv_codes: pool.alloc::<u8>(cap * hidden).map_err(s)?,
+            recv_w: pool.alloc::<f32>(cap * wpr).map_err(s)?,
+            tokens,
+            hidden,
+        })
+    }
+
+    /// Device addresses for NCCL EP (the same codes and scales).
+    fn inputs(&self) -> nccl_ep::Fp8Inputs {
+        let (scales, kind) = match &self.scales {
+            Fp8Side::F32 { x, .. } => (DeviceRegion::device_ptr(x), ScaleKind::F32),
+            Fp8Side::E8m0 { x, .. } => (DeviceRegion::device_ptr(x), ScaleKind::E8m0),
+        };
+        nccl_ep::Fp8Inputs {
+            codes: DeviceRegion::device_ptr(&self.codes),
+            scales,
+            kind,
+        }
+    }
+
+    /// One `dispatch_fp8` of the rows with weights `w` into the receive
+    /// buffers; `then` sees its outputs (timed runs drop them at once).
+    fn dispatch<T>(
+        &mut self,
+        group: &EpGroup,
+        s_: &Arc<CudaStream>,
+        handle: &Handle,
+        w: &dyn DeviceRegion<f32>,
+        then: impl FnOnce(DispatchedFp8<'_>) -> R<T>,
+    ) -> R<T> {
+        let (t, h) = (self.tokens, self.hidden);
+        let codes = self.codes.slice(0..t * h);
+        let (recv_codes, recv_w) = (&mut self.recv_codes, &mut self.recv_w);
+        let got = match &mut self.scales {
+            Fp8Side::F32 { x, recv } => {
+                let xs = x.slice(0..t * ScaleKind::F32.per_row(h));
+                let rows = Fp8Rows {
+                    codes: &codes,
+                    scales: Fp8Scales::F32Per128(&xs),
+                };
+                let out = DispatchOutFp8 {
+                    recv_codes: Some(recv_codes),
+                    recv_scales: Some(RecvScalesOut::F32Per128(recv)),
+                    recv_topk_weights: Some(recv_w),
+                };
+                group.dispatch_fp8(s_, handle, rows, w, out)
+            }
+            Fp8Side::E8m0 { x, recv } => {
+                let xs = x.slice(0..t * ScaleKind::E8m0.per_row(h));
+                let rows = Fp8Rows {
+                    codes: &codes,
+                    scales: Fp8Scales::E8m0Per32(&xs),
+                };
+                let out = DispatchOutFp8 {
+                    recv_codes: Some(recv_codes),
+                    recv_scales: Some(RecvScalesOut::E8m0Per32(recv)),
+                    recv_topk_weights: Some(recv_w),
+                };
+                group.dispatch_fp8(s_, handle, rows, w, out)
+            }
+        };
+        then(got.map_err(s)?)
+    }
 }
 
 /// The samples of one op of both paths (layout, dispatch into the receive
@@ -841,6 +973,14 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
         1
     };
     let mut recv_w = group.pool().alloc::<f32>(cap * wpr).map_err(s)?;
+    // dispatch-fp8: this rank's random codes and scales, and their receive buffers.
+    let mut fp8_dev = match opts.ops.contains(&Op::DispatchFp8) {
+        true => {
+            let me = fp8::payload(opts.seed, rank, t, h, case.fp8_scales);
+            Some(Fp8Dev::new(s_, &group, me, (t, h), (cap, wpr))?)
+        }
+        false => None,
+    };
     let mut out = s_.alloc_zeros::<bf16>((t * h).max(1)).map_err(s)?;
     let mut grad_w = s_.alloc_zeros::<f32>((t * k).max(1)).map_err(s)?;
     // combine-push: the same expert outputs in plain (non-symmetric) memory.
@@ -860,12 +1000,12 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
         nccl_ep: None,
     };
     let eb = case.dtype.elem_bytes();
-    let traffic = crate::accounting::Traffic::new(&counts.rank, world, h, eb);
+    let traffic = crate::accounting::Traffic::new(&counts.rank, world, h, eb).with_topk(h, k);
     let bytes = |op: Op| traffic.op(op, rank);
     let mut mine: Vec<Measured> = Vec::new();
 
     // --check: dispatch and combine against the CPU reference, once.
-    let checked = if opts.check {
+    let mut checked = if opts.check {
         let inputs: Vec<RankInput> = (0..world)
             .map(|r| rank_input(case, opts.seed, r, routing[r].clone()))
             .collect();
@@ -883,6 +1023,12 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
     } else {
         None
     };
+    // --check: the fp8 dispatch too, bit for bit.
+    if let (Some(ch), Some(f)) = (checked.as_mut(), fp8_dev.as_mut()) {
+        let (ok, packed) = check_fp8(c, &group, &handle, ch, case, f, &wv)?;
+        ch.ok &= ok;
+        ch.fp8 = Some(packed);
+    }
     let check = all_ranks_ok(c, checked.as_ref().map(|ch| ch.ok))?;
 
     let mut bufs = HtBufs {
@@ -901,6 +1047,12 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
                 let out = &mut *bufs.out;
                 c.time(op.name(), || {
                     group.combine(s_, &handle, y, None, out).map_err(s)
+                })?
+            }
+            Op::DispatchFp8 => {
+                let f = fp8_dev.as_mut().expect("allocated when asked for");
+                c.time(op.name(), || {
+                    f.dispatch(&group, s_, &handle, &wv, |_| Ok(()))
                 })?
             }
             // Refused by the command line (`--mode ll` runs them: [`ll`]).
@@ -963,6 +1115,7 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
                     topk_idx: DeviceRegion::device_ptr(&idx),
                     x: DeviceRegion::device_ptr(&x),
                     w: DeviceRegion::device_ptr(&w),
+                    fp8: fp8_dev.as_ref().map(Fp8Dev::inputs),
                 };
                 let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
                 if let Some((v, m)) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {
@@ -1168,6 +1321,7 @@ fn run_nccl_ep(
     let run = |ep: &mut nccl_ep::Runner, op: Op| match op {
         Op::Layout => ep.layout(),
         Op::Dispatch => ep.dispatch(),
+        Op::DispatchFp8 => ep.dispatch_fp8(),
         Op::Combine | Op::CombinePush => ep.combine(),
         Op::DispatchBwd => ep.dispatch_bwd(),
         Op::CombineBwd => ep.combine_bwd(),
@@ -1176,18 +1330,28 @@ fn run_nccl_ep(
         }
     };
     // Every call once untimed before it is probed (its kernels are
-    // compiled at first use). A backward pass it refuses is left out alone.
+    // compiled at first use). A backward pass or an fp8 dispatch it
+    // refuses is left out alone.
     let mut primed = Vec::new();
     for (op, name) in ops {
         match run(&mut ep, op) {
             Ok(()) => primed.push((op, name)),
-            Err(e) if matches!(op, Op::DispatchBwd | Op::CombineBwd) => {
+            Err(e) if matches!(op, Op::DispatchBwd | Op::CombineBwd | Op::DispatchFp8) => {
                 c.note_once(format!("ep-bench: NCCL EP's {name} left out: {e}"))
             }
             Err(e) => return Err(e),
         }
     }
     let ops = primed;
+    // --check: its fp8 rows (codes with their scales) against the reference's.
+    let verdict = match (verdict, checked.and_then(|ch| ch.fp8.as_ref())) {
+        (Some(v), Some(want)) if ops.iter().any(|&(op, _)| op == Op::DispatchFp8) => {
+            ep.dispatch_fp8()?;
+            let got = ep.received_fp8()?;
+            Some(cross_check_fp8(c, case, spec.pairing, want, &got) && v)
+        }
+        (v, _) => v,
+    };
     c.stream.synchronize().map_err(s)?;
     let mut out = Vec::new();
     for (op, name) in ops {
@@ -1266,6 +1430,49 @@ fn cross_check(
             if let Err(e) = &k {
                 eprintln!("ep-bench: rank {rank}: {what}: FAILED: {e}");
             }
+            false
+        }
+    }
+}
+
+/// NCCL EP's fp8 dispatch output (`got`: its codes and scales packed,
+/// [`nccl_ep::Runner::received_fp8`]) against the reference's `want`
+/// ([`fp8::packed_output`]) with the bf16 rows' comparison
+/// ([`nccl_ep::compare_dispatch`]: counts, rows in any order, weights and
+/// ids); says how it went (rank 0 when it passed, every failing rank when
+/// not).
+fn cross_check_fp8(
+    c: &Ctx<'_>,
+    case: &Case,
+    pairing: nccl_ep::Pairing,
+    want: &refr::DispatchOutput,
+    got: &nccl_ep::Received,
+) -> bool {
+    let width = fp8::packed_width(case.hidden);
+    let what = format!(
+        "NCCL EP ({}) fp8 (QUANT_FWD, {} scales) cross-check, {}",
+        pairing.name(),
+        case.fp8_scales.describe(),
+        case.label()
+    );
+    match nccl_ep::compare_dispatch(want, got, case.layout, width, case.topk) {
+        Ok(order) => {
+            if !c.opts.quiet {
+                c.note(&format!(
+                    "ep-bench: {what}: ok: {} rows {}; codes, scales, weights and ids equal \
+                     the CPU reference's",
+                    got.total,
+                    order.words()
+                ));
+            }
+            true
+        }
+        Err(e) => {
+            eprintln!(
+                "ep-bench: rank {}: {what}: FAILED: dispatch (a row is its codes then its \
+                 scale bytes, shown as bf16 words): {e}",
+                c.comm.rank()
+            );
             false
         }
     }
@@ -1461,6 +1668,10 @@ struct Checked {
     emu: Vec<bf16>,
     /// Our combine output on this rank.
     comb: Vec<bf16>,
+    /// `dispatch-fp8`: the reference's output with its rows replaced by the
+    /// fp8 rows, codes and scales packed ([`fp8::packed_output`]), for
+    /// NCCL EP's fp8 cross-check.
+    fp8: Option<refr::DispatchOutput>,
 }
 
 /// Dispatch bit for bit and combine (identity experts) bit for bit against
@@ -1530,7 +1741,83 @@ fn check_case(
         outs,
         emu,
         comb,
+        fp8: None,
     })
+}
+
+/// `--check` of `dispatch-fp8`: one fp8 dispatch of every rank's random
+/// codes and scales ([`fp8::payload`]) with the case's weights, its codes,
+/// scales, weights, local expert ids and sources compared bit for bit with
+/// the reference's ([`fp8::expected`], `reference::dispatch_rows`). Returns
+/// whether they matched on this rank (a difference is named on stderr),
+/// and the reference's output of packed fp8 rows for NCCL EP's cross-check.
+fn check_fp8(
+    c: &Ctx<'_>,
+    group: &EpGroup,
+    handle: &Handle,
+    ch: &Checked,
+    case: &Case,
+    f: &mut Fp8Dev,
+    w: &dyn DeviceRegion<f32>,
+) -> R<(bool, refr::DispatchOutput)> {
+    let (rank, s_) = (c.comm.rank(), &c.stream);
+    let (h, k) = (case.hidden, case.topk);
+    let payloads: Vec<fp8::Payload> = (ch.inputs.iter().enumerate())
+        .map(|(r, inp)| fp8::payload(c.opts.seed, r, inp.topk_idx.len() / k, h, case.fp8_scales))
+        .collect();
+    let (want, bf) = fp8::expected(&ch.shape, &ch.inputs, &payloads, rank, case.layout)?;
+    drop(payloads);
+    let wpr = match case.layout {
+        RecvLayout::RankMajor => k,
+        RecvLayout::ExpertMajor { .. } => 1,
+    };
+    let (rows, idx, src) = f.dispatch(group, s_, handle, w, |d| {
+        let rows = handle.host_counts(s_).map_err(s)?.recv_rows;
+        let n = rows.min(d.topk_idx.len() / wpr).min(d.src.len() / 2);
+        let mut idx = vec![0i32; n * wpr];
+        let mut src = vec![0i32; n * 2];
+        d.topk_idx.copy_to_host(s_, &mut idx).map_err(s)?;
+        d.src.copy_to_host(s_, &mut src).map_err(s)?;
+        Ok((rows, idx, src))
+    })?;
+    // Rows past the buffers (an overflow) fail the row count.
+    let n = rows.min(f.recv_codes.len() / h.max(1));
+    let mut codes = vec![0u8; n * h];
+    f.recv_codes.copy_to_host(s_, &mut codes).map_err(s)?;
+    let scales = match &f.scales {
+        Fp8Side::F32 { recv, .. } => {
+            let mut v = vec![0f32; n * ScaleKind::F32.per_row(h)];
+            recv.copy_to_host(s_, &mut v).map_err(s)?;
+            fp8::Scales::F32(v)
+        }
+        Fp8Side::E8m0 { recv, .. } => {
+            let mut v = vec![0u8; n * ScaleKind::E8m0.per_row(h)];
+            recv.copy_to_host(s_, &mut v).map_err(s)?;
+            fp8::Scales::E8m0(v)
+        }
+    };
+    let mut weights = vec![0f32; n * wpr];
+    f.recv_w.copy_to_host(s_, &mut weights).map_err(s)?;
+    group.check().map_err(s)?;
+    let got = fp8::Rows {
+        rows,
+        codes,
+        scales,
+        weights,
+        idx,
+        src: src.chunks_exact(2).map(|p| (p[0], p[1])).collect(),
+    };
+    let ok = match fp8::compare(&want, &got, h) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!(
+                "ep-bench: rank {rank}: --check failed: dispatch-fp8 ({} scales): {e}",
+                case.fp8_scales.describe()
+            );
+            false
+        }
+    };
+    Ok((ok, fp8::packed_output(&bf, &want, h)))
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@
 
 mod accounting;
 mod cli;
+mod fp8;
 mod gpu;
 mod launch;
 mod memory;

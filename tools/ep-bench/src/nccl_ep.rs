@@ -29,6 +29,19 @@
 //! home), `nccl-ep-combine-bwd` its dispatch in the backward pass. Our
 //! `combine-push` is compared with `nccl-ep-combine`.
 //!
+//! `nccl-ep-dispatch-fp8` ([`Runner::dispatch_fp8`]) stands beside our
+//! `dispatch-fp8`: its HT dispatch with the `NCCL_EP_DISP_QUANT_FWD`
+//! recipe, which forwards the caller's codes and scales as their bytes
+//! ("physical bytes forwarded without conversion"): our very codes
+//! (`ncclFloat8e4m3`, `[T, H]`) and scales (`ncclFloat32` `[T, H / 128]`,
+//! or `ncclUint8` `[T, H / 32]` for e8m0), so both libraries move the same
+//! bytes, with the same weights, into receive buffers of the same shapes.
+//! Either scale kind is matched. What is not: its recipe wants every row of
+//! codes and of scales 16-byte aligned, so the `H / 32` bytes of scales a
+//! row need `H` a multiple of 512 (ours: 128); below that its row is left
+//! out with one line ([`FP8_WHY`]). Its other fp8 recipe (`DS_FP8E3M4`,
+//! casting bf16 in its kernel) is LL-only ([`ll`]).
+//!
 //! Configuration ([`Runner::new`]): the same tokens, routing (our `topk_idx`,
 //! `i64`), token rows and weights (our device buffers), `max_num_sms` = our
 //! SM count, receive capacity = ours (at least the token count), recv
@@ -71,7 +84,7 @@ use moe_ep::ops::DeviceRegion;
 use moe_ep::reference::DispatchOutput;
 use moe_ep::{bf16, Communicator, Mode, NcclVersion, RecvLayout};
 
-use crate::cli::Case;
+use crate::cli::{Case, ScaleKind};
 use crate::memory::NcclEpMemory;
 
 pub mod ll;
@@ -96,6 +109,13 @@ const MAX_TOKENS: usize = 8192;
 const MAX_HIDDEN: usize = 16384;
 /// Its largest local expert count (`NUM_MAX_LOCAL_EXPERTS`).
 const MAX_LOCAL_EXPERTS: usize = 1024;
+/// Hidden multiple of its fp8 rows (`QUANT_FWD`: each row of scales,
+/// `H / 32` bytes, 16-byte aligned).
+pub const FP8_HIDDEN_MULTIPLE: usize = 512;
+/// Why its fp8 dispatch is left out of a case whose hidden size is not a
+/// multiple of [`FP8_HIDDEN_MULTIPLE`].
+pub const FP8_WHY: &str = "its QUANT_FWD recipe wants 16-byte aligned rows of scales (H / 32 \
+bytes either kind): hidden a multiple of 512";
 
 /// The C declarations, written from `nccl_ep.h` (API version 2, library
 /// 0.2.0). Every struct starts with `size` and `magic`; the sizes are the
@@ -139,11 +159,16 @@ mod ffi {
     /// `NCCL_EP_EXPERT_ID_LOCAL`.
     pub const EXPERT_ID_LOCAL: c_int = 1;
 
+    /// `NCCL_EP_DISP_QUANT_FWD`: codes and scales forwarded as given.
+    pub const DISP_QUANT_FWD: c_int = 1;
+
     /// `ncclDataType_t` values used here.
+    pub const NCCL_UINT8: c_int = 1;
     pub const NCCL_INT32: c_int = 2;
     pub const NCCL_INT64: c_int = 4;
     pub const NCCL_FLOAT32: c_int = 7;
     pub const NCCL_BFLOAT16: c_int = 9;
+    pub const NCCL_FLOAT8E4M3: c_int = 10;
 
     /// `ncclEpTensor_t`.
     #[repr(C)]
@@ -706,12 +731,72 @@ pub struct Spec {
 }
 
 /// Device addresses of our inputs: `topk_idx` `[T, K]` i64, `x` `[T, H]`
-/// bf16, `w` `[T, K]` f32.
+/// bf16, `w` `[T, K]` f32, and (`dispatch-fp8`) the fp8 rows.
 #[derive(Clone, Copy, Debug)]
 pub struct Inputs {
     pub topk_idx: u64,
     pub x: u64,
     pub w: u64,
+    pub fp8: Option<Fp8Inputs>,
+}
+
+/// Device addresses of our fp8 rows: `codes` `[T, H]` e4m3, `scales`
+/// `[T, kind.per_row(H)]` of `kind`.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Inputs {
+    pub codes: u64,
+    pub scales: u64,
+    pub kind: ScaleKind,
+}
+
+/// The descriptors and receive buffers of its fp8 dispatch.
+struct Fp8 {
+    codes: Box<Desc>,
+    scales: Box<Desc>,
+    recv_codes: Box<Desc>,
+    recv_scales: Box<Desc>,
+    /// `[slots, H]` codes.
+    recv_codes_buf: CudaSlice<u8>,
+    /// `[slots, H / 32]` bytes of scales (f32 or e8m0).
+    recv_scales_buf: CudaSlice<u8>,
+}
+
+impl Fp8 {
+    /// The descriptors of `inputs` (`t` rows of `h` values) and receive
+    /// buffers of `slots` rows.
+    fn new(
+        stream: &Arc<CudaStream>,
+        inputs: Fp8Inputs,
+        t: usize,
+        h: usize,
+        slots: usize,
+    ) -> R<Fp8> {
+        let kind = inputs.kind;
+        let dtype = match kind {
+            ScaleKind::F32 => ffi::NCCL_FLOAT32,
+            ScaleKind::E8m0 => ffi::NCCL_UINT8,
+        };
+        let per = kind.per_row(h);
+        let alloc = |what: &'static str| move |e| format!("NCCL EP {what} ({slots} rows): {e}");
+        let recv_codes_buf = stream
+            .alloc_zeros::<u8>(slots * h)
+            .map_err(alloc("fp8 receive buffer"))?;
+        let recv_scales_buf = stream
+            .alloc_zeros::<u8>(slots * kind.row_bytes(h))
+            .map_err(alloc("fp8 receive scales"))?;
+        Ok(Fp8 {
+            codes: Desc::new(ffi::NCCL_FLOAT8E4M3, inputs.codes, &[t, h]),
+            scales: Desc::new(dtype, inputs.scales, &[t, per]),
+            recv_codes: Desc::new(
+                ffi::NCCL_FLOAT8E4M3,
+                recv_codes_buf.device_ptr(),
+                &[slots, h],
+            ),
+            recv_scales: Desc::new(dtype, recv_scales_buf.device_ptr(), &[slots, per]),
+            recv_codes_buf,
+            recv_scales_buf,
+        })
+    }
 }
 
 /// The first `n` values of `words` as written with `datatype` (int64, or
@@ -774,6 +859,8 @@ pub struct Runner {
     total: Box<Desc>,
     out: Box<Desc>,
     out_w: Box<Desc>,
+    /// Its fp8 dispatch (`None`: not asked for, or [`FP8_WHY`]).
+    fp8: Option<Fp8>,
     // Its buffers (freed after the handle and group, in field order).
     recv_x_buf: CudaSlice<bf16>,
     recv_w_buf: CudaSlice<f32>,
@@ -831,6 +918,12 @@ impl Runner {
         let total_buf = stream.alloc_zeros::<i32>(1).map_err(s)?;
         let out_buf = stream.alloc_zeros::<bf16>(t * h).map_err(s)?;
         let out_w_buf = stream.alloc_zeros::<f32>(t * k).map_err(s)?;
+        let fp8 = match inputs.fp8 {
+            Some(f) if h.is_multiple_of(FP8_HIDDEN_MULTIPLE) => {
+                Some(Fp8::new(stream, f, t, h, slots)?)
+            }
+            _ => None,
+        };
         // Every counter in one type (0.2.0 asserts that they share it, and
         // flat ones must be int32); the buffers are i64 words, read back
         // by `decode`.
@@ -863,6 +956,7 @@ impl Runner {
             total: Desc::new(count_type, total_buf.device_ptr(), &[1]),
             out: Desc::new(ffi::NCCL_BFLOAT16, out_buf.device_ptr(), &[t, h]),
             out_w: Desc::new(ffi::NCCL_FLOAT32, out_w_buf.device_ptr(), &[t, k]),
+            fp8,
             recv_x_buf,
             recv_w_buf,
             recv_idx_buf,
@@ -882,6 +976,7 @@ impl Runner {
             num_experts: spec.experts as c_uint,
             max_dispatch_tokens_per_rank: t as c_uint,
             max_recv_tokens_per_rank: slots as c_uint,
+            // bf16 rows; an fp8 row and its scales (H + H / 32 bytes) fit too.
             max_token_bytes: (h * 2) as c_uint,
             rdma_buffer_size: 0 as c_ulong,
             num_qp_per_rank: 0,
@@ -984,6 +1079,47 @@ impl Runner {
         self.run_dispatch("ncclEpDispatch", &inputs, &outputs, ffi::FWD_PASS)
     }
 
+    /// Forward dispatch of our fp8 rows (`QUANT_FWD`: codes and scales
+    /// forwarded as their bytes) and weights into its fp8 receive buffers,
+    /// its weights and ids; [`FP8_WHY`] where it has none.
+    pub fn dispatch_fp8(&mut self) -> R<()> {
+        let Some(f) = self.fp8.as_mut() else {
+            return Err(FP8_WHY.into());
+        };
+        let inputs = ffi::Inputs {
+            size: std::mem::size_of::<ffi::Inputs>() as c_uint,
+            magic: ffi::MAGIC,
+            tokens: f.codes.ptr(),
+            topk_weights: self.w.ptr(),
+            scales: f.scales.ptr(),
+        };
+        let outputs = ffi::DispatchOutputs {
+            size: std::mem::size_of::<ffi::DispatchOutputs>() as c_uint,
+            magic: ffi::MAGIC,
+            tokens: f.recv_codes.ptr(),
+            topk_weights: self.recv_w.ptr(),
+            scales: f.recv_scales.ptr(),
+            topk_idx: self
+                .recv_idx
+                .as_mut()
+                .map_or(std::ptr::null_mut(), |d| d.ptr()),
+        };
+        let cfg = dispatch_config(ffi::FWD_PASS, ffi::DISP_QUANT_FWD);
+        // SAFETY: live handle; the descriptors name live buffers of their sizes.
+        let rc = unsafe {
+            (self.lib.dispatch)(
+                self.handle,
+                &inputs,
+                &outputs,
+                std::ptr::null(),
+                &cfg,
+                self.stream_ptr(),
+            )
+        };
+        self.lib
+            .check("ncclEpDispatch (QUANT_FWD fp8)", rc, self.comm)
+    }
+
     /// Backward dispatch (our combine-bwd): `out` (gradients of the combined
     /// tokens) to the receive buffer, no weights.
     pub fn combine_bwd(&mut self) -> R<()> {
@@ -1017,14 +1153,7 @@ impl Runner {
         outputs: &ffi::DispatchOutputs,
         pass: c_int,
     ) -> R<()> {
-        let cfg = ffi::DispatchConfig {
-            size: std::mem::size_of::<ffi::DispatchConfig>() as c_uint,
-            magic: ffi::MAGIC,
-            send_only: 0,
-            round_scales: 0,
-            pass_direction: pass,
-            quant_recipe: 0,
-        };
+        let cfg = dispatch_config(pass, 0);
         // SAFETY: live handle; the descriptors name live buffers of their sizes.
         let rc = unsafe {
             (self.lib.dispatch)(
@@ -1114,15 +1243,48 @@ impl Runner {
 
     /// What the last dispatch received, on the host. Synchronises the stream.
     pub fn received(&self) -> R<Received> {
+        let h = self.spec.hidden;
+        self.received_with(|total| {
+            let mut rows = vec![bf16::ZERO; total * h];
+            if total > 0 {
+                (self.stream)
+                    .memcpy_dtoh(&self.recv_x_buf.slice(0..total * h), &mut rows)
+                    .map_err(s)?;
+            }
+            Ok(rows)
+        })
+    }
+
+    /// What the last fp8 dispatch received, on the host, each row of
+    /// codes and its scale bytes packed as one row of
+    /// [`crate::fp8::packed_width`] bf16 words ([`crate::fp8::packed`]).
+    /// Synchronises the stream.
+    pub fn received_fp8(&self) -> R<Received> {
+        let f = self.fp8.as_ref().ok_or(FP8_WHY)?;
+        let h = self.spec.hidden;
+        self.received_with(|total| {
+            let mut codes = vec![0u8; total * h];
+            let mut scales = vec![0u8; total * h / 32];
+            if total > 0 {
+                let st = &self.stream;
+                st.memcpy_dtoh(&f.recv_codes_buf.slice(0..total * h), &mut codes)
+                    .map_err(s)?;
+                st.memcpy_dtoh(&f.recv_scales_buf.slice(0..total * h / 32), &mut scales)
+                    .map_err(s)?;
+                st.synchronize().map_err(s)?;
+            }
+            Ok(crate::fp8::packed(&codes, &scales, total, h))
+        })
+    }
+
+    /// What the last dispatch received: its rows as `rows(total)` reads
+    /// them, its weights, ids and counters.
+    fn received_with(&self, rows: impl FnOnce(usize) -> R<Vec<bf16>>) -> R<Received> {
         let total = self.recv_total()?;
-        let (h, k) = (self.spec.hidden, self.spec.topk);
+        let k = self.spec.topk;
         let em = self.spec.pairing.expert_major();
         let st = &self.stream;
-        let mut rows = vec![bf16::ZERO; total * h];
-        if total > 0 {
-            st.memcpy_dtoh(&self.recv_x_buf.slice(0..total * h), &mut rows)
-                .map_err(s)?;
-        }
+        let rows = rows(total)?;
         let nw = if em { total } else { total * k };
         let mut weights = vec![0f32; nw];
         if nw > 0 {
@@ -1163,6 +1325,18 @@ impl Runner {
         let v = self.stream.clone_dtoh(&self.out_buf).map_err(s)?;
         self.stream.synchronize().map_err(s)?;
         Ok(v)
+    }
+}
+
+/// Its dispatch config for `pass` with recipe `quant` (0: none).
+fn dispatch_config(pass: c_int, quant: c_int) -> ffi::DispatchConfig {
+    ffi::DispatchConfig {
+        size: std::mem::size_of::<ffi::DispatchConfig>() as c_uint,
+        magic: ffi::MAGIC,
+        send_only: 0,
+        round_scales: 0,
+        pass_direction: pass,
+        quant_recipe: quant,
     }
 }
 
@@ -1551,7 +1725,7 @@ pub fn compare_combine(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::{Dtype, Op, Routing};
+    use crate::cli::{Dtype, Op, Routing, ScaleKind};
     use crate::report;
     use moe_ep::reference::{self as refr, RankInput, Shape};
     use moe_ep::testkit::workload;
@@ -1605,6 +1779,7 @@ mod tests {
             num_sms: 24,
             mode: Mode::HighThroughput,
             dtype: Dtype::Bf16,
+            fp8_scales: ScaleKind::F32,
             routing: Routing::Generated(workload::Routing::Uniform),
         }
     }

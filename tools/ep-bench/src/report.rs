@@ -63,6 +63,9 @@ pub const RAIL_HOP: &str = "rail-hop";
 pub const NCCL_EP_LAYOUT: &str = "nccl-ep-layout";
 /// NCCL EP's forward dispatch.
 pub const NCCL_EP_DISPATCH: &str = "nccl-ep-dispatch";
+/// NCCL EP's forward dispatch of fp8 rows: its HT dispatch with the
+/// `QUANT_FWD` recipe, forwarding the codes and scales of `dispatch-fp8`.
+pub const NCCL_EP_DISPATCH_FP8: &str = "nccl-ep-dispatch-fp8";
 /// NCCL EP's forward combine.
 pub const NCCL_EP_COMBINE: &str = "nccl-ep-combine";
 /// NCCL EP's backward combine (the data movement of our dispatch-bwd).
@@ -83,6 +86,7 @@ pub fn nccl_ep_row(op: Op) -> &'static str {
     match op {
         Op::Layout => NCCL_EP_LAYOUT,
         Op::Dispatch => NCCL_EP_DISPATCH,
+        Op::DispatchFp8 => NCCL_EP_DISPATCH_FP8,
         Op::Combine | Op::CombinePush => NCCL_EP_COMBINE,
         Op::DispatchBwd => NCCL_EP_DISPATCH_BWD,
         Op::CombineBwd => NCCL_EP_COMBINE_BWD,
@@ -95,11 +99,11 @@ pub fn nccl_ep_row(op: Op) -> &'static str {
 
 /// The local-copy ceiling that one of our ops is compared with (`vs
 /// local`): ops that fan rows out like dispatch, or in like combine; none
-/// for the layout (it moves no rows), nor for the low-latency ops that move
-/// fp8 rows (the copies move bf16 rows).
+/// for the layout (it moves no rows), nor for the ops that move fp8 rows
+/// (the copies move bf16 rows).
 pub fn local_copy_row(op: Op) -> Option<&'static str> {
     match op {
-        Op::Layout | Op::LlDispatchFp8 | Op::LlPair => None,
+        Op::Layout | Op::DispatchFp8 | Op::LlDispatchFp8 | Op::LlPair => None,
         Op::Dispatch | Op::CombineBwd | Op::LlDispatch => Some(LOCAL_COPY_DISPATCH),
         Op::Combine | Op::CombinePush | Op::DispatchBwd | Op::LlCombine => Some(LOCAL_COPY_COMBINE),
     }
@@ -311,6 +315,13 @@ impl CaseResult {
             .any(|o| o.op == LOCAL_COPY_DISPATCH || o.op == LOCAL_COPY_COMBINE)
     }
 
+    /// Whether an fp8 dispatch row (ours or NCCL EP's) is in this result.
+    pub fn has_fp8_dispatch(&self) -> bool {
+        self.ops
+            .iter()
+            .any(|o| o.op == Op::DispatchFp8.name() || o.op == NCCL_EP_DISPATCH_FP8)
+    }
+
     /// Whether NCCL EP's rows are in this result.
     pub fn has_nccl_ep(&self) -> bool {
         self.ops.iter().any(|o| o.op.starts_with(NCCL_EP_PREFIX))
@@ -457,6 +468,12 @@ pub fn table(results: &[CaseResult]) -> String {
     );
     if !fixed.is_empty() {
         out += &format!(" | {}", fixed.join(" "));
+    }
+    if results.iter().any(CaseResult::has_fp8_dispatch) {
+        out += &format!(
+            " | dispatch-fp8: e4m3 codes + {} scales",
+            c.fp8_scales.describe()
+        );
     }
     out.push('\n');
 
@@ -662,11 +679,15 @@ struct CaseRecord {
     mode: &'static str,
     dtype: &'static str,
     routing: String,
+    /// The scales of the fp8 dispatch rows (`f32`, `e8m0`); `None` (null,
+    /// empty) in a case without them.
+    fp8_scales: Option<&'static str>,
 }
 
 impl CaseRecord {
-    /// The record of `c`.
-    fn new(c: &Case) -> Self {
+    /// The record of `res`'s case.
+    fn new(res: &CaseResult) -> Self {
+        let c = &res.case;
         CaseRecord {
             tokens: c.tokens,
             hidden: c.hidden,
@@ -677,6 +698,7 @@ impl CaseRecord {
             mode: mode_name(c.mode),
             dtype: c.dtype.name(),
             routing: c.routing.to_string(),
+            fp8_scales: res.has_fp8_dispatch().then(|| c.fp8_scales.name()),
         }
     }
 }
@@ -781,7 +803,7 @@ impl MemoryRecord {
 
 /// All results as one JSON document:
 /// `{"tool", "version", "results": [{"case": {"tokens", "hidden", "topk",
-/// "experts", "layout", "num_sms", "mode", "dtype", "routing"}, "world",
+/// "experts", "layout", "num_sms", "mode", "dtype", "routing", "fp8_scales"}, "world",
 /// "ranks_per_node", "hop_chunk_rows", "ranks", "gpu_name", "check", "ops": [{"op", "baseline", "median_us",
 /// "min_us", "max_us", "slowest_rank", "nvlink_bytes", "network_bytes", "logical_bytes",
 /// "nvlink_gbps", "logical_gbps", "vs_nccl", "vs_nccl_peers", "vs_ceiling",
@@ -838,7 +860,7 @@ pub fn json(results: &[CaseResult]) -> String {
         results: results
             .iter()
             .map(|res| CaseOut {
-                case: CaseRecord::new(&res.case),
+                case: CaseRecord::new(res),
                 world: res.world,
                 ranks_per_node: res.ranks_per_node,
                 hop_chunk_rows: res.hop_chunk_rows,
@@ -872,7 +894,7 @@ pub fn json(results: &[CaseResult]) -> String {
 }
 
 /// Header plus one line per (case, op): `tokens, hidden, topk, experts,
-/// layout, num_sms, mode, dtype, routing, world, gpu_name, op, baseline,
+/// layout, num_sms, mode, dtype, routing, fp8_scales, world, gpu_name, op, baseline,
 /// median_us, min_us, max_us, slowest_rank, nvlink_bytes, network_bytes,
 /// logical_bytes, nvlink_gbps, logical_gbps, vs_nccl, vs_nccl_peers, vs_ceiling,
 /// vs_nccl_ep, vs_local, check, per_rank_median_us, ranks`. Times in µs, bytes in B,
@@ -900,7 +922,7 @@ pub fn csv(results: &[CaseResult]) -> String {
                 .map(|s| finite(s.median_us).map_or(String::new(), |v| v.to_string()))
                 .collect();
             let row = (
-                CaseRecord::new(&res.case),
+                CaseRecord::new(res),
                 Run {
                     world: res.world,
                     gpu_name: &res.gpu_name,
@@ -932,7 +954,7 @@ pub fn progress(total: usize, enabled: bool) -> ProgressBar {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::cli::{Dtype, Routing};
+    use crate::cli::{Dtype, Routing, ScaleKind};
     use moe_ep::testkit::workload;
     use moe_ep::{Mode, RecvLayout};
 
@@ -946,6 +968,7 @@ pub(crate) mod tests {
             num_sms: 24,
             mode: Mode::HighThroughput,
             dtype: Dtype::Bf16,
+            fp8_scales: ScaleKind::F32,
             routing: Routing::Generated(workload::Routing::Uniform),
         }
     }
@@ -1171,6 +1194,49 @@ pub(crate) mod tests {
         }
     }
 
+    /// `dispatch-fp8` beside NCCL EP's fp8 dispatch: its `vs NCCL-EP`
+    /// against that row (not the bf16 one), no `vs local`; the title, JSON
+    /// and CSV name the scales; a case without it has none.
+    #[test]
+    fn fp8_dispatch_rows() {
+        assert_eq!(nccl_ep_row(Op::DispatchFp8), NCCL_EP_DISPATCH_FP8);
+        assert_eq!(local_copy_row(Op::DispatchFp8), None);
+        let mut r = sample(4096, 7168, Some(true));
+        r.case.fp8_scales = ScaleKind::E8m0;
+        r.ops.insert(2, op("dispatch-fp8", &[40.0, 50.0], &[0, 0]));
+        r.ops.push(op(NCCL_EP_DISPATCH, &[300.0, 300.0], &[0, 0]));
+        r.ops
+            .push(op(NCCL_EP_DISPATCH_FP8, &[150.0, 150.0], &[0, 0]));
+        r.nccl_ep_check = Some(true);
+        let fp8 = r.op("dispatch-fp8").unwrap();
+        assert_eq!(r.vs_nccl_ep(fp8), Some(3.0));
+        assert_eq!(r.vs_local(fp8), None);
+        assert!(r.has_fp8_dispatch() && !sample(1024, 7168, None).has_fp8_dispatch());
+        let t = table(std::slice::from_ref(&r));
+        let title = t.lines().next().unwrap();
+        assert!(
+            title.ends_with("| dispatch-fp8: e4m3 codes + e8m0 per 32 values scales"),
+            "{title}"
+        );
+        let row = t.lines().find(|l| l.starts_with("dispatch-fp8 ")).unwrap();
+        assert!(row.contains("3.00x"), "{row}");
+        let doc: serde_json::Value = serde_json::from_str(&json(&[r.clone()])).unwrap();
+        assert_eq!(doc["results"][0]["case"]["fp8_scales"], "e8m0");
+        assert_eq!(doc["results"][0]["ops"][2]["op"], "dispatch-fp8");
+        assert_eq!(doc["results"][0]["ops"][2]["vs_nccl_ep"], 3.0);
+        let plain: serde_json::Value =
+            serde_json::from_str(&json(&[sample(1024, 7168, None)])).unwrap();
+        assert!(plain["results"][0]["case"]["fp8_scales"].is_null());
+        let text = csv(&[r]);
+        let mut rd = csv::Reader::from_reader(text.as_bytes());
+        let header: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
+        let at = header.iter().position(|h| h == "fp8_scales").unwrap();
+        let rows: Vec<csv::StringRecord> = rd.records().map(Result::unwrap).collect();
+        assert!(rows.iter().all(|row| &row[at] == "e8m0"));
+        let ep = header.iter().position(|h| h == "op").unwrap();
+        assert!(rows.iter().any(|row| &row[ep] == NCCL_EP_DISPATCH_FP8));
+    }
+
     /// The two-level path's title and JSON say its nodes and hop chunks.
     #[test]
     fn two_level_says_its_nodes_and_chunks() {
@@ -1197,7 +1263,7 @@ pub(crate) mod tests {
         let header: Vec<String> = rd.headers().unwrap().iter().map(String::from).collect();
         assert_eq!(
             header.join(","),
-            "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,world,gpu_name,op,\
+            "tokens,hidden,topk,experts,layout,num_sms,mode,dtype,routing,fp8_scales,world,gpu_name,op,\
              baseline,median_us,min_us,max_us,slowest_rank,nvlink_bytes,network_bytes,logical_bytes,\
              nvlink_gbps,logical_gbps,vs_nccl,vs_nccl_peers,vs_ceiling,vs_nccl_ep,vs_local,check,\
              per_rank_median_us,ranks"

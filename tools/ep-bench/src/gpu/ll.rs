@@ -570,6 +570,7 @@ pub(super) fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
                     topk_idx: DeviceRegion::device_ptr(&b.idx),
                     x: DeviceRegion::device_ptr(&b.x),
                     w: DeviceRegion::device_ptr(&b.w),
+                    fp8: None,
                 };
                 let ran = run_nccl_ep(c, lib, case, spec, inputs, checked.as_ref(), &bytes);
                 if let Some((v, m)) = keep_nccl_ep_rows(c, s_, case, ran, &mut mine)? {

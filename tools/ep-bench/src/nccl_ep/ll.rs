@@ -621,6 +621,7 @@ mod tests {
             num_sms: sms,
             mode: Mode::LowLatency,
             dtype: Dtype::Bf16,
+            fp8_scales: crate::cli::ScaleKind::F32,
             routing: Routing::Generated(workload::Routing::Uniform),
         }
     }
