@@ -959,6 +959,18 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
             .parse()
             .map_err(|_| format!("MOE_EP_COMBINE_CHUNKS: {v:?} is not a number"))?;
     }
+    // Tuning knob: expert-major padding rows left unwritten
+    // (GroupConfig::zero_padding = false), for timing both settings.
+    if std::env::var("MOE_EP_ZERO_PADDING").as_deref() == Ok("0") {
+        if opts.check {
+            return Err(
+                "MOE_EP_ZERO_PADDING=0 leaves padding rows unwritten, which --check \
+                        compares with zeros: run it without --check"
+                    .into(),
+            );
+        }
+        cfg.zero_padding = false;
+    }
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
     // The group's own, before the pool gives out buffers.
     let footprint = group.memory_footprint();
