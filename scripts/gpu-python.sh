@@ -8,11 +8,15 @@
 # NCCL world 1 and virtual worlds 2, 4 and 8, the example at virtual world 4
 # and NCCL world 1, and the overhead measurement (Python over Rust). Logs
 # land in $OUT (or /tmp/gpu-python); the last lines printed are the summary.
+# The whole script ends within BUDGET_S seconds (default 420, 7 minutes):
+# every step's timeout is cut to what is left of it, and a step with less
+# than 10 s left is not started (counted as failed, rc=124).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-python}
 mkdir -p "$out"
 t0=$(date +%s)
+budget=${BUDGET_S:-420}
 # NCCL from the python3 here, multicast kept off (as .gpu/env.sh).
 nccl_lib=$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
 [ -n "$nccl_lib" ] && export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -31,18 +35,27 @@ export PYTHONPATH=/tmp/site
 declare -A rc
 run() {  # name, timeout (s), command...
   local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local left=$(( budget - ($(date +%s) - t0) ))
+  if [ "$left" -lt 10 ]; then
+    echo "not started: ${left} s of the ${budget} s budget left" > "$out/$name.log"
+    rc[$name]=124
+    echo "$name not started (budget spent) at $(( $(date +%s) - t0 )) s"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
   rc[$name]=$?
   echo "$name rc=${rc[$name]} at $(( $(date +%s) - t0 )) s"
 }
 # The CPU tests here too (the package as installed from the wheel).
-run cpu-tests 60 python3 -m unittest discover -s python/tests -p 'test_cpu.py' -v
+run cpu-tests 30 python3 -m unittest discover -s python/tests -p 'test_cpu.py' -v
+declare -A limit=([1]=70 [2]=70 [4]=80 [8]=100)
 for w in 1 2 4 8; do
-  MOE_EP_PY_WORLDS=$w run "gpu-tests-world$w" 240 python3 -m unittest discover -s python/tests/gpu -p 'test_gpu.py' -v
+  MOE_EP_PY_WORLDS=$w run "gpu-tests-world$w" "${limit[$w]}" python3 -m unittest discover -s python/tests/gpu -p 'test_gpu.py' -v
 done
-run example-virtual4 120 python3 examples/python/moe_layer.py --world 4
-run example-nccl1 120 python3 examples/python/moe_layer.py --world 1
-run overhead 120 python3 python/bench/overhead.py --json "$out/overhead.json"
+run example-virtual4 30 python3 examples/python/moe_layer.py --world 4
+run example-nccl1 20 python3 examples/python/moe_layer.py --world 1
+run overhead 30 python3 python/bench/overhead.py --iters 100 --json "$out/overhead.json"
 
 echo "== summary"
 grep -hE "^(Ran|OK|FAILED)" "$out"/gpu-tests-world*.log "$out/cpu-tests.log" | paste -sd' ' | cut -c1-400

@@ -83,6 +83,16 @@ def _tensor(arr, consumer):
     return t
 
 
+def _u8(t):
+    """A torch float8_e4m3fn tensor as its uint8 codes (the same memory), for
+    exporters that cannot name fp8 in DLPack; anything else as it is."""
+    if t is not None and _torch is not None and isinstance(t, _torch.Tensor):
+        f8 = _DTYPES.get("float8_e4m3fn")
+        if f8 is not None and t.dtype == f8:
+            return t.view(_torch.uint8)
+    return t
+
+
 def _dtype_name(dtype):
     if isinstance(dtype, str):
         return dtype
@@ -100,6 +110,22 @@ class Dispatched(NamedTuple):
     written."""
 
     tokens: object
+    topk_weights: object
+    topk_idx: object
+    src: object
+    tokens_per_expert: object
+
+
+class DispatchedFp8(NamedTuple):
+    """What ``Group.dispatch_fp8`` returns: the received e4m3 codes
+    (``[rows, H]`` uint8 in the handle's layout; ``.view(torch.float8_e4m3fn)``
+    for torch's fp8 type), their scales beside them (row ``i``'s scales in
+    row ``i``: ``[rows, H / 32]`` uint8 e8m0, or ``[rows, H / 128]`` float32,
+    the kind sent), then as ``Dispatched``: top-k weights, local expert ids,
+    sources and, expert-major, the unpadded rows per local expert."""
+
+    codes: object
+    scales: object
     topk_weights: object
     topk_idx: object
     src: object
@@ -128,10 +154,39 @@ class Handle:
         return _tensor(self._h.tokens_per_local_expert(), None)
 
     def host_counts(self, stream=None):
-        """The counts on the host (synchronises the stream): ``recv_rows``,
-        ``recv_tokens``, ``tokens_per_local_expert``, ``rank_counts``,
-        ``expert_counts``."""
+        """The counts on the host (synchronises the stream), a dict:
+        ``recv_rows`` (here), ``max_recv_rows`` (the most any rank receives:
+        after this call, on one node, the ``out=`` buffers of the handle's
+        ops need hold only that many rows, not ``recv_capacity``: eager
+        sizing), ``dropped_rows`` (per receiving rank; the drop policy's,
+        else zeros), ``recv_tokens``, ``tokens_per_local_expert``,
+        ``rank_counts``, ``expert_counts``."""
         return self._h.host_counts(_stream(stream, self.group.device))
+
+    def dropped_slots(self, stream=None):
+        """This rank's dropped slots (synchronises the stream): ``[T, K]``
+        bool on the CPU (a torch tensor; nested lists without torch), true
+        where the slot was routed and its row dropped at the receiver
+        (``overflow="drop"``)."""
+        flat = self._h.dropped_slots(_stream(stream, self.group.device))
+        t, k = self.num_tokens, self.topk
+        if _torch is not None:
+            return _torch.tensor(flat, dtype=_torch.bool).reshape(t, k)
+        return [flat[i * k : (i + 1) * k] for i in range(t)]
+
+    def kept_topk_idx(self):
+        """The routing the layout kept: ``[T, K]`` int32 on the device, the
+        given ``topk_idx`` with -1 for unrouted, bad and dropped slots (no
+        host synchronisation; aliases the handle's memory). ``None`` on
+        several nodes."""
+        arr = self._h.kept_topk_idx()
+        return None if arr is None else _tensor(arr, None)
+
+    @property
+    def device_bytes(self):
+        """Device bytes the handle holds, on top of the group's
+        ``memory_footprint()``."""
+        return self._h.device_bytes
 
     def recv_rows(self, stream=None):
         """Rows dispatch delivers here (expert-major: padded); synchronises
@@ -205,7 +260,9 @@ class Group:
     (``"high_throughput"`` or ``"low_latency"``), ``recv_capacity`` (0: world
     * max tokens), ``num_sms``, ``combine_chunks``, ``timeout`` (seconds),
     ``ranks_per_node`` (0: one node), ``hop_chunk_rows``, ``overflow``
-    (``"error"`` or ``"drop"``: rows beyond the receive capacity).
+    (``"error"`` or ``"drop"``: rows beyond the receive capacity),
+    ``zero_padding`` (``True``: expert-major padding rows are zeroed;
+    ``False`` leaves them, for a grouped GEMM that reads per-expert counts).
 
     Every op runs on torch's current stream of the group's GPU, or on
     ``stream=``; its arrays must be C-contiguous CUDA memory of that GPU, of
@@ -280,6 +337,13 @@ class Group:
             t = t.view(_DTYPES["float8_e4m3fn"])
         return t
 
+    def memory_footprint(self):
+        """The memory this rank of the group holds now, by category, in
+        bytes (a dict: ``workspace``, ``low_latency``, ``pool_other``,
+        ``pool_free``, ``two_level``, ``pinned_host``, ``device_total``).
+        Handles come on top (``Handle.device_bytes``)."""
+        return self._g.memory_footprint()
+
     def is_symm_backed(self, t):
         """True where the tensor's memory lies in symmetric memory of the
         group's communicator."""
@@ -333,6 +397,33 @@ class Group:
             counts = _tensor(handle._h.tokens_per_local_expert(), c)
         return Dispatched(
             ot if tok is None else _tensor(tok, c),
+            ow if w is None else _tensor(w, c),
+            _tensor(idx, c),
+            _tensor(src, c),
+            counts,
+        )
+
+    def dispatch_fp8(self, handle, codes, scales, topk_weights, *, out=None, stream=None):
+        """``dispatch`` of fp8 rows: ``codes`` ``[T, H]`` e4m3 (uint8 or
+        float8_e4m3fn) and their block ``scales``, ``[T, H / 32]`` uint8
+        (MXFP8's e8m0 per 32 values) or ``[T, H / 128]`` float32 (one per 128
+        values), forwarded as given, with ``topk_weights`` ``[T, K]`` float32.
+        ``H`` must be a multiple of 128; one node only. ``out=(codes, scales,
+        weights)`` (any may be None) receives into the caller's symmetric
+        tensors; otherwise the group's pool gives them. Returns
+        ``DispatchedFp8``, tensors aliasing those buffers (codes uint8)."""
+        s = _stream(stream, self.device)
+        oc, os_, ow = out if out is not None else (None, None, None)
+        rc, rs, w, idx, src = self._g.dispatch_fp8(
+            s, handle._h, _u8(codes), scales, topk_weights, _u8(oc), os_, ow
+        )
+        c = _consumer(stream, s, self.device)
+        counts = None
+        if handle.layout == "expert_major":
+            counts = _tensor(handle._h.tokens_per_local_expert(), c)
+        return DispatchedFp8(
+            oc if rc is None else _tensor(rc, c),
+            os_ if rs is None else _tensor(rs, c),
             ow if w is None else _tensor(w, c),
             _tensor(idx, c),
             _tensor(src, c),
@@ -588,6 +679,7 @@ __all__ = [
     "Communicator",
     "DeviceArray",
     "Dispatched",
+    "DispatchedFp8",
     "Group",
     "Handle",
     "LlBatch",

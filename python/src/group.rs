@@ -1,7 +1,8 @@
 //! Communicators, groups and the high-throughput ops: `Communicator` (NCCL
 //! from a unique id, or the ranks of a virtual world), `Group` (an
-//! [`EpGroup`]) with `layout`, `dispatch`, `combine` and both backward
-//! passes on the caller's arrays, and `Handle`. Every call that reaches an
+//! [`EpGroup`]) with `layout`, `dispatch`, `dispatch_fp8`, `combine`, both
+//! backward passes and its memory footprint on the caller's arrays, and
+//! `Handle` (counts, the drop policy's dropped slots and kept routing). Every call that reaches an
 //! op runs with the GIL released ([`detached`]): on a virtual world an op
 //! ends when every rank has enqueued it, and the ranks are Python threads.
 //!
@@ -16,8 +17,9 @@ use std::time::Duration;
 use moe_ep::cuda::CudaContext;
 use moe_ep::error::Error;
 use moe_ep::ops::{
-    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, EpGroup, GroupConfig,
-    Handle as EpHandle, Mode, Overflow, RecvBuf, RecvLayout, TopkIdx,
+    DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, EpGroup,
+    Fp8Rows, Fp8Scales, GroupConfig, Handle as EpHandle, Mode, Overflow, RecvBuf, RecvLayout,
+    RecvScales, RecvScalesOut, TopkIdx,
 };
 use moe_ep::runtime::{Communicator, UniqueId};
 use moe_ep::{bf16, SymmBuffer};
@@ -93,6 +95,12 @@ pub(crate) fn disjoint(outs: &[Option<&Array>], ins: &[Option<&Array>]) -> Res<(
         }
     }
     Ok(())
+}
+
+/// The pool's buffer of an fp8 dispatch's scales, of either kind.
+enum PoolScales {
+    E8m0(SymmBuffer<u8>),
+    F32(SymmBuffer<f32>),
 }
 
 /// The pool's buffer of a result, `None` where the caller gave its own.
@@ -224,6 +232,125 @@ pub(crate) fn device_count(py: Python<'_>) -> PyResult<usize> {
     guarded(py, || Ok(moe_ep::device_count()?))
 }
 
+/// The checked arrays of an fp8 dispatch (`Group.dispatch_fp8`).
+struct Fp8Args {
+    ca: Array,
+    sa: Array,
+    wa: Array,
+    oc: Option<Array>,
+    os: Option<Array>,
+    ow: Option<Array>,
+    /// e8m0 scales per 32 values (uint8), else f32 per 128.
+    e8m0: bool,
+    /// Scales per row.
+    sw: usize,
+}
+
+/// How an op imports one array (`Group::import` on the op's stream).
+type Importer<'a> = &'a dyn Fn(&Bound<'_, PyAny>, &'static str, &[DType]) -> Res<Array>;
+
+/// Imports and checks an fp8 dispatch's arrays, naming the bad one:
+/// `codes` `[T, H]` uint8 or float8_e4m3fn, `scales` `[T, H / 32]` uint8
+/// or `[T, H / 128]` float32 (the dtype is the kind), `topk_weights`
+/// `[T, K]` float32, and the optional receive arrays of the same kinds
+/// (`out_weights` rank-major `[rows, K]`, expert-major `[rows]`), no output
+/// overlapping another array. `H` must be a multiple of 128.
+fn fp8_args(
+    imp: Importer<'_>,
+    [codes, scales, topk_weights]: [&Bound<'_, PyAny>; 3],
+    [out_codes, out_scales, out_weights]: [Option<&Bound<'_, PyAny>>; 3],
+    (t, k, hd, em): (usize, usize, usize, bool),
+) -> Res<Fp8Args> {
+    if !hd.is_multiple_of(128) {
+        return Err(value_err("hidden", "a multiple of 128 for fp8 rows", hd));
+    }
+    let opt = |o: Option<&Bound<'_, PyAny>>, arg: &'static str, want: &[DType]| {
+        o.filter(|o| !o.is_none())
+            .map(|o| imp(o, arg, want))
+            .transpose()
+    };
+    let fp8 = [DType::U8, DType::F8E4M3];
+    let ca = imp(codes, "codes", &fp8)?;
+    ca.expect_shape(&[Some(t), Some(hd)], &format!("[T={t}, H={hd}]"))?;
+    let sa = imp(scales, "scales", &[DType::U8, DType::F32])?;
+    // The kind of the scales is their dtype: e8m0 bytes per 32 values, or
+    // f32 per 128.
+    let e8m0 = sa.dtype == DType::U8;
+    let per = if e8m0 { 32 } else { 128 };
+    let sw = hd / per;
+    sa.expect_shape(
+        &[Some(t), Some(sw)],
+        &format!("[T={t}, H/{per}={sw}] ({})", sa.dtype.name()),
+    )?;
+    let wa = imp(topk_weights, "topk_weights", &[DType::F32])?;
+    wa.expect_shape(&[Some(t), Some(k)], &format!("[T={t}, K={k}]"))?;
+    let oc = opt(out_codes, "out_codes", &fp8)?;
+    if let Some(o) = &oc {
+        o.expect_shape(&[None, Some(hd)], &format!("[rows, H={hd}]"))?;
+    }
+    let os = opt(out_scales, "out_scales", &[sa.dtype])?;
+    if let Some(o) = &os {
+        o.expect_shape(&[None, Some(sw)], &format!("[rows, H/{per}={sw}]"))?;
+    }
+    let ow = opt(out_weights, "out_weights", &[DType::F32])?;
+    if let Some(o) = &ow {
+        if em {
+            o.expect_shape(&[None], "[rows] (expert-major)")?;
+        } else {
+            o.expect_shape(&[None, Some(k)], &format!("[rows, K={k}] (rank-major)"))?;
+        }
+    }
+    disjoint(
+        &[oc.as_ref(), os.as_ref(), ow.as_ref()],
+        &[Some(&ca), Some(&sa), Some(&wa)],
+    )?;
+    Ok(Fp8Args {
+        ca,
+        sa,
+        wa,
+        oc,
+        os,
+        ow,
+        e8m0,
+        sw,
+    })
+}
+
+/// Tests only: `Group.dispatch_fp8`'s argument checks without a group (no
+/// GPU needed), for a handle of `tokens` x `topk` in `layout` and a group
+/// of `hidden`. Returns the scales' kind, `"e8m0"` or `"f32"`.
+#[pyfunction]
+#[pyo3(signature = (codes, scales, topk_weights, *, tokens, topk, hidden, layout="rank_major",
+    out_codes=None, out_scales=None, out_weights=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn _check_fp8_args(
+    py: Python<'_>,
+    codes: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    topk_weights: &Bound<'_, PyAny>,
+    tokens: usize,
+    topk: usize,
+    hidden: usize,
+    layout: &str,
+    out_codes: Option<&Bound<'_, PyAny>>,
+    out_scales: Option<&Bound<'_, PyAny>>,
+    out_weights: Option<&Bound<'_, PyAny>>,
+) -> PyResult<&'static str> {
+    guarded(py, || {
+        let em = parse_layout(layout, 1)? != RecvLayout::RankMajor;
+        let imp = |o: &Bound<'_, PyAny>, arg: &'static str, want: &[DType]| {
+            import(o, arg, want, 0, None, 0)
+        };
+        let a = fp8_args(
+            &imp,
+            [codes, scales, topk_weights],
+            [out_codes, out_scales, out_weights],
+            (tokens, topk, hidden, em),
+        )?;
+        Ok(if a.e8m0 { "e8m0" } else { "f32" })
+    })
+}
+
 // ---- groups -------------------------------------------------------------------
 
 /// An expert-parallel group (`EpGroup`): creating it is collective, and so
@@ -332,7 +459,7 @@ impl Group {
     #[new]
     #[pyo3(signature = (comm, *, num_experts, hidden, max_tokens_per_rank, mode="high_throughput",
         recv_capacity=0, num_sms=None, combine_chunks=None, timeout=None, ranks_per_node=0,
-        hop_chunk_rows=None, overflow="error"))]
+        hop_chunk_rows=None, overflow="error", zero_padding=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -348,6 +475,7 @@ impl Group {
         ranks_per_node: usize,
         hop_chunk_rows: Option<usize>,
         overflow: &str,
+        zero_padding: bool,
     ) -> PyResult<Group> {
         guarded(py, || {
             let mut cfg = GroupConfig::new(num_experts, hidden, max_tokens_per_rank);
@@ -371,6 +499,7 @@ impl Group {
                 "drop" => Overflow::Drop,
                 other => return Err(value_err("overflow", "\"error\" or \"drop\"", other)),
             };
+            cfg.zero_padding = zero_padding;
             let c = comm.comm.clone();
             let g = detached(py, || EpGroup::new(&c, cfg))?;
             Ok(Group {
@@ -432,6 +561,7 @@ impl Group {
                 Overflow::Drop => "drop",
             },
         )?;
+        d.set_item("zero_padding", c.zero_padding)?;
         Ok(d)
     }
 
@@ -489,6 +619,23 @@ impl Group {
     /// group's communicator.
     fn is_symm_backed(&self, ptr: u64, nbytes: usize) -> bool {
         self.g.pool().is_symm_backed(ptr, nbytes)
+    }
+
+    /// The memory this rank of the group holds now, by category, in bytes
+    /// (`EpGroup::memory_footprint`): `workspace`, `low_latency`,
+    /// `pool_other`, `pool_free`, `two_level`, `pinned_host` and
+    /// `device_total`. Handles come on top (`Handle.device_bytes`).
+    fn memory_footprint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let f = self.g.memory_footprint();
+        let d = PyDict::new(py);
+        d.set_item("workspace", f.workspace)?;
+        d.set_item("low_latency", f.low_latency)?;
+        d.set_item("pool_other", f.pool_other)?;
+        d.set_item("pool_free", f.pool_free)?;
+        d.set_item("two_level", f.two_level)?;
+        d.set_item("pinned_host", f.pinned_host)?;
+        d.set_item("device_total", f.device_total())?;
+        Ok(d)
     }
 
     /// The routing layout of `topk_idx` `[T, K]` (int64 or int32).
@@ -600,6 +747,127 @@ impl Group {
             let n = src.len();
             let src = self.array(src, vec![n / 2, 2], DType::I32, stream);
             Ok((tok, w, idx, src))
+        })
+    }
+
+    /// Dispatch of fp8 rows: `codes` `[T, H]` uint8 (or float8_e4m3fn) e4m3
+    /// codes and their block `scales`, `[T, H / 32]` uint8 (MXFP8's e8m0
+    /// per 32 values) or `[T, H / 128]` float32 (one per 128 values), with
+    /// `topk_weights` `[T, K]` float32. Returns `(codes, scales,
+    /// topk_weights, topk_idx, src)`: pool buffers (`None` for one the
+    /// caller gave as `out_codes` / `out_scales` / `out_weights`, symmetric
+    /// memory of the group, the scales of the kind sent), the local expert
+    /// ids and the sources. One node only.
+    #[pyo3(signature = (stream, handle, codes, scales, topk_weights, out_codes=None,
+        out_scales=None, out_weights=None))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn dispatch_fp8(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        handle: &Handle,
+        codes: &Bound<'_, PyAny>,
+        scales: &Bound<'_, PyAny>,
+        topk_weights: &Bound<'_, PyAny>,
+        out_codes: Option<&Bound<'_, PyAny>>,
+        out_scales: Option<&Bound<'_, PyAny>>,
+        out_weights: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(
+        Option<DeviceArray>,
+        Option<DeviceArray>,
+        Option<DeviceArray>,
+        DeviceArray,
+        DeviceArray,
+    )> {
+        guarded(py, || {
+            self.check_handle(handle)?;
+            let (t, k, hd) = (handle.h.num_tokens(), handle.h.topk(), self.hidden());
+            let em = handle.h.layout() != RecvLayout::RankMajor;
+            let imp = |o: &Bound<'_, PyAny>, arg: &'static str, want: &[DType]| {
+                self.import(o, arg, want, stream)
+            };
+            let Fp8Args {
+                ca,
+                sa,
+                wa,
+                oc,
+                os,
+                ow,
+                e8m0,
+                sw,
+            } = fp8_args(
+                &imp,
+                [codes, scales, topk_weights],
+                [out_codes, out_scales, out_weights],
+                (t, k, hd, em),
+            )?;
+            let (cr, wr) = (Raw::<u8>::of(&ca), Raw::<f32>::of(&wa));
+            let (s8, s32) = (Raw::<u8>::of(&sa), Raw::<f32>::of(&sa));
+            let mut ocr = oc.as_ref().map(Raw::<u8>::of);
+            let mut os8 = os.as_ref().filter(|_| e8m0).map(Raw::<u8>::of);
+            let mut os32 = os.as_ref().filter(|_| !e8m0).map(Raw::<f32>::of);
+            let mut owr = ow.as_ref().map(Raw::<f32>::of);
+            let (rc, rs, w, idx, src) = detached(py, || {
+                let s = stream::wrap(&self.ctx, stream)?;
+                let (scales, recv_scales) = if e8m0 {
+                    (
+                        Fp8Scales::E8m0Per32(&s8 as &dyn DeviceRegion<u8>),
+                        os8.as_mut().map(|r| RecvScalesOut::E8m0Per32(r)),
+                    )
+                } else {
+                    (
+                        Fp8Scales::F32Per128(&s32 as &dyn DeviceRegion<f32>),
+                        os32.as_mut().map(|r| RecvScalesOut::F32Per128(r)),
+                    )
+                };
+                let d = self.g.dispatch_fp8(
+                    &s,
+                    &handle.h,
+                    Fp8Rows { codes: &cr, scales },
+                    &wr,
+                    DispatchOutFp8 {
+                        recv_codes: ocr.as_mut().map(|r| r as &mut dyn DeviceRegionMut<u8>),
+                        recv_scales,
+                        recv_topk_weights: owr.as_mut().map(|r| r as &mut dyn DeviceRegionMut<f32>),
+                    },
+                )?;
+                let rs = match d.scales {
+                    RecvScales::E8m0Per32(b) => pooled(b).map(PoolScales::E8m0),
+                    RecvScales::F32Per128(b) => pooled(b).map(PoolScales::F32),
+                };
+                Ok((
+                    pooled(d.codes),
+                    rs,
+                    pooled(d.topk_weights),
+                    d.topk_idx,
+                    d.src,
+                ))
+            })?;
+            let wpr = if em { 1 } else { k };
+            let wshape = |n: usize| if em { vec![n] } else { vec![n / wpr, wpr] };
+            let rc = rc.map(|b| {
+                let n = b.len() / hd;
+                self.array(b, vec![n, hd], DType::U8, stream)
+            });
+            let rs = rs.map(|b| match b {
+                PoolScales::E8m0(b) => {
+                    let n = b.len() / sw;
+                    self.array(b, vec![n, sw], DType::U8, stream)
+                }
+                PoolScales::F32(b) => {
+                    let n = b.len() / sw;
+                    self.array(b, vec![n, sw], DType::F32, stream)
+                }
+            });
+            let w = w.map(|b| {
+                let n = b.len();
+                self.array(b, wshape(n), DType::F32, stream)
+            });
+            let n = idx.len();
+            let idx = self.array(idx, wshape(n), DType::I32, stream);
+            let n = src.len();
+            let src = self.array(src, vec![n / 2, 2], DType::I32, stream);
+            Ok((rc, rs, w, idx, src))
         })
     }
 
@@ -823,7 +1091,10 @@ impl Handle {
         )
     }
     /// The counts on the host (synchronises `stream`): a dict of
-    /// `recv_rows`, `recv_tokens`, `tokens_per_local_expert`, `rank_counts`
+    /// `recv_rows`, `max_recv_rows` (the most any rank receives: after this
+    /// call the caller's buffers of the handle's ops need hold only that
+    /// many rows, on one node), `dropped_rows` (per receiving rank, the drop
+    /// policy's), `recv_tokens`, `tokens_per_local_expert`, `rank_counts`
     /// (`[s * R + d]`) and `expert_counts` (`[s * E + e]`).
     fn host_counts<'py>(&self, py: Python<'py>, stream: u64) -> PyResult<Bound<'py, PyDict>> {
         let c = guarded(py, || {
@@ -834,11 +1105,45 @@ impl Handle {
         })?;
         let d = PyDict::new(py);
         d.set_item("recv_rows", c.recv_rows)?;
+        d.set_item("max_recv_rows", c.max_recv_rows)?;
+        d.set_item("dropped_rows", c.dropped_rows)?;
         d.set_item("recv_tokens", c.recv_tokens)?;
         d.set_item("tokens_per_local_expert", c.tokens_per_local_expert)?;
         d.set_item("rank_counts", c.rank_counts)?;
         d.set_item("expert_counts", c.expert_counts)?;
         Ok(d)
+    }
+    /// This rank's dropped slots, `[T * K]` on the host in row-major
+    /// order: true where the slot was routed and its row dropped at the
+    /// receiver (synchronises `stream`).
+    fn dropped_slots(&self, py: Python<'_>, stream: u64) -> PyResult<Vec<bool>> {
+        guarded(py, || {
+            detached(py, || {
+                let s = stream::wrap(&self.ctx, stream)?;
+                self.h.dropped_slots(&s)
+            })
+        })
+    }
+    /// The routing the layout kept, `[T, K]` int32 on the device (the
+    /// caller's with -1 for unrouted, bad and dropped slots; written by the
+    /// layout on its stream); `None` on several nodes.
+    fn kept_topk_idx(&self) -> Option<DeviceArray> {
+        let v = self.h.kept_topk_idx()?;
+        let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
+        let k = self.h.topk().max(1);
+        Some(DeviceArray::new(
+            p,
+            vec![n / k, k],
+            DType::I32,
+            &self.ctx,
+            self.stream,
+            Arc::new(Keep(self.h.clone())),
+        ))
+    }
+    /// Device bytes the handle holds (on top of the group's footprint).
+    #[getter]
+    fn device_bytes(&self) -> u64 {
+        self.h.device_bytes()
     }
     /// Rows dispatch delivers here (expert-major: padded); synchronises
     /// `stream` on one node.

@@ -39,7 +39,7 @@ mod _moe_ep {
     #[pymodule_export]
     use crate::errors::_raise_for_tests;
     #[pymodule_export]
-    use crate::group::{device_count, unique_id, Comm, Group, Handle};
+    use crate::group::{_check_fp8_args, device_count, unique_id, Comm, Group, Handle};
     #[pymodule_export]
     use crate::low_latency::{
         ll_combine, ll_combine_send, ll_combine_wait, ll_dispatch, ll_dispatch_wait, LlBatch,

@@ -224,6 +224,98 @@ KINDS = {
 }
 
 
+class Fp8Arguments(unittest.TestCase):
+    """``Group.dispatch_fp8``'s argument checks (``core._check_fp8_args``, the
+    same code without a group): every array named, the scales' kind from
+    their dtype."""
+
+    T, K, H = 4, 2, 256
+
+    def check(self, codes=None, scales=None, w=None, layout="rank_major", hidden=None, **out):
+        T, K, H = self.T, self.K, self.H
+        codes = codes if codes is not None else FakeArray((T, H), "uint8")
+        scales = scales if scales is not None else FakeArray((T, H // 32), "uint8", ptr=FAKE_PTR + 4096)
+        w = w if w is not None else FakeArray((T, K), "float32", ptr=FAKE_PTR + 8192)
+        return core._check_fp8_args(
+            codes, scales, w, tokens=T, topk=K, hidden=hidden or H, layout=layout, **out
+        )
+
+    def refused(self, arg, kind=moe_ep.InvalidArgument, **kw):
+        with self.assertRaises(kind) as cm:
+            self.check(**kw)
+        self.assertEqual(cm.exception.arg, arg, str(cm.exception))
+        return str(cm.exception)
+
+    def test_both_scale_kinds_are_taken_by_dtype(self):
+        self.assertEqual(self.check(), "e8m0")
+        f32 = FakeArray((self.T, self.H // 128), "float32", ptr=FAKE_PTR + 4096)
+        self.assertEqual(self.check(scales=f32), "f32")
+        out = dict(
+            out_codes=FakeArray((12, self.H), "uint8", ptr=FAKE_PTR + 16384),
+            out_scales=FakeArray((12, self.H // 32), "uint8", ptr=FAKE_PTR + 65536),
+            out_weights=FakeArray((12,), "float32", ptr=FAKE_PTR + 81920),
+        )
+        self.assertEqual(self.check(layout="expert_major", **out), "e8m0")
+
+    def test_bad_arrays_are_refused_by_name(self):
+        T, K, H = self.T, self.K, self.H
+        self.refused("codes", TypeError, codes=FakeArray((T, H), "bfloat16"))
+        self.refused("codes", codes=FakeArray((T, H - 8), "uint8"))
+        self.refused("codes", codes=FakeArray((T, H), "uint8", device=(1, 0)))
+        self.refused("scales", TypeError, scales=FakeArray((T, H // 32), "float16"))
+        # e8m0 bytes per 32 values, f32 per 128: the other width is refused.
+        msg = self.refused("scales", scales=FakeArray((T, H // 128), "uint8"))
+        self.assertIn("H/32", msg)
+        msg = self.refused("scales", scales=FakeArray((T, H // 32), "float32"))
+        self.assertIn("H/128", msg)
+        self.refused("topk_weights", w=FakeArray((T, K + 1), "float32"))
+        self.refused("hidden", hidden=192)
+        # Receive arrays: of the kind sent, the layout's weights shape.
+        self.refused(
+            "out_scales", TypeError, out_scales=FakeArray((12, H // 128), "float32", ptr=FAKE_PTR + 65536)
+        )
+        self.refused("out_codes", out_codes=FakeArray((12, H // 2), "uint8", ptr=FAKE_PTR + 16384))
+        self.refused("out_weights", out_weights=FakeArray((12,), "float32", ptr=FAKE_PTR + 81920))
+        self.refused(
+            "out_weights",
+            layout="expert_major",
+            out_weights=FakeArray((12, K), "float32", ptr=FAKE_PTR + 81920),
+        )
+        # An output overlapping an input.
+        msg = self.refused("out_codes", out_codes=FakeArray((12, H), "uint8", ptr=FAKE_PTR + 4096))
+        self.assertIn("`scales`", msg)
+
+    def test_python_layer(self):
+        from moe_ep import _api
+
+        self.assertEqual(
+            moe_ep.DispatchedFp8._fields,
+            ("codes", "scales", "topk_weights", "topk_idx", "src", "tokens_per_expert"),
+        )
+        self.assertIsNone(_api._u8(None))
+        a = FakeArray((2, 128), "uint8")
+        self.assertIs(_api._u8(a), a)
+
+        class FakeCore:  # a Handle's extension object, as the layout made it
+            num_tokens, topk, device_bytes = 3, 2, 4096
+
+            def dropped_slots(self, stream):
+                return [False, True, False, False, True, True]
+
+            def kept_topk_idx(self):
+                return None
+
+        class FakeGroup:
+            device = 0
+
+        h = _api.Handle(FakeGroup(), FakeCore())
+        slots = h.dropped_slots(stream=7)
+        rows = slots.tolist() if hasattr(slots, "tolist") else slots
+        self.assertEqual(rows, [[False, True], [False, False], [True, True]])
+        self.assertIsNone(h.kept_topk_idx())
+        self.assertEqual(h.device_bytes, 4096)
+
+
 class ErrorsMapped(unittest.TestCase):
     def test_every_kind_has_its_class_and_the_rust_message(self):
         for kind, (cls, base, text) in KINDS.items():
