@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, from a checkout with .gpu/ staged (../shared/device/stage-gpu):
+# On the GPU machine, from a checkout with .gpu/ staged (scripts/stage-gpu.sh, then unpacked):
 # the whole GPU test suite, then the benchmark tables of BENCHMARKS.md, then a
 # short Nsight Compute pass that checks the profiling recipe of the README.
 # Logs and the sweep's SVG land in $OUT (or /tmp): 9 files, what a device

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a machine of 2 GPUs, from a checkout with .gpu/ staged
-# (../shared/device/stage-gpu) and, for NCCL EP beside moe-ep, .nccl-ep/
-# (lib/libnccl_ep.so.0, include/, build-nccl.sh and nccl-2.30.7-src.tgz from
-# ../shared/device/nccl-ep/): every 2-GPU run that BENCHMARKS.md's open gaps
-# wait for, in one command.
+# (scripts/stage-gpu.sh, then unpacked) and, for NCCL EP beside moe-ep,
+# .nccl-ep/ (git-ignored: lib/libnccl_ep.so.0 and include/ from PyPI's
+# nccl-extensions 0.1.0 wheel, NCCL 2.30.7's source tarball (release
+# v2.30.7-1) and a build-nccl.sh that builds it for sm_90 into its first
+# argument; docs/profiler.md, "NCCL EP beside it"): every 2-GPU run that
+# BENCHMARKS.md's open gaps wait for, in one command.
 #   1. the whole GPU suite on the real GPUs (virtual worlds beside them);
 #   2. high throughput, 4096 tokens, hidden 7168, top-8 of 256, 24 SMs, both
 #      layouts, every op, with the ceilings and NCCL EP in the same run;

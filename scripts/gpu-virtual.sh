@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with one GPU, from a checkout with .gpu/ staged
-# (../shared/device/stage-gpu): the whole GPU suite on virtual ranks at world
+# (scripts/stage-gpu.sh, then unpacked): the whole GPU suite on virtual ranks at world
 # 2, 4 and 8, then ep-bench --virtual-ranks 8 --check at 4096 tokens, hidden
 # 7168, top-8 of 256, both layouts. Logs land in $OUT (or /tmp); the last
 # lines printed are the summary.
