@@ -71,6 +71,15 @@ impl EpGroup {
     /// field that differs is named on every rank), allocates and zeroes the
     /// symmetric workspace, loads the kernels. `cfg.ranks_per_node` picks
     /// the path (see [`EpGroup`]).
+    ///
+    /// ```no_run
+    /// # use moe_ep::{Communicator, EpGroup, GroupConfig, Overflow};
+    /// # fn f(comm: &std::sync::Arc<Communicator>) -> moe_ep::Result<()> {
+    /// let mut cfg = GroupConfig::new(256, 7168, 4096); // experts, hidden, max tokens per rank
+    /// cfg.overflow = Overflow::Drop;                   // rows beyond recv_capacity dropped
+    /// let group = EpGroup::new(comm, cfg)?;            // collective
+    /// # Ok(()) }
+    /// ```
     pub fn new(comm: &Arc<Communicator>, cfg: GroupConfig) -> Result<EpGroup> {
         let topology = cfg.topology(comm.world())?;
         let path = if topology.nodes() > 1 {
@@ -228,6 +237,16 @@ impl EpGroup {
     ///
     /// On several nodes: the node stage's check (a wait of the network hop
     /// that times out reports in the op itself).
+    ///
+    /// ```no_run
+    /// # use moe_ep::EpGroup;
+    /// # fn f(group: &EpGroup) -> moe_ep::Result<()> {
+    /// // Once a step, on every rank, whatever the step's ops returned:
+    /// if let Err(e) = group.check() {
+    ///     eprintln!("the step failed on some rank: {e}"); // every rank is in step again
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn check(&self) -> Result<()> {
         self.node().check()
     }
@@ -247,6 +266,16 @@ impl EpGroup {
     ///
     /// On several nodes the layout waits on the host (a stream sync and a
     /// host exchange of the stream lengths).
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, Handle, RecvLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, handle: &Handle, x: &CudaSlice<bf16>, w: &CudaSlice<f32>,
+    /// #      idx: &CudaSlice<i64>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let h = group.layout(&stream, TopkIdx::I64(idx), 8, RecvLayout::ExpertMajor { alignment: 128 })?;
+    /// let counts = h.host_counts(&stream)?; // optional: one sync, exact sizes
+    /// # Ok(()) }
+    /// ```
     pub fn layout(
         &self,
         stream: &Arc<CudaStream>,
@@ -266,6 +295,17 @@ impl EpGroup {
     /// Sends every token to the ranks of its experts, writing straight into
     /// each receiver's buffers (zero copy). `x` is `[T, H]` bf16,
     /// `topk_weights` `[T, K]` f32, matching the handle's routing.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, Handle, RecvLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, handle: &Handle, x: &CudaSlice<bf16>, w: &CudaSlice<f32>,
+    /// #      idx: &CudaSlice<i64>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// # use moe_ep::DispatchOut;
+    /// let recv = group.dispatch(&stream, handle, x, w, DispatchOut::default())?;
+    /// // recv.tokens [rows, H], recv.topk_weights, recv.topk_idx, recv.src
+    /// # Ok(()) }
+    /// ```
     pub fn dispatch<'a>(
         &self,
         stream: &Arc<CudaStream>,
@@ -338,6 +378,16 @@ impl EpGroup {
     /// the kernels compare every rank's choice before they read or wait,
     /// and a rank that differs makes every rank stop with
     /// [`Error::InvalidArgument`] naming `expert_out`.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, Handle, RecvLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, handle: &Handle, x: &CudaSlice<bf16>, w: &CudaSlice<f32>,
+    /// #      idx: &CudaSlice<i64>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// # let expert_out = x;
+    /// group.combine(&stream, handle, expert_out, None, out)?; // out [T, H]
+    /// # Ok(()) }
+    /// ```
     pub fn combine(
         &self,
         stream: &Arc<CudaStream>,
@@ -360,6 +410,22 @@ impl EpGroup {
     /// routed back to `[T, K]` (`grad_topk_weights`, when given). As in
     /// [`EpGroup::combine`](Self::combine), rank-major gradients in symmetric memory (both of
     /// them, when weights are given) are read in place by their home ranks.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, Handle, RecvLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, handle: &Handle, x: &CudaSlice<bf16>, w: &CudaSlice<f32>,
+    /// #      idx: &CudaSlice<i64>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// # use moe_ep::DispatchBackwardArgs;
+    /// # let grad_recv = x;
+    /// group.dispatch_backward(&stream, handle, DispatchBackwardArgs {
+    ///     grad_recv_tokens: grad_recv,   // [rows, H], the handle's layout
+    ///     grad_recv_topk_weights: None,
+    ///     grad_tokens: out,              // [T, H]
+    ///     grad_topk_weights: None,
+    /// })?;
+    /// # Ok(()) }
+    /// ```
     pub fn dispatch_backward(
         &self,
         stream: &Arc<CudaStream>,
@@ -377,6 +443,17 @@ impl EpGroup {
     /// (no layout work) into `[recv_capacity, H]` rows in the handle's layout;
     /// padding rows are zero. With `weights` (expert-major, as given to
     /// combine), each row is scaled by its weight.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, Handle, RecvLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, handle: &Handle, x: &CudaSlice<bf16>, w: &CudaSlice<f32>,
+    /// #      idx: &CudaSlice<i64>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// # let grad_out = x;
+    /// let grad_rows = group.combine_backward(&stream, handle, grad_out, None, None)?;
+    /// // grad_rows [rows, H] in the handle's layout, from the pool
+    /// # Ok(()) }
+    /// ```
     pub fn combine_backward<'a>(
         &self,
         stream: &Arc<CudaStream>,
@@ -404,6 +481,24 @@ impl EpGroup {
     /// stream, then [`EpGroup::ll_dispatch_wait`](Self::ll_dispatch_wait). The batch takes the
     /// group's next buffer set: refused while that set's previous batch is
     /// not combined.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, x: &CudaSlice<bf16>, w: &CudaSlice<f32>, idx: &CudaSlice<i64>,
+    /// #      y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let args = LlDispatchArgs {
+    ///     x: LlInput::Bf16(x), topk_idx: TopkIdx::I64(idx), topk: 8, topk_weights: w,
+    ///     layout: LlLayout::ExpertMajor, cast_fp8: None,
+    /// };
+    /// let sent = group.ll_dispatch_send(&stream, args)?;
+    /// // ... the other micro-batch's work on the stream ...
+    /// let h = group.ll_dispatch_wait(&stream, &sent)?;
+    /// let sent = group.ll_combine_send(&stream, &h, y)?;
+    /// // ... more work ...
+    /// group.ll_combine_wait(&stream, &sent, None, out)?;
+    /// # Ok(()) }
+    /// ```
     pub fn ll_dispatch_send(
         &self,
         stream: &Arc<CudaStream>,
@@ -416,6 +511,24 @@ impl EpGroup {
     /// Waits (on the stream, bounded by the group's timeout) for every
     /// rank's rows of a sent dispatch and lays them out: the second half of
     /// [`EpGroup::ll_dispatch`](Self::ll_dispatch).
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, x: &CudaSlice<bf16>, w: &CudaSlice<f32>, idx: &CudaSlice<i64>,
+    /// #      y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let args = LlDispatchArgs {
+    ///     x: LlInput::Bf16(x), topk_idx: TopkIdx::I64(idx), topk: 8, topk_weights: w,
+    ///     layout: LlLayout::ExpertMajor, cast_fp8: None,
+    /// };
+    /// let sent = group.ll_dispatch_send(&stream, args)?;
+    /// // ... the other micro-batch's work on the stream ...
+    /// let h = group.ll_dispatch_wait(&stream, &sent)?;
+    /// let sent = group.ll_combine_send(&stream, &h, y)?;
+    /// // ... more work ...
+    /// group.ll_combine_wait(&stream, &sent, None, out)?;
+    /// # Ok(()) }
+    /// ```
     pub fn ll_dispatch_wait(
         &self,
         stream: &Arc<CudaStream>,
@@ -449,6 +562,20 @@ impl EpGroup {
     /// (bf16 or fp8), else every rank's wait reports the mismatch. Errors
     /// before launch name `mode`, `topk`, `topk_idx`, `topk_weights`, `x`,
     /// `x_scales`, `hidden` or `cast_fp8`.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, x: &CudaSlice<bf16>, w: &CudaSlice<f32>, idx: &CudaSlice<i64>,
+    /// #      y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let args = LlDispatchArgs {
+    ///     x: LlInput::Bf16(x), topk_idx: TopkIdx::I64(idx), topk: 8, topk_weights: w,
+    ///     layout: LlLayout::ExpertMajor, cast_fp8: None,
+    /// };
+    /// let h = group.ll_dispatch(&stream, args)?;      // the experts read h's rows, write y
+    /// group.ll_combine(&stream, &h, y, None, out)?;   // out [T, H]
+    /// # Ok(()) }
+    /// ```
     pub fn ll_dispatch(
         &self,
         stream: &Arc<CudaStream>,
@@ -460,6 +587,24 @@ impl EpGroup {
     /// Sends this rank's expert outputs home (the first half of
     /// [`EpGroup::ll_combine`](Self::ll_combine), whose docs say what `expert_out` holds);
     /// returns at once. Then [`EpGroup::ll_combine_wait`](Self::ll_combine_wait).
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, x: &CudaSlice<bf16>, w: &CudaSlice<f32>, idx: &CudaSlice<i64>,
+    /// #      y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let args = LlDispatchArgs {
+    ///     x: LlInput::Bf16(x), topk_idx: TopkIdx::I64(idx), topk: 8, topk_weights: w,
+    ///     layout: LlLayout::ExpertMajor, cast_fp8: None,
+    /// };
+    /// let sent = group.ll_dispatch_send(&stream, args)?;
+    /// // ... the other micro-batch's work on the stream ...
+    /// let h = group.ll_dispatch_wait(&stream, &sent)?;
+    /// let sent = group.ll_combine_send(&stream, &h, y)?;
+    /// // ... more work ...
+    /// group.ll_combine_wait(&stream, &sent, None, out)?;
+    /// # Ok(()) }
+    /// ```
     pub fn ll_combine_send(
         &self,
         stream: &Arc<CudaStream>,
@@ -472,6 +617,24 @@ impl EpGroup {
 
     /// Waits (bounded) for every rank's rows of a sent combine and sums them
     /// into `out` (the second half of [`EpGroup::ll_combine`](Self::ll_combine)).
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, x: &CudaSlice<bf16>, w: &CudaSlice<f32>, idx: &CudaSlice<i64>,
+    /// #      y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let args = LlDispatchArgs {
+    ///     x: LlInput::Bf16(x), topk_idx: TopkIdx::I64(idx), topk: 8, topk_weights: w,
+    ///     layout: LlLayout::ExpertMajor, cast_fp8: None,
+    /// };
+    /// let sent = group.ll_dispatch_send(&stream, args)?;
+    /// // ... the other micro-batch's work on the stream ...
+    /// let h = group.ll_dispatch_wait(&stream, &sent)?;
+    /// let sent = group.ll_combine_send(&stream, &h, y)?;
+    /// // ... more work ...
+    /// group.ll_combine_wait(&stream, &sent, None, out)?;
+    /// # Ok(()) }
+    /// ```
     pub fn ll_combine_wait(
         &self,
         stream: &Arc<CudaStream>,
@@ -503,6 +666,20 @@ impl EpGroup {
     /// `handle` (another group's, or a batch whose set was reused),
     /// `expert_out`, `weights` or `out`; a batch already combined is
     /// `InvalidState`.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};
+    /// # fn f(group: &EpGroup, x: &CudaSlice<bf16>, w: &CudaSlice<f32>, idx: &CudaSlice<i64>,
+    /// #      y: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// let args = LlDispatchArgs {
+    ///     x: LlInput::Bf16(x), topk_idx: TopkIdx::I64(idx), topk: 8, topk_weights: w,
+    ///     layout: LlLayout::ExpertMajor, cast_fp8: None,
+    /// };
+    /// let h = group.ll_dispatch(&stream, args)?;      // the experts read h's rows, write y
+    /// group.ll_combine(&stream, &h, y, None, out)?;   // out [T, H]
+    /// # Ok(()) }
+    /// ```
     pub fn ll_combine(
         &self,
         stream: &Arc<CudaStream>,

@@ -131,7 +131,7 @@ impl Drop for Module {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: loaded in load; Drop runs once.
         if let Err(e) = unsafe { result::module::unload(self.raw) } {
-            eprintln!("moe-ep: unloading module {} failed: {e}", self.name);
+            tracing::warn!("unloading module {} failed: {e}", self.name);
         }
     }
 }

@@ -23,11 +23,14 @@
 //! `alloc` returns never depends on the GPU's progress (the offsets stay
 //! equal on every rank).
 //!
-//! ```ignore
-//! let pool = SymmPool::new(&comm, 256 << 20)?;
+//! ```no_run
+//! # use moe_ep::{Communicator, SymmBuffer, SymmPool};
+//! # fn f(comm: &std::sync::Arc<Communicator>) -> moe_ep::Result<()> {
+//! let pool = SymmPool::new(comm, 256 << 20);
 //! let buf: SymmBuffer<u32> = pool.alloc(1 << 20)?;      // same offset on every rank
-//! let peer = buf.peer_ptr(1);                            // rank 1's copy, mapped here
+//! let _peer = buf.peer_ptr(1);                           // rank 1's copy, mapped here
 //! assert!(pool.is_symm_backed(buf.device_ptr(), buf.num_bytes()));
+//! # Ok(()) }
 //! ```
 //!
 //! Files: segments (allocation, registration, peers, the registry of live
