@@ -13,8 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-cuda.sh --env)"
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
 for p in /.gpu/ /.gpu-pack/; do
-  grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
+  grep -qx "$p" "$exclude" 2>/dev/null || echo "$p" >> "$exclude"
 done
 rm -rf .gpu .gpu-pack
 mkdir -p .gpu/bin .gpu/tests .gpu/capi
