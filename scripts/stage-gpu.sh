@@ -40,9 +40,10 @@ cargo build --release --features multi-gpu --bins --message-format=json-render-d
 
 # The C ABI: libmoe_ep.so under its SONAME, and the C window test against it.
 cargo build --release -p moe-ep-capi >&2
-cp target/release/libmoe_ep.so .gpu/capi/libmoe_ep.so.1
+lib=${CARGO_TARGET_DIR:-target}/release
+cp "$lib/libmoe_ep.so" .gpu/capi/libmoe_ep.so.1
 "${CC:-cc}" -std=c11 -Wall -Wextra -pedantic -Icapi/include capi/tests/window_test.c \
-  -o .gpu/capi/window_test -Ltarget/release -lmoe_ep -lpthread -ldl -Wl,-rpath,'$ORIGIN'
+  -o .gpu/capi/window_test -L"$lib" -lmoe_ep -lpthread -ldl -Wl,-rpath,'$ORIGIN'
 strip .gpu/tests/* .gpu/bin/* .gpu/capi/* 2>/dev/null || true
 
 cat > .gpu/env.sh <<'ENV'
