@@ -58,33 +58,9 @@ impl CGroup {
 /// The caller's stream, wrapped without taking it over: it must belong to
 /// the communicator's context (checked with `cuStreamGetCtx`).
 pub(crate) unsafe fn stream_of(ctx: &Arc<CudaContext>, s: *mut c_void) -> Result<Arc<CudaStream>> {
-    use moe_ep::cuda::sys;
-    ctx.bind_to_thread()
-        .map_err(Error::cuda("cuCtxSetCurrent"))?;
-    let mut owner: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: any stream value is accepted; a dead one is an error code.
-    let rc = unsafe { sys::cuStreamGetCtx(s as sys::CUstream, &mut owner) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::arg(
-            "stream",
-            "a live CUDA stream",
-            format!("{s:p} (cuStreamGetCtx: {rc:?})"),
-        ));
-    }
-    if owner != ctx.cu_ctx() {
-        return Err(Error::arg(
-            "stream",
-            format!(
-                "a stream of the primary context of the communicator's GPU {}",
-                ctx.ordinal()
-            ),
-            format!("{s:p}, a stream of another context"),
-        ));
-    }
-    // SAFETY: a live stream of this context (checked); the header makes the
-    // caller keep it alive while the group and what it made with it live,
-    // and the crate orders its own work on it.
-    Ok(unsafe { ctx.wrap_borrowed_stream(s as sys::CUstream) })
+    // SAFETY: the header makes the caller keep the stream alive while the
+    // group and what it made with it live.
+    unsafe { moe_ep::runtime::borrow_stream(ctx, s as u64) }
 }
 
 // ---- devices and communicators -----------------------------------------

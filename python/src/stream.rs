@@ -10,35 +10,11 @@ use moe_ep::cuda::{result, sys, CudaContext, CudaStream};
 use moe_ep::error::{Error, Result};
 
 /// The caller's stream `s`, which must belong to `ctx` (the primary context
-/// of the group's GPU, which torch uses too).
+/// of the group's GPU, which torch uses too): `moe_ep::runtime::borrow_stream`.
 pub(crate) fn wrap(ctx: &Arc<CudaContext>, s: u64) -> Result<Arc<CudaStream>> {
-    ctx.bind_to_thread()
-        .map_err(Error::cuda("cuCtxSetCurrent"))?;
-    let mut owner: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: any value is accepted; a dead stream is an error code (the
-    // legacy default stream, 0, is the current context's).
-    let rc = unsafe { sys::cuStreamGetCtx(s as sys::CUstream, &mut owner) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::arg(
-            "stream",
-            "a live CUDA stream",
-            format!("{s:#x} (cuStreamGetCtx: {rc:?})"),
-        ));
-    }
-    if owner != ctx.cu_ctx() {
-        return Err(Error::arg(
-            "stream",
-            format!(
-                "a stream of the primary context of the group's GPU {} (torch's streams are)",
-                ctx.ordinal()
-            ),
-            format!("{s:#x}, a stream of another context"),
-        ));
-    }
-    // SAFETY: a live stream of this context (checked). The caller keeps it
-    // alive while the work enqueued on it runs (torch never destroys its
-    // pooled streams); the crate orders its own work on it.
-    Ok(unsafe { ctx.wrap_borrowed_stream(s as sys::CUstream) })
+    // SAFETY: the caller keeps the stream alive while the work enqueued on
+    // it runs (torch never destroys its pooled streams).
+    unsafe { moe_ep::runtime::borrow_stream(ctx, s) }
 }
 
 /// Makes `waiter` wait for the work enqueued on `producer` so far.

@@ -52,3 +52,43 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     unsafe { ctx.disable_event_tracking() };
     Ok(ctx)
 }
+
+/// A stream the caller owns (a C caller's `cudaStream_t`, torch's
+/// `cuda_stream`; `0` for the legacy default stream), wrapped without taking
+/// it over. It must be a live stream of `ctx` (checked with
+/// `cuStreamGetCtx`); otherwise an error naming `stream`.
+///
+/// # Safety
+/// The stream must stay alive while the returned handle and the work
+/// enqueued through it live (the crate orders its own work on it).
+pub unsafe fn borrow_stream(
+    ctx: &Arc<CudaContext>,
+    raw: u64,
+) -> Result<Arc<cudarc::driver::CudaStream>> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()
+        .map_err(Error::cuda("cuCtxSetCurrent"))?;
+    let mut owner: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: any value is accepted; a dead stream is an error code.
+    let rc = unsafe { sys::cuStreamGetCtx(raw as sys::CUstream, &mut owner) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::arg(
+            "stream",
+            "a live CUDA stream",
+            format!("{raw:#x} (cuStreamGetCtx: {rc:?})"),
+        ));
+    }
+    if owner != ctx.cu_ctx() {
+        return Err(Error::arg(
+            "stream",
+            format!(
+                "a stream of the primary context of the communicator's GPU {} (torch's streams are)",
+                ctx.ordinal()
+            ),
+            format!("{raw:#x}, a stream of another context"),
+        ));
+    }
+    // SAFETY: a live stream of this context (checked); the caller keeps it
+    // alive (this function's contract).
+    Ok(unsafe { ctx.wrap_borrowed_stream(raw as sys::CUstream) })
+}

@@ -24,7 +24,7 @@ pub(crate) mod nccl_call;
 pub mod nvtx;
 
 pub use comm::{Communicator, VIRTUAL_HOST_TIMEOUT};
-pub use device::{context, device_count, driver};
+pub use device::{borrow_stream, context, device_count, driver};
 pub use host_group::HostGroup;
 #[cfg(feature = "raw")]
 pub use mapped::MappedHost;
