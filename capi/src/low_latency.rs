@@ -420,20 +420,6 @@ pub unsafe extern "C" fn moe_ep_ll_handle_info(
     })
 }
 
-/// A view's address and length; `{NULL, 0}` for none.
-fn view<T>(v: Option<impl DeviceRegion<T>>) -> CBuf {
-    match v {
-        Some(v) => CBuf {
-            ptr: v.device_ptr() as *const c_void,
-            len: v.len(),
-        },
-        None => CBuf {
-            ptr: std::ptr::null(),
-            len: 0,
-        },
-    }
-}
-
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_ll_handle_buffers(
     handle: *const CLlHandle,
@@ -449,15 +435,15 @@ pub unsafe extern "C" fn moe_ep_ll_handle_buffers(
             ));
         };
         let v = CLlBuffers {
-            tokens: view(lh.tokens()),
-            fp8_codes: view(lh.fp8_codes()),
-            fp8_scales: view(lh.fp8_scales()),
-            src: view(Some(lh.src())),
-            topk_local_idx: view(lh.topk_local_idx()),
-            topk_weights: view(lh.topk_weights()),
-            tokens_per_local_expert: view(Some(lh.tokens_per_local_expert())),
-            tokens_per_expert_source: view(Some(lh.tokens_per_expert_source())),
-            tokens_from_rank: view(Some(lh.tokens_from_rank())),
+            tokens: CBuf::view(lh.tokens()),
+            fp8_codes: CBuf::view(lh.fp8_codes()),
+            fp8_scales: CBuf::view(lh.fp8_scales()),
+            src: CBuf::view(Some(lh.src())),
+            topk_local_idx: CBuf::view(lh.topk_local_idx()),
+            topk_weights: CBuf::view(lh.topk_weights()),
+            tokens_per_local_expert: CBuf::view(Some(lh.tokens_per_local_expert())),
+            tokens_per_expert_source: CBuf::view(Some(lh.tokens_per_expert_source())),
+            tokens_from_rank: CBuf::view(Some(lh.tokens_from_rank())),
             ..CLlBuffers::init()
         };
         unsafe { write_out(out, "out", &v) }

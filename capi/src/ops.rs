@@ -155,14 +155,7 @@ pub unsafe extern "C" fn moe_ep_handle_tokens_per_local_expert(
     ffi(|| {
         let h = unsafe { obj(handle, "handle") }?.node();
         let out = out_ptr(out, "out")?;
-        let v = h.tokens_per_local_expert();
-        let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
-        unsafe {
-            *out = CBuf {
-                ptr: p as *const c_void,
-                len: n,
-            }
-        };
+        unsafe { *out = CBuf::view(Some(h.tokens_per_local_expert())) };
         Ok(())
     })
 }
@@ -246,13 +239,7 @@ pub unsafe extern "C" fn moe_ep_handle_kept_topk_idx(
                 "a handle of a group of several nodes",
             ));
         };
-        let (p, n) = (DeviceRegion::device_ptr(&v), DeviceRegion::len(&v));
-        unsafe {
-            *out = CBuf {
-                ptr: p as *const c_void,
-                len: n,
-            }
-        };
+        unsafe { *out = CBuf::view(Some(v)) };
         Ok(())
     })
 }

@@ -171,6 +171,22 @@ pub struct CBufMut {
     pub len: usize,
 }
 
+impl CBuf {
+    /// A view's address and length; `{NULL, 0}` for none.
+    pub(crate) fn view<T>(v: Option<impl moe_ep::ops::DeviceRegion<T>>) -> CBuf {
+        match v {
+            Some(v) => CBuf {
+                ptr: v.device_ptr() as *const c_void,
+                len: v.len(),
+            },
+            None => CBuf {
+                ptr: std::ptr::null(),
+                len: 0,
+            },
+        }
+    }
+}
+
 impl CBufMut {
     pub(crate) fn of(ptr: u64, len: usize) -> CBufMut {
         CBufMut {
