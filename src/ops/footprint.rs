@@ -3,8 +3,8 @@
 //! one-node path's workspace layout with its size formula
 //! ([`workspace_bytes`]), which `node/group.rs` carves.
 //!
-//! Tests: `tests/cpu_api.rs` (the formula against hand-computed sizes);
-//! `tests/gpu_intranode.rs` (a group's footprint against its config).
+//! Tests: `tests/cpu_api.rs` (the formula against hand-computed sizes).
+//! No GPU test reads a live group's footprint yet; ep-bench prints it.
 
 use super::abi::{count_row, Workspace, MAX_BLOCKS, MAX_RANKS, MAX_TOPK};
 use super::config::GroupConfig;
