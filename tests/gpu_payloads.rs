@@ -5,7 +5,11 @@
 //! - `fp8_*`: fp8 rows with both scale kinds (MXFP8's e8m0 per 32 values,
 //!   f32 per 128) in both layouts, bit for bit against the CPU reference
 //!   (`reference::dispatch_rows`), into pool buffers and zero copy into the
-//!   caller's; ranks that send different payloads are refused naming `op`.
+//!   caller's; ranks that send different payloads are refused naming `op`;
+//!   a bad argument on one rank only (short codes or scales, scales of the
+//!   other kind, a receive buffer a row short of the exact size) is refused
+//!   there and named by every other rank's `check()` within 2 s, and the
+//!   group works after (`fp8_and_exact_size_refusals_on_one_rank_*`).
 //! - `padding_fill_off_*`: expert-major padding rows left as they were,
 //!   their weights, ids and sources still marked.
 //! - `overflow_*`: a capacity below the need: `Overflow::Drop` drops what
@@ -27,7 +31,7 @@ use moe_ep::testkit::ranks::{ensure, run_worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng, Routing};
 use moe_ep::{
     bf16, DispatchOut, DispatchOutFp8, DispatchedFp8, EpGroup, Error, Fp8Rows, Fp8Scales,
-    GroupConfig, Handle, Overflow, RecvLayout, RecvScales, RecvScalesOut, Result,
+    GroupConfig, Handle, Overflow, RecvLayout, RecvScales, RecvScalesOut, Result, SymmBuffer,
 };
 
 #[path = "common/device.rs"]
@@ -642,4 +646,109 @@ fn eager_sizes_equal_what_dispatch_writes() {
         }
         Ok(())
     });
+}
+
+/// A bad fp8 or exact-size argument on the last rank only: that rank's host
+/// refuses it naming the argument (its `check()` says it refused), every
+/// other rank's dispatch is accepted and its `check()` names the last rank
+/// and the argument, all within 2 s (the groups wait up to 30 s); then a
+/// correct fp8 round trip on the same group.
+#[test]
+fn fp8_and_exact_size_refusals_on_one_rank_reach_every_rank() {
+    /// The bad rank's call: the group, stream, handle, inputs, the rows the
+    /// counts said, and two buffers every rank allocated (collectively).
+    type Bad = fn(
+        &EpGroup,
+        &Arc<CudaStream>,
+        &Handle,
+        &Fp8In,
+        usize,
+        &mut SymmBuffer<f32>,
+        &mut SymmBuffer<u8>,
+    ) -> Result<()>;
+    let rows: [(&str, Bad); 4] = [
+        ("x.codes", |g, s, h, inp, _, _, _| {
+            let codes = inp.codes.slice(0..inp.codes.len() - 16);
+            let x = Fp8Rows {
+                codes: &codes,
+                scales: Fp8Scales::E8m0Per32(&inp.e8m0),
+            };
+            g.dispatch_fp8(s, h, x, &inp.w, DispatchOutFp8::default())
+                .map(drop)
+        }),
+        ("x.scales", |g, s, h, inp, _, _, _| {
+            let sc = inp.e8m0.slice(0..inp.e8m0.len() - 4);
+            let x = Fp8Rows {
+                codes: &inp.codes,
+                scales: Fp8Scales::E8m0Per32(&sc),
+            };
+            g.dispatch_fp8(s, h, x, &inp.w, DispatchOutFp8::default())
+                .map(drop)
+        }),
+        ("recv_scales", |g, s, h, inp, _, f4, _| {
+            let out = DispatchOutFp8 {
+                recv_scales: Some(RecvScalesOut::F32Per128(f4)),
+                ..Default::default()
+            };
+            g.dispatch_fp8(s, h, inp.rows(true), &inp.w, out).map(drop)
+        }),
+        ("recv_codes", |g, s, h, inp, rows, _, codes| {
+            // Exact sizes: one row short of what the counts said.
+            let mut short = codes.view_mut(0..(rows.max(1) - 1) * HIDDEN)?;
+            let out = DispatchOutFp8 {
+                recv_codes: Some(&mut short),
+                ..Default::default()
+            };
+            g.dispatch_fp8(s, h, inp.rows(true), &inp.w, out).map(drop)
+        }),
+    ];
+    run_worlds(
+        "fp8_and_exact_size_refusals_on_one_rank_reach_every_rank",
+        2,
+        |r| {
+            let s = &r.stream;
+            let bad = r.world - 1;
+            let g = group(r, true)?;
+            let inputs = all_inputs(r.world, SEED + 60);
+            let inp = fp8_in(s, &inputs[r.rank], r.rank, SEED + 60)?;
+            for (arg, call) in rows {
+                let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+                let most = h.host_counts(s)?.max_recv_rows;
+                // Every rank makes the same pool allocations (collective):
+                // the bad row's buffers, which the good ranks leave unused.
+                let mut f4 = g.pool().alloc::<f32>(g.recv_capacity() * HIDDEN / 128)?;
+                let mut codes = g.pool().alloc::<u8>(most.max(1) * HIDDEN)?;
+                r.comm.barrier(s)?;
+                let t0 = std::time::Instant::now();
+                let op = if r.rank == bad {
+                    call(&g, s, &h, &inp, most, &mut f4, &mut codes)
+                } else {
+                    g.dispatch_fp8(s, &h, inp.rows(true), &inp.w, DispatchOutFp8::default())
+                        .map(drop)
+                };
+                let chk = g.check();
+                let took = t0.elapsed();
+                let ok = if r.rank == bad {
+                    matches!(&op, Err(Error::InvalidArgument { arg: a, .. }) if *a == arg)
+                        && matches!(&chk, Err(Error::InvalidState(m)) if m.contains("refused"))
+                } else {
+                    op.is_ok()
+                        && matches!(&chk, Err(Error::PeerFailed { peer, arg: a, .. })
+                            if *peer == bad && *a == Some(arg))
+                };
+                ensure(ok && took < Duration::from_secs(2), || {
+                    format!(
+                        "{arg}, rank {}: the op gave {op:?}, check {chk:?}, in {took:?}",
+                        r.rank
+                    )
+                })?;
+            }
+            // The group works after every row.
+            let h = g.layout(s, TopkIdx::I64(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+            let got = g.dispatch_fp8(s, &h, inp.rows(true), &inp.w, DispatchOutFp8::default())?;
+            check_fp8(r, &got, &h, &inputs, true, SEED + 60)?;
+            drop(got);
+            g.check()
+        },
+    );
 }
