@@ -372,8 +372,9 @@ struct CombineParams {
 // MOE_EP_LL_STOPPED (it skipped the batch after an error of its own) or
 // MOE_EP_LL_REFUSED_BASE - argument (its host refused the call); every
 // receiver then stops with that error. A combine send that skips the batch
-// signals MOE_EP_LL_SIG_NOT_SENT | 0xffff << 48 | seq (its homes compare
-// the low 48 bits with the batch's number).
+// signals MOE_EP_LL_SIG_NOT_SENT | 0xffff << 48 | seq, one its host refused
+// MOE_EP_LL_SIG_NOT_SENT | argument << 48 | seq (its homes compare the low
+// 48 bits with the batch's number).
 #define MOE_EP_LL_STOPPED (-2147483647 - 1)
 #define MOE_EP_LL_REFUSED_BASE (-1)
 #define MOE_EP_LL_SIG_NOT_SENT (1ull << 63)
@@ -440,8 +441,8 @@ struct LlParams {
   int32_t in_place;       // combine: rows whose home is this rank stay in y (read there
                           // by the home's sum, so y must be intact until it; the one-call
                           // combine only)
-  int32_t refuse;         // dispatch send: 0, or 1 + the argument this rank's host refused
-                          // (the send then moves no rows and tells every peer, see LlSignal)
+  int32_t refuse;         // sends: 0, or 1 + the argument this rank's host refused (the
+                          // send then moves no rows and tells every peer, see LlSignal)
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");

@@ -625,10 +625,16 @@ __device__ void ll_combine_send(const LlParams& p) {
   const int M = p.max_tokens, n16 = p.op.hidden / 8;
   const Ws ws = ws_of(p.op);
   const uint64_t seq = set_seq(p);
-  // No rows when this rank skips the batch (an error: its status word); the
-  // signal says so (MOE_EP_LL_SIG_NOT_SENT), so that no home waits for it.
+  // No rows when this rank skips the batch (an error: its status word) or
+  // its host refused the call; the signal says which (MOE_EP_LL_SIG_NOT_SENT
+  // and the refused argument, or 0x7fff), so that no home waits for it. A
+  // refused batch is spent on the refusing rank (its host refuses a retry):
+  // no later signal of this batch's number follows the refusal.
   const bool stopped = ws.stopped(me);
-  const uint64_t sig = stopped ? (MOE_EP_LL_SIG_NOT_SENT | (0xffffull << 48) | seq) : seq;
+  const uint64_t sig = stopped ? (MOE_EP_LL_SIG_NOT_SENT | (0xffffull << 48) | seq)
+                       : p.refuse > 0
+                           ? (MOE_EP_LL_SIG_NOT_SENT | ((uint64_t)(p.refuse - 1) << 48) | seq)
+                           : seq;
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
   char* loc = local_set(p);
@@ -685,7 +691,8 @@ __device__ void ll_combine_recv(const LlParams& p) {
   const ErrSink err = ws.err(p.op.error, me);
   char* mine = sym_set(p, me);
   if (!wait_all_combine(mine + p.b.sig_combine, R, p.op.num_blocks, seq, p, err)) return;
-  // An expert rank that sent no rows (it skipped the batch after an error).
+  // An expert rank that sent no rows: it skipped the batch after an error,
+  // or its host refused the call (the argument in bits 48..62).
   {
     bool sent = true;
     for (int i = threadIdx.x; i < R * p.op.num_blocks; i += blockDim.x) {
@@ -693,7 +700,12 @@ __device__ void ll_combine_recv(const LlParams& p) {
       const uint64_t v = ld_acquire_sys_u64(
           reinterpret_cast<const uint64_t*>(mine + p.b.sig_combine) + s * MOE_EP_MAX_BLOCKS + b);
       if ((v & MOE_EP_LL_SIG_NOT_SENT) != 0ull) {
-        report_error(err, MOE_EP_ERR_PEER_STOPPED, me, s, 0, 0, 0, 0, seq);
+        const int arg = (int)((v >> 48) & 0x7fffull);
+        if (arg == 0x7fff) {
+          report_error(err, MOE_EP_ERR_PEER_STOPPED, me, s, 0, 0, 0, 0, seq);
+        } else {
+          report_error(err, MOE_EP_ERR_REFUSED, me, s, arg, 0, 0, 0, seq);
+        }
         sent = false;
       }
     }

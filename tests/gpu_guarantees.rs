@@ -1075,6 +1075,81 @@ fn fault_ll_refused_send_on_one_rank() {
     });
 }
 
+/// A low-latency combine refused on one rank's host (`out` too short), in
+/// its one-call and its two-phase form (`expert_out` too short for the
+/// send): every other rank's check names that rank and the argument at
+/// once (no combine wait runs to the timeout); the refused batch is spent
+/// on the refusing rank (a retry is refused by state); then batches work.
+#[test]
+fn fault_ll_refused_combine_on_one_rank() {
+    run_worlds("fault_ll_refused_combine_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let group = ll_group(r)?;
+        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
+        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+        let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+        let mut out = s
+            .alloc_zeros::<bf16>(LL_TOKENS * HIDDEN)
+            .map_err(Error::cuda("alloc"))?;
+        let bad = r.rank == bad_rank(r);
+        for two_phase in [false, true] {
+            let hd = group.ll_dispatch(
+                s,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&x),
+                    topk_idx: TopkIdx::I32(&idx),
+                    topk: TOPK,
+                    topk_weights: &w,
+                    layout: LlLayout::RankMajor,
+                    cast_fp8: None,
+                },
+            )?;
+            let rows = hd
+                .tokens()
+                .ok_or_else(|| Error::InvalidState("bf16 rows".into()))?;
+            r.comm.barrier(s)?;
+            let t0 = Instant::now();
+            let (row, arg, op) = if two_phase {
+                let ys = s
+                    .alloc_zeros::<bf16>(hd.num_rows() * HIDDEN)
+                    .map_err(Error::cuda("alloc"))?;
+                let y = ys.slice(0..if bad { HIDDEN } else { hd.num_rows() * HIDDEN });
+                let op = group
+                    .ll_combine_send(s, &hd, &y)
+                    .and_then(|sent| group.ll_combine_wait(s, &sent, None, &mut out));
+                ("low-latency combine send, short expert_out", "expert_out", op)
+            } else {
+                let op = if bad {
+                    let mut short = out.slice_mut(0..HIDDEN);
+                    group.ll_combine(s, &hd, &rows, None, &mut short)
+                } else {
+                    group.ll_combine(s, &hd, &rows, None, &mut out)
+                };
+                ("low-latency combine, short out", "out", op)
+            };
+            if bad {
+                // The batch is spent here: a corrected retry is refused.
+                match group.ll_combine(s, &hd, &rows, None, &mut out) {
+                    Err(Error::InvalidState(_)) => {}
+                    other => {
+                        return Err(Error::InvalidState(format!(
+                            "{row}: the retry on the refusing rank gave {:?}",
+                            other.err()
+                        )))
+                    }
+                }
+            }
+            let chk = group.check();
+            let took = t0.elapsed();
+            expect_refusal(r, row, op, chk, arg, took)?;
+            for i in 0..2 {
+                ll_round_trip(r, &group, 70 + i)?;
+            }
+        }
+        Ok(())
+    });
+}
+
 // ---------------------------------------------------------------------------
 // Recovery, looped.
 // ---------------------------------------------------------------------------

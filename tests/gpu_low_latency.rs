@@ -1161,6 +1161,32 @@ fn bad_inputs_are_refused_by_name() {
                 odd.ll_combine(s, &hd, &y, None, &mut out),
                 "handle",
             )?;
+            // The first refusal told every home and spent the batch (no
+            // second signal of its number may follow): the corrected retry
+            // is refused by state, and the group runs the next batch.
+            match group.ll_combine(s, &hd, &y, None, &mut out) {
+                Err(Error::InvalidState(m)) if m.contains("Refused") => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "the retry of a refused combine: {:?}",
+                        other.err()
+                    )))
+                }
+            }
+            // Every rank refused the same call: nothing is out of step.
+            group.check()?;
+            let hd = group.ll_dispatch(
+                s,
+                moe_ep::LlDispatchArgs {
+                    x: LlInput::Bf16(&x),
+                    topk_idx: TopkIdx::I64(&idx),
+                    topk: k,
+                    topk_weights: &w,
+                    layout: em,
+                    cast_fp8: None,
+                },
+            )?;
+            check_dispatch(s, &hd, &f.refs[r.rank], h, k)?;
             group.ll_combine(s, &hd, &y, None, &mut out)?;
             check_combine(
                 &down(s, &out, t * h)?,

@@ -489,8 +489,9 @@ pub struct LlParams {
     /// Combine: rows homed on this rank are read in `y` by the sum (the
     /// one-call combine only).
     pub in_place: i32,
-    /// Dispatch send: 0, or 1 + the id of the argument this rank's host
-    /// refused ([`ARG_NAMES`]): the send moves no rows and tells every peer.
+    /// Sends (dispatch and combine): 0, or 1 + the id of the argument this
+    /// rank's host refused ([`ARG_NAMES`]): the send moves no rows and tells
+    /// every peer.
     pub refuse: i32,
 }
 

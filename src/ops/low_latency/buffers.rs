@@ -129,6 +129,9 @@ pub(crate) enum Phase {
     CombineSent,
     /// Combined: the set may take the next batch.
     Combined,
+    /// Its combine was refused on this rank's host, which told every home
+    /// (they stop on it): spent, the set may take the next batch.
+    Refused,
 }
 
 /// Which set the next batch takes, and where each set's batch is.

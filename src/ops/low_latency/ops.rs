@@ -102,13 +102,7 @@ impl NodeGroup {
     /// Checks that batch `b` is this group's and its set's latest, in
     /// phase `from`, for `op`.
     fn ll_expect(&self, ll: &LlBuffers, b: &LlBatch, from: Phase, op: &str) -> Result<()> {
-        if b.group != self.id {
-            return Err(Error::arg(
-                "handle",
-                format!("a low-latency batch of this group (group {})", self.id),
-                format!("one of group {}", b.group),
-            ));
-        }
+        self.ll_own(b)?;
         let (generation, phase) = ll.state().sets[b.set];
         if generation != b.generation {
             return Err(Error::arg(
@@ -125,6 +119,18 @@ impl NodeGroup {
                 "{op}: the batch in buffer set {} is {phase:?}, not {from:?} (each batch is sent, waited for, combine-sent and combine-waited once, in that order)",
                 b.set
             )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a batch of another group (naming `handle`).
+    fn ll_own(&self, b: &LlBatch) -> Result<()> {
+        if b.group != self.id {
+            return Err(Error::arg(
+                "handle",
+                format!("a low-latency batch of this group (group {})", self.id),
+                format!("one of group {}", b.group),
+            ));
         }
         Ok(())
     }
@@ -223,7 +229,7 @@ impl NodeGroup {
             let st = ll.state();
             let set = st.next_set;
             let (_, phase) = st.sets[set];
-            if !matches!(phase, Phase::Free | Phase::Combined) {
+            if !matches!(phase, Phase::Free | Phase::Combined | Phase::Refused) {
                 return Err(Error::InvalidState(format!(
                     "ll_dispatch: buffer set {set} still holds a batch that is {phase:?}: combine it (ll_combine, or ll_combine_send + ll_combine_wait) before dispatching a third batch"
                 )));
@@ -303,7 +309,7 @@ impl NodeGroup {
         };
         let mut st = ll.state();
         let set = st.next_set;
-        if !matches!(st.sets[set].1, Phase::Free | Phase::Combined) {
+        if !matches!(st.sets[set].1, Phase::Free | Phase::Combined | Phase::Refused) {
             return Ok(());
         }
         let generation = st.generation + 1;
@@ -417,8 +423,11 @@ impl NodeGroup {
     ) -> Result<LlCombineSent> {
         let ll = self.ll_buffers()?;
         let b = handle.b;
-        self.ll_expect(ll, &b, Phase::Received, "ll_combine_send")?;
+        // The handle's group, the arguments, then the batch's state (a
+        // spent batch's retry names a bad argument too).
+        self.ll_own(&b)?;
         self.ll_check_expert_out(handle, expert_out)?;
+        self.ll_expect(ll, &b, Phase::Received, "ll_combine_send")?;
         let mut p = self.ll_params(ll, &b);
         p.y = expert_out.device_ptr();
         p.in_place = in_place as i32;
@@ -449,6 +458,28 @@ impl NodeGroup {
         Ok(())
     }
 
+    /// A combine send of `b`'s batch this rank's host refused (argument
+    /// `arg`): the send kernel moves no rows and tells every home why (its
+    /// signal), so that none waits for this rank; the homes stop on it. The
+    /// batch is spent here (Phase::Refused: a corrected retry is refused,
+    /// since no second signal of the batch's number may follow the
+    /// refusal's) and its set takes the next batch. Nothing when `b` is not
+    /// this group's latest batch of its set, ready to combine (no home
+    /// waits for this rank's rows of it).
+    fn ll_refuse_combine_send(&self, turn: &OpTurn<'_>, b: &LlBatch, arg: u64) -> Result<()> {
+        let (Some(ll), Some(stream)) = (self.ll.as_ref(), turn.stream()) else {
+            return Ok(());
+        };
+        if b.group != self.id || ll.state().sets[b.set] != (b.generation, Phase::Received) {
+            return Ok(());
+        }
+        let mut p = self.ll_params(ll, b);
+        p.refuse = arg as i32 + 1;
+        self.ll_launch(stream, &self.ll_kernels().combine_send[li(b.layout)], &p)?;
+        self.ll_set_phase(ll, b, Phase::Refused);
+        Ok(())
+    }
+
     /// Sends this rank's expert outputs home (the first half of
     /// [`EpGroup::ll_combine`](crate::EpGroup::ll_combine), whose docs say what `expert_out` holds);
     /// returns at once. Then [`EpGroup::ll_combine_wait`](crate::EpGroup::ll_combine_wait).
@@ -458,16 +489,14 @@ impl NodeGroup {
         handle: &LlHandle,
         expert_out: &dyn DeviceRegion<bf16>,
     ) -> Result<LlCombineSent> {
-        // NOTE: a refused combine tells no peer (a refusal signal in the
-        // batch's set passed a corrected retry's wait for the same batch on
-        // an H200, 2026-12-04): a peer's combine wait for a rank whose host
-        // refused alone ends at the timeout.
+        let b = handle.b;
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
         self.op_with(
             "moe_ep::ll_combine_send",
             0,
             stream,
             None,
-            Refuse::Quiet,
+            Refuse::With(&refuse),
             // Not in place: the caller may reuse expert_out before the wait.
             |_| self.ll_combine_send_on_turn(stream, handle, expert_out, false),
         )
@@ -505,18 +534,20 @@ impl NodeGroup {
         weights: Option<&dyn DeviceRegion<f32>>,
         out: &mut dyn DeviceRegionMut<bf16>,
     ) -> Result<()> {
-        // (A refused combine tells no peer: see ll_combine_send.)
+        let b = handle.b;
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
         self.op_with(
             "moe_ep::ll_combine",
             0,
             stream,
             None,
-            Refuse::Quiet,
+            Refuse::With(&refuse),
             |turn| {
                 let ll = self.ll_buffers()?;
-                self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
+                self.ll_own(&handle.b)?;
                 self.ll_check_expert_out(handle, expert_out)?;
                 let w = self.ll_check_wait(&handle.b, weights, &*out)?;
+                self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
                 // Both halves on one stream within this call: the rows homed
                 // here stay in expert_out, read there by the sum (no copy).
                 let sent = self.ll_combine_send_on_turn(stream, handle, expert_out, true)?;
