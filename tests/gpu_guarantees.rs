@@ -1117,7 +1117,11 @@ fn fault_ll_refused_combine_on_one_rank() {
                 let op = group
                     .ll_combine_send(s, &hd, &y)
                     .and_then(|sent| group.ll_combine_wait(s, &sent, None, &mut out));
-                ("low-latency combine send, short expert_out", "expert_out", op)
+                (
+                    "low-latency combine send, short expert_out",
+                    "expert_out",
+                    op,
+                )
             } else {
                 let op = if bad {
                     let mut short = out.slice_mut(0..HIDDEN);

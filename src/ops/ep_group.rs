@@ -665,7 +665,10 @@ impl EpGroup {
     /// A token with no experts gets zeros. Errors before launch name
     /// `handle` (another group's, or a batch whose set was reused),
     /// `expert_out`, `weights` or `out`; a batch already combined is
-    /// `InvalidState`.
+    /// `InvalidState`. A refused combine tells every home (they stop with
+    /// `PeerFailed` naming this rank and the argument) and spends the
+    /// batch: a corrected retry is `InvalidState`; dispatch the next batch
+    /// (after `check`, where a peer saw the refusal).
     ///
     /// ```no_run
     /// # use moe_ep::{bf16, cuda::CudaSlice, EpGroup, LlDispatchArgs, LlInput, LlLayout, TopkIdx};

@@ -309,7 +309,10 @@ impl NodeGroup {
         };
         let mut st = ll.state();
         let set = st.next_set;
-        if !matches!(st.sets[set].1, Phase::Free | Phase::Combined | Phase::Refused) {
+        if !matches!(
+            st.sets[set].1,
+            Phase::Free | Phase::Combined | Phase::Refused
+        ) {
             return Ok(());
         }
         let generation = st.generation + 1;
