@@ -1206,24 +1206,30 @@ fn bad_inputs_are_refused_by_name() {
                     )))
                 }
             }
-            // Rank-major combine takes no weights.
-            let hr = group.ll_dispatch(
-                s,
-                moe_ep::LlDispatchArgs {
-                    x: LlInput::Bf16(&x),
-                    topk_idx: TopkIdx::I64(&idx),
-                    topk: k,
-                    topk_weights: &w,
-                    layout: LlLayout::RankMajor,
-                    cast_fp8: None,
-                },
-            )?;
+            // Rank-major combine takes no weights (refused: the batch is
+            // spent, the next one takes the corrected call).
+            let rank_major = || {
+                group.ll_dispatch(
+                    s,
+                    moe_ep::LlDispatchArgs {
+                        x: LlInput::Bf16(&x),
+                        topk_idx: TopkIdx::I64(&idx),
+                        topk: k,
+                        topk_weights: &w,
+                        layout: LlLayout::RankMajor,
+                        cast_fp8: None,
+                    },
+                )
+            };
+            let spent = rank_major()?;
             let yr = up(s, &fr.outs[r.rank])?;
             expect_arg(
                 "rank-major weights",
-                group.ll_combine(s, &hr, &yr, Some(&w), &mut out),
+                group.ll_combine(s, &spent, &yr, Some(&w), &mut out),
                 "weights",
             )?;
+            group.check()?;
+            let hr = rank_major()?;
             group.ll_combine(s, &hr, &yr, None, &mut out)?;
             check_combine(
                 &down(s, &out, t * h)?,
@@ -1234,7 +1240,7 @@ fn bad_inputs_are_refused_by_name() {
                 r.rank,
                 LlLayout::RankMajor,
             )?;
-            // hd's set (0) takes the next batch: hd is stale.
+            // The spent batch's set takes the next batch: its handle is stale.
             let h3 = group.ll_dispatch(
                 s,
                 moe_ep::LlDispatchArgs {
@@ -1246,10 +1252,10 @@ fn bad_inputs_are_refused_by_name() {
                     cast_fp8: None,
                 },
             )?;
-            ensure(h3.buffer_set() == hd.buffer_set(), || "set reuse".into())?;
+            ensure(h3.buffer_set() == spent.buffer_set(), || "set reuse".into())?;
             expect_arg(
                 "a stale handle",
-                group.ll_combine(s, &hd, &y, None, &mut out),
+                group.ll_combine(s, &spent, &y, None, &mut out),
                 "handle",
             )?;
             group.ll_combine(s, &h3, &y, None, &mut out)?;

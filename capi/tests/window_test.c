@@ -464,11 +464,19 @@ static void *run_rank(void *p) {
         !cu_ok(r, "sync", cu.stream_synchronize(stream)))
       goto out;
     int ok = db.tokens.len == DROP_CAP * HIDDEN;
+    char why[256];
+    snprintf(why, sizeof why, "tokens.len %zu (want %d)", (size_t)db.tokens.len,
+             DROP_CAP * HIDDEN);
     for (int s = 0; s < WORLD; s++)
       for (int t = 0; t < KEPT; t++)
-        for (int h = 0; h < HIDDEN; h++)
-          ok &= got[r][(s * KEPT + t) * HIDDEN + h] == bf16(token(s, t, h));
-    report(r, "kept rows: row s * 6 + t is token t < 6 of rank s", ok, NULL);
+        for (int h = 0; h < HIDDEN; h++) {
+          const uint16_t g = got[r][(s * KEPT + t) * HIDDEN + h], w = bf16(token(s, t, h));
+          if (g != w && ok)
+            snprintf(why, sizeof why, "row %d (source %d, token %d) value %d: 0x%04x, want 0x%04x",
+                     s * KEPT + t, s, t, h, g, w);
+          ok &= g == w;
+        }
+    report(r, "kept rows: row s * 6 + t is token t < 6 of rank s", ok, ok ? NULL : why);
     moe_ep_combine_args_t dc = MOE_EP_COMBINE_ARGS_INIT;
     dc.expert_out = (moe_ep_buf_t){db.tokens.ptr, db.tokens.len};
     dc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};

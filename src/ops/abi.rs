@@ -104,7 +104,7 @@ pub const FIELD_RECV_SCALES: i32 = 16;
 /// The arguments a refusal names (the id a refused call's descriptor
 /// carries, `MOE_EP_OP_REFUSED`): index 0 is "an argument" (one not in
 /// the table).
-pub const ARG_NAMES: [&str; 32] = [
+pub const ARG_NAMES: [&str; 36] = [
     "an argument",
     "x",
     "topk_weights",
@@ -137,6 +137,10 @@ pub const ARG_NAMES: [&str; 32] = [
     "capacity",
     "num_tokens",
     "payload",
+    "x.codes",
+    "x.scales",
+    "recv_codes",
+    "recv_scales",
 ];
 
 /// The id of argument `name` in [`ARG_NAMES`] (0 for one not there).
@@ -145,6 +149,9 @@ pub fn arg_id(name: &str) -> u64 {
 }
 
 /// The name of argument id `id` ([`ARG_NAMES`]).
+///
+/// Every argument an op's host checks can refuse is in the table (the unit
+/// test `every_refusable_argument_has_an_id` reads the sources for them).
 pub fn arg_name(id: u64) -> &'static str {
     ARG_NAMES.get(id as usize).copied().unwrap_or(ARG_NAMES[0])
 }
@@ -667,6 +674,41 @@ const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1280);
 mod tests {
     use super::*;
     use std::mem::offset_of;
+
+    /// The buffers the ops' hosts check (`check_region("name", ...)`) are
+    /// named to the peers of a refused call: each has an id.
+    #[test]
+    fn every_refusable_argument_has_an_id() {
+        let sources = [
+            include_str!("node/turn.rs"),
+            include_str!("node/dispatch_op.rs"),
+            include_str!("node/combine_op.rs"),
+            include_str!("node/layout_op.rs"),
+            include_str!("low_latency/ops.rs"),
+        ];
+        let mut seen = 0;
+        for src in sources {
+            for call in src.split("check_region(").skip(1) {
+                let Some(name) = call.trim_start().strip_prefix('"') else {
+                    continue; // the definition, or a name held in a variable
+                };
+                let name = &name[..name.find('"').unwrap()];
+                assert_ne!(arg_id(name), 0, "`{name}` has no id in ARG_NAMES");
+                seen += 1;
+            }
+        }
+        assert!(
+            seen > 20,
+            "only {seen} checks found: has check_region moved?"
+        );
+        assert!(
+            ARG_NAMES
+                .iter()
+                .enumerate()
+                .all(|(i, n)| arg_id(n) == i as u64),
+            "a name twice in ARG_NAMES"
+        );
+    }
 
     /// Offsets worked out by hand from the C layout rules (8-byte pointers).
     #[test]

@@ -276,15 +276,25 @@ impl NodeGroup {
     /// A rank that does not come within twice the group's timeout leaves
     /// the ops out of step: the group is then unusable on the ranks that
     /// came. Once
-    /// this rank holds an error the wait ends at once (its kernels skip
-    /// every call until `check`, which counts every rank in step again):
-    /// after an error the ranks' programs may make different calls.
+    /// this rank holds an error, or its host refused a call since the last
+    /// `check`, the wait ends at once (its kernels skip every call until
+    /// `check`, or meet peers that stopped on its refusal; `check` counts
+    /// every rank in step again): after an error the ranks' programs may
+    /// make different calls (a rank retries the call its host refused).
     fn virtual_barrier(&self) -> Result<()> {
         let Some(b) = &self.op_barrier else {
             return Ok(());
         };
-        let holds_error =
-            || self.poisoned.load(Ordering::Relaxed) || self.error.read().code != abi::code::OK;
+        let holds_error = || {
+            self.poisoned.load(Ordering::Relaxed)
+                || self.error.read().code != abi::code::OK
+                || self
+                    .turns
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .refused
+                    .is_some()
+        };
         b.arrive(
             self.comm.rank(),
             "op (virtual ranks enqueue every op in step)",
