@@ -453,7 +453,11 @@ static void *run_rank(void *p) {
     report(r, "dropped slots: tokens 6 and 7, both experts", ok_slots, NULL);
     report(r, "kept routing: -1 on the dropped slots, the experts elsewhere", ok_kept, NULL);
   }
-  CHECK(moe_ep_dispatch(drop_group, stream, drop_handle, &da, &dropped), "dispatch (overflow drop)");
+  /* The group's own receive buffers ([recv_capacity, H]), not the window `da` names. */
+  moe_ep_dispatch_args_t dd = MOE_EP_DISPATCH_ARGS_INIT;
+  dd.x = da.x;
+  dd.topk_weights = da.topk_weights;
+  CHECK(moe_ep_dispatch(drop_group, stream, drop_handle, &dd, &dropped), "dispatch (overflow drop)");
   {
     moe_ep_recv_buffers_t db = MOE_EP_RECV_BUFFERS_INIT;
     CHECK(moe_ep_dispatched_buffers(dropped, &db), "dispatched_buffers (overflow drop)");

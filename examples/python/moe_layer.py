@@ -29,6 +29,7 @@ import moe_ep
 import moe_ep.torch as ep_torch
 
 H, FF, K, EL, T = 256, 512, 4, 4, 96  # hidden, expert width, top-k, experts per rank, tokens
+ALIGN = 8  # expert-major: each expert's block of rows padded to a multiple of this
 
 
 def params(world, seed=0):
@@ -63,7 +64,7 @@ def moe_forward(group, x, wr, w1, w2, layout):
     """The expert-parallel layer on this rank: `w1`, `w2` are this rank's
     experts ``[EL, ...]``. Returns ``[T, H]`` bfloat16."""
     idx, w = route(x, wr)
-    align = 8 if layout == "expert_major" else 1
+    align = ALIGN if layout == "expert_major" else 1
     h = group.layout(idx, layout=layout, alignment=align)
     recv_x, recv_w, recv_idx, _ = ep_torch.dispatch(group, h, x, w)
     counts = h.host_counts()  # one host synchronisation per layout
@@ -107,7 +108,14 @@ def rank_step(comm, world, layout):
     """One forward and backward of the layer on this rank; returns what the
     check compares."""
     r = comm.rank
-    group = moe_ep.Group(comm, num_experts=EL * world, hidden=H, max_tokens_per_rank=T)
+    # Receive rows: the default (every token of every rank) is rank-major's
+    # worst case; expert-major receives a row per (token, local expert),
+    # each expert's block padded to the alignment.
+    if layout == "expert_major":
+        cap = world * T * min(K, EL) + EL * (ALIGN - 1)
+    else:
+        cap = world * T
+    group = moe_ep.Group(comm, num_experts=EL * world, hidden=H, max_tokens_per_rank=T, recv_capacity=cap)
     wr, w1, w2 = params(world)
     wr = wr.clone().requires_grad_()
     w1 = w1[r * EL : (r + 1) * EL].clone().requires_grad_()

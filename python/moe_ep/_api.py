@@ -258,7 +258,11 @@ class Group:
     ops in the same order. The fields are those of the Rust ``GroupConfig``:
     ``num_experts``, ``hidden``, ``max_tokens_per_rank``, ``mode``
     (``"high_throughput"`` or ``"low_latency"``), ``recv_capacity`` (0: world
-    * max tokens), ``num_sms``, ``combine_chunks``, ``timeout`` (seconds),
+    * max tokens, rank-major's worst case; expert-major receives a row per
+    token and local expert, each expert's block padded to the alignment:
+    give it room for that), ``num_sms`` (``None``: the Rust default, or as
+    many as fit where virtual ranks share the GPU), ``combine_chunks``,
+    ``timeout`` (seconds),
     ``ranks_per_node`` (0: one node), ``hop_chunk_rows``, ``overflow``
     (``"error"`` or ``"drop"``: rows beyond the receive capacity),
     ``zero_padding`` (``True``: expert-major padding rows are zeroed;
@@ -365,6 +369,14 @@ class Group:
         GPU come from the group's symmetric pool (through ``pool``, a
         ``mem_pool()``, made here when not given). Yields the pool."""
         pool = pool if pool is not None else self.mem_pool()
+        # The group's pool takes its first segment in a collective
+        # allocation: made here, outside torch's allocator, whose device lock
+        # one virtual rank's thread would hold while waiting in it for its
+        # siblings, which wait for that lock. Later torch allocations that
+        # fit the segment's free bytes (256 MiB less what is taken) are local; on
+        # virtual ranks a larger one would need the collective under that
+        # lock: keep them within it.
+        self.symm_empty((1,), _torch.uint8)
         _core._set_allocation_group(self._g)
         try:
             with _torch.cuda.use_mem_pool(pool, device=self._tdev):

@@ -481,6 +481,7 @@ impl Group {
             let mut cfg = GroupConfig::new(num_experts, hidden, max_tokens_per_rank);
             cfg.mode = parse_mode(mode)?;
             cfg.recv_capacity = recv_capacity;
+            let fit_sms = num_sms.is_none();
             if let Some(n) = num_sms {
                 cfg.num_sms = n;
             }
@@ -501,7 +502,16 @@ impl Group {
             };
             cfg.zero_padding = zero_padding;
             let c = comm.comm.clone();
-            let g = detached(py, || EpGroup::new(&c, cfg))?;
+            let g = detached(py, || {
+                if fit_sms {
+                    // Not given: the default, or as many blocks as fit
+                    // where ranks share a GPU (virtual ranks: at world 8 an
+                    // H100 holds 16 a rank, not the default 24).
+                    let fit = moe_ep::ops::residency(&c, cfg.num_experts)?.max_blocks_per_rank();
+                    cfg.num_sms = cfg.num_sms.min(fit);
+                }
+                EpGroup::new(&c, cfg)
+            })?;
             Ok(Group {
                 g: Arc::new(g),
                 ctx: comm.comm.context().clone(),

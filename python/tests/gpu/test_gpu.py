@@ -53,6 +53,15 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 H, K, M = 256, 4, 64  # hidden, top-k, max tokens per rank
 
 
+def capacity(world, el, layout, alignment=1):
+    """Receive rows enough for any routing here: rank-major every token of
+    every rank (the group's default); expert-major min(K, el) rows of each
+    token plus every local expert's padding to `alignment`."""
+    if layout == "rank_major":
+        return world * M
+    return world * M * min(K, el) + el * (alignment - 1)
+
+
 def run_world(world, fn):
     """fn(comm) on every rank of a world: NCCL at 1, virtual above."""
     if world == 1:
@@ -244,7 +253,13 @@ class HighThroughput(unittest.TestCase):
 
         def rank(comm):
             r = comm.rank
-            group = moe_ep.Group(comm, num_experts=el * world, hidden=H, max_tokens_per_rank=M)
+            group = moe_ep.Group(
+                comm,
+                num_experts=el * world,
+                hidden=H,
+                max_tokens_per_rank=M,
+                recv_capacity=capacity(world, el, layout, alignment),
+            )
             all_in = [inputs(s, world) for s in range(world)]
             x, idx, w = (t.cuda() for t in all_in[r])
             h = group.layout(idx, layout=layout, alignment=alignment)
@@ -407,7 +422,13 @@ class TransformerEngineFeatures(unittest.TestCase):
 
         def rank(comm):
             r = comm.rank
-            group = moe_ep.Group(comm, num_experts=el * world, hidden=H, max_tokens_per_rank=M)
+            group = moe_ep.Group(
+                comm,
+                num_experts=el * world,
+                hidden=H,
+                max_tokens_per_rank=M,
+                recv_capacity=capacity(world, el, layout, alignment),
+            )
             self.assertIs(group.config["zero_padding"], True)
             all_in = [inputs(s, world, seed=30) for s in range(world)]
             fp8 = [fp8_inputs(s, all_in[s][0].shape[0], kind, seed=30) for s in range(world)]

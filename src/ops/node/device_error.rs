@@ -60,13 +60,6 @@ impl NodeGroup {
         // this rank's host alone is found by its peers' kernels, unless every
         // rank refused that call, which leaves nothing out of step).
         let found = u64::from(dev.code != abi::code::OK);
-        if found != 0 {
-            // Cleared before the ranks meet: once any rank is past the
-            // all-gather, every rank's status word is clear (a peer's kernel
-            // of the next call reads it, peer_stopped in intranode.cuh).
-            self.clear_device_error(&stream)?;
-            self.error.write(ErrorInfo::default());
-        }
         let ll_seq = match &self.ll {
             Some(ll) => ll.batches_sent(&stream)?,
             None => 0,
@@ -119,6 +112,19 @@ impl NodeGroup {
             turns.refused = None;
             return Ok(());
         }
+        // Past the all-gather every rank's kernels of the calls so far are
+        // done (each rank waited for its stream first): only now is this
+        // rank's status word cleared, since a peer's kernel still waiting
+        // for this rank ends on that word (peer_stopped in intranode.cuh;
+        // cleared before the gather, a peer slower to look waited to its
+        // timeout: fault_peer_row_out_of_range_on_one_rank at virtual world
+        // 4, one H100, 2026-12-07). The ranks meet once more, so that no
+        // rank's next kernel reads a word not cleared yet.
+        if found != 0 {
+            self.clear_device_error(&stream)?;
+            self.error.write(ErrorInfo::default());
+        }
+        self.comm.all_gather_host(&stream, &[0u64])?;
         // This rank's own error first, else the first rank's that found one.
         // Where its kernels only saw a peer stop, the PeerFailed naming that
         // peer carries the argument of that peer's own error (ranks that
