@@ -925,6 +925,33 @@ fn ll_group(r: &Rank) -> Result<EpGroup> {
     EpGroup::new(&r.comm, cfg)
 }
 
+/// A rank-major bf16 low-latency dispatch of `x` routed by `idx`.
+fn ll_dispatch_rank_major(
+    s: &Arc<CudaStream>,
+    group: &EpGroup,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<f32>,
+    idx: &CudaSlice<i32>,
+) -> Result<moe_ep::LlHandle> {
+    group.ll_dispatch(
+        s,
+        moe_ep::LlDispatchArgs {
+            x: LlInput::Bf16(x),
+            topk_idx: TopkIdx::I32(idx),
+            topk: TOPK,
+            topk_weights: w,
+            layout: LlLayout::RankMajor,
+            cast_fp8: None,
+        },
+    )
+}
+
+/// A bf16 batch's received rows.
+fn ll_rows(hd: &moe_ep::LlHandle) -> Result<moe_ep::ops::LlView<'_, bf16>> {
+    hd.tokens()
+        .ok_or_else(|| Error::InvalidState("bf16 rows".into()))
+}
+
 /// One correct low-latency batch (rank-major, bf16), its combine of the
 /// received rows themselves checked bit for bit; then a clean check.
 fn ll_round_trip(r: &Rank, group: &EpGroup, seed: u64) -> Result<()> {
@@ -936,20 +963,8 @@ fn ll_round_trip(r: &Rank, group: &EpGroup, seed: u64) -> Result<()> {
     let mut out = s
         .alloc_zeros::<bf16>(LL_TOKENS * HIDDEN)
         .map_err(Error::cuda("alloc"))?;
-    let hd = group.ll_dispatch(
-        s,
-        moe_ep::LlDispatchArgs {
-            x: LlInput::Bf16(&x),
-            topk_idx: TopkIdx::I32(&idx),
-            topk: TOPK,
-            topk_weights: &w,
-            layout: LlLayout::RankMajor,
-            cast_fp8: None,
-        },
-    )?;
-    let rows = hd
-        .tokens()
-        .ok_or_else(|| Error::InvalidState("bf16 rows".into()))?;
+    let hd = ll_dispatch_rank_major(s, group, &x, &w, &idx)?;
+    let rows = ll_rows(&hd)?;
     group.ll_combine(s, &hd, &rows, None, &mut out)?;
     group.check()?;
     // Each token back once per rank that hosts one of its experts.
@@ -1093,20 +1108,8 @@ fn fault_ll_refused_combine_on_one_rank() {
             .map_err(Error::cuda("alloc"))?;
         let bad = r.rank == bad_rank(r);
         for two_phase in [false, true] {
-            let hd = group.ll_dispatch(
-                s,
-                moe_ep::LlDispatchArgs {
-                    x: LlInput::Bf16(&x),
-                    topk_idx: TopkIdx::I32(&idx),
-                    topk: TOPK,
-                    topk_weights: &w,
-                    layout: LlLayout::RankMajor,
-                    cast_fp8: None,
-                },
-            )?;
-            let rows = hd
-                .tokens()
-                .ok_or_else(|| Error::InvalidState("bf16 rows".into()))?;
+            let hd = ll_dispatch_rank_major(s, &group, &x, &w, &idx)?;
+            let rows = ll_rows(&hd)?;
             r.comm.barrier(s)?;
             let t0 = Instant::now();
             let (row, arg, op) = if two_phase {

@@ -1124,17 +1124,20 @@ fn bad_inputs_are_refused_by_name() {
             )?;
 
             // Combine.
-            let hd = group.ll_dispatch(
-                s,
-                moe_ep::LlDispatchArgs {
-                    x: LlInput::Bf16(&x),
-                    topk_idx: TopkIdx::I64(&idx),
-                    topk: k,
-                    topk_weights: &w,
-                    layout: em,
-                    cast_fp8: None,
-                },
-            )?;
+            let batch = |layout| {
+                group.ll_dispatch(
+                    s,
+                    moe_ep::LlDispatchArgs {
+                        x: LlInput::Bf16(&x),
+                        topk_idx: TopkIdx::I64(&idx),
+                        topk: k,
+                        topk_weights: &w,
+                        layout,
+                        cast_fp8: None,
+                    },
+                )
+            };
+            let hd = batch(em)?;
             check_dispatch(s, &hd, &f.refs[r.rank], h, k)?;
             let y = up(s, &f.outs[r.rank])?;
             let short_y = y.slice(0..hd.num_rows() * h - 8);
@@ -1175,17 +1178,7 @@ fn bad_inputs_are_refused_by_name() {
             }
             // Every rank refused the same call: nothing is out of step.
             group.check()?;
-            let hd = group.ll_dispatch(
-                s,
-                moe_ep::LlDispatchArgs {
-                    x: LlInput::Bf16(&x),
-                    topk_idx: TopkIdx::I64(&idx),
-                    topk: k,
-                    topk_weights: &w,
-                    layout: em,
-                    cast_fp8: None,
-                },
-            )?;
+            let hd = batch(em)?;
             check_dispatch(s, &hd, &f.refs[r.rank], h, k)?;
             group.ll_combine(s, &hd, &y, None, &mut out)?;
             check_combine(
@@ -1208,20 +1201,7 @@ fn bad_inputs_are_refused_by_name() {
             }
             // Rank-major combine takes no weights (refused: the batch is
             // spent, the next one takes the corrected call).
-            let rank_major = || {
-                group.ll_dispatch(
-                    s,
-                    moe_ep::LlDispatchArgs {
-                        x: LlInput::Bf16(&x),
-                        topk_idx: TopkIdx::I64(&idx),
-                        topk: k,
-                        topk_weights: &w,
-                        layout: LlLayout::RankMajor,
-                        cast_fp8: None,
-                    },
-                )
-            };
-            let spent = rank_major()?;
+            let spent = batch(LlLayout::RankMajor)?;
             let yr = up(s, &fr.outs[r.rank])?;
             expect_arg(
                 "rank-major weights",
@@ -1229,7 +1209,7 @@ fn bad_inputs_are_refused_by_name() {
                 "weights",
             )?;
             group.check()?;
-            let hr = rank_major()?;
+            let hr = batch(LlLayout::RankMajor)?;
             group.ll_combine(s, &hr, &yr, None, &mut out)?;
             check_combine(
                 &down(s, &out, t * h)?,
@@ -1241,17 +1221,7 @@ fn bad_inputs_are_refused_by_name() {
                 LlLayout::RankMajor,
             )?;
             // The spent batch's set takes the next batch: its handle is stale.
-            let h3 = group.ll_dispatch(
-                s,
-                moe_ep::LlDispatchArgs {
-                    x: LlInput::Bf16(&x),
-                    topk_idx: TopkIdx::I64(&idx),
-                    topk: k,
-                    topk_weights: &w,
-                    layout: em,
-                    cast_fp8: None,
-                },
-            )?;
+            let h3 = batch(em)?;
             ensure(h3.buffer_set() == spent.buffer_set(), || "set reuse".into())?;
             expect_arg(
                 "a stale handle",

@@ -62,6 +62,17 @@ def capacity(world, el, layout, alignment=1):
     return world * M * min(K, el) + el * (alignment - 1)
 
 
+def ht_group(comm, world, el, layout, alignment=1):
+    """A high-throughput group of `el` experts a rank with room for `layout`."""
+    return moe_ep.Group(
+        comm,
+        num_experts=el * world,
+        hidden=H,
+        max_tokens_per_rank=M,
+        recv_capacity=capacity(world, el, layout, alignment),
+    )
+
+
 def run_world(world, fn):
     """fn(comm) on every rank of a world: NCCL at 1, virtual above."""
     if world == 1:
@@ -253,13 +264,7 @@ class HighThroughput(unittest.TestCase):
 
         def rank(comm):
             r = comm.rank
-            group = moe_ep.Group(
-                comm,
-                num_experts=el * world,
-                hidden=H,
-                max_tokens_per_rank=M,
-                recv_capacity=capacity(world, el, layout, alignment),
-            )
+            group = ht_group(comm, world, el, layout, alignment)
             all_in = [inputs(s, world) for s in range(world)]
             x, idx, w = (t.cuda() for t in all_in[r])
             h = group.layout(idx, layout=layout, alignment=alignment)
@@ -422,13 +427,7 @@ class TransformerEngineFeatures(unittest.TestCase):
 
         def rank(comm):
             r = comm.rank
-            group = moe_ep.Group(
-                comm,
-                num_experts=el * world,
-                hidden=H,
-                max_tokens_per_rank=M,
-                recv_capacity=capacity(world, el, layout, alignment),
-            )
+            group = ht_group(comm, world, el, layout, alignment)
             self.assertIs(group.config["zero_padding"], True)
             all_in = [inputs(s, world, seed=30) for s in range(world)]
             fp8 = [fp8_inputs(s, all_in[s][0].shape[0], kind, seed=30) for s in range(world)]
