@@ -423,6 +423,7 @@ impl NodeGroup {
         handle: &LlHandle,
         expert_out: &dyn DeviceRegion<bf16>,
         in_place: bool,
+        op: &str,
     ) -> Result<LlCombineSent> {
         let ll = self.ll_buffers()?;
         let b = handle.b;
@@ -430,7 +431,7 @@ impl NodeGroup {
         // spent batch's retry names a bad argument too).
         self.ll_own(&b)?;
         self.ll_check_expert_out(handle, expert_out)?;
-        self.ll_expect(ll, &b, Phase::Received, "ll_combine_send")?;
+        self.ll_expect(ll, &b, Phase::Received, op)?;
         let mut p = self.ll_params(ll, &b);
         p.y = expert_out.device_ptr();
         p.in_place = in_place as i32;
@@ -501,7 +502,7 @@ impl NodeGroup {
             None,
             Refuse::With(&refuse),
             // Not in place: the caller may reuse expert_out before the wait.
-            |_| self.ll_combine_send_on_turn(stream, handle, expert_out, false),
+            |_| self.ll_combine_send_on_turn(stream, handle, expert_out, false, "ll_combine_send"),
         )
     }
 
@@ -546,14 +547,12 @@ impl NodeGroup {
             None,
             Refuse::With(&refuse),
             |turn| {
-                let ll = self.ll_buffers()?;
                 self.ll_own(&handle.b)?;
-                self.ll_check_expert_out(handle, expert_out)?;
                 let w = self.ll_check_wait(&handle.b, weights, &*out)?;
-                self.ll_expect(ll, &handle.b, Phase::Received, "ll_combine")?;
                 // Both halves on one stream within this call: the rows homed
                 // here stay in expert_out, read there by the sum (no copy).
-                let sent = self.ll_combine_send_on_turn(stream, handle, expert_out, true)?;
+                let sent =
+                    self.ll_combine_send_on_turn(stream, handle, expert_out, true, "ll_combine")?;
                 turn.launched.set(true);
                 let y = expert_out.device_ptr();
                 self.ll_combine_wait_on_turn(stream, sent.b, w, out.device_ptr(), Some(y))
