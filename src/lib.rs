@@ -44,7 +44,7 @@ pub use ops::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Dispatched,
     DispatchedFp8, EpGroup, Fp8Rows, Fp8Scales, GroupConfig, Handle, HostCounts, LlDispatchArgs,
     LlHandle, LlInput, MemoryFootprint, Mode, Overflow, RecvBuf, RecvScales, RecvScalesOut,
-    TopkIdx,
+    RefusedCall, TopkIdx,
 };
 pub use runtime::{context, device_count, Communicator, UniqueId};
 pub use symm::{SymmBuffer, SymmPool, SymmView, SymmViewMut};

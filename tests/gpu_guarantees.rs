@@ -25,7 +25,7 @@ use moe_ep::cuda::{CudaSlice, CudaStream};
 use moe_ep::ops::{DeviceRegion, DispatchOut, LlInput, LlLayout, Mode, TopkIdx};
 use moe_ep::testkit::ranks::{ensure, run_worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng};
-use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, Result};
+use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, RefusedCall, Result};
 
 #[path = "common/device.rs"]
 mod device;
@@ -1154,6 +1154,78 @@ fn fault_ll_refused_combine_on_one_rank() {
             }
         }
         Ok(())
+    });
+}
+
+/// A refusal of the caller's own checks on one rank (a binding's dtype
+/// check, say), made through `EpGroup::refuse` where the op would have
+/// been called: every other rank's op stops at once, its check naming the
+/// refusing rank and the argument, as for the ops' own refusals; then the
+/// group works. Layout, dispatch and combine (high throughput), then the
+/// low-latency dispatch and combine.
+#[test]
+fn fault_caller_refusal_on_one_rank() {
+    run_worlds("fault_caller_refusal_on_one_rank", 2, |r| {
+        let s = &r.stream;
+        let f16 = |arg: &'static str| Error::arg(arg, "a bf16 array", "an f16 array");
+        refused_row(r, "caller refusal of dispatch", "x", false, |c| {
+            Err(c.group.refuse(s, RefusedCall::Dispatch(c.handle), f16("x")))
+        })?;
+        refused_row(r, "caller refusal of combine", "expert_out", true, |c| {
+            Err(c
+                .group
+                .refuse(s, RefusedCall::Combine(c.handle), f16("expert_out")))
+        })?;
+        let bad = r.rank == bad_rank(r);
+        {
+            let group = fault_group(r)?;
+            let inp = inputs(r, 31)?;
+            r.comm.barrier(s)?;
+            let t0 = Instant::now();
+            let op = if bad {
+                let e = Error::arg("topk_idx", "an int32 or int64 array", "a float array");
+                Err(group.refuse(s, RefusedCall::Layout, e))
+            } else {
+                group
+                    .layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)
+                    .map(drop)
+            };
+            let chk = group.check();
+            let took = t0.elapsed();
+            expect_refusal(r, "caller refusal of layout", op, chk, "topk_idx", took)?;
+            round_trip(r, &group, RecvLayout::RankMajor, 32)?;
+        }
+        let group = ll_group(r)?;
+        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
+        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+        let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let op = if bad {
+            Err(group.refuse(s, RefusedCall::LlDispatch(LlLayout::RankMajor), f16("x")))
+        } else {
+            ll_dispatch_rank_major(s, &group, &x, &w, &idx).map(drop)
+        };
+        let chk = group.check();
+        let took = t0.elapsed();
+        expect_refusal(r, "caller refusal of ll_dispatch", op, chk, "x", took)?;
+        ll_round_trip(r, &group, 33)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(LL_TOKENS * HIDDEN)
+            .map_err(Error::cuda("alloc"))?;
+        let hd = ll_dispatch_rank_major(s, &group, &x, &w, &idx)?;
+        let rows = ll_rows(&hd)?;
+        r.comm.barrier(s)?;
+        let t0 = Instant::now();
+        let op = if bad {
+            Err(group.refuse(s, RefusedCall::LlCombine(&hd), f16("out")))
+        } else {
+            group.ll_combine(s, &hd, &rows, None, &mut out)
+        };
+        let chk = group.check();
+        let took = t0.elapsed();
+        expect_refusal(r, "caller refusal of ll_combine", op, chk, "out", took)?;
+        ll_round_trip(r, &group, 34)
     });
 }
 

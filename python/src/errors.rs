@@ -16,8 +16,12 @@ use pyo3::types::PyModule;
 
 /// Why a call failed.
 pub(crate) enum Fail {
-    /// An error of the Rust API, or of this binding's value checks.
+    /// An error of this binding's value checks, or of a Rust call made
+    /// with the GIL held.
     Ep(Error),
+    /// An error of the Rust API returned inside [`detached`] (the op ran:
+    /// it told its peers itself where it refused).
+    Ran(Error),
     /// A wrong type or dtype (the message is that of an
     /// `Error::InvalidArgument`).
     Type(Error),
@@ -135,7 +139,7 @@ fn message(e: &Error) -> String {
 impl Fail {
     pub(crate) fn into_py(self, py: Python<'_>) -> PyErr {
         match self {
-            Fail::Ep(e) => make(py, class_of(&e), message(&e), Some(&e)),
+            Fail::Ep(e) | Fail::Ran(e) => make(py, class_of(&e), message(&e), Some(&e)),
             Fail::Type(e) => make(py, "InvalidArgumentType", message(&e), Some(&e)),
             Fail::Panic(what) => make(
                 py,
@@ -169,6 +173,23 @@ pub(crate) fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> Res<T>) -> PyResult
     })
 }
 
+impl Fail {
+    /// What a refusal of this binding's checks tells the peers
+    /// ([`moe_ep::EpGroup::refuse`]): the argument, where one is named.
+    pub(crate) fn told(&self) -> Error {
+        match self {
+            Fail::Ep(Error::InvalidArgument { arg, expected, got })
+            | Fail::Type(Error::InvalidArgument { arg, expected, got }) => Error::InvalidArgument {
+                arg,
+                expected: expected.clone(),
+                got: got.clone(),
+            },
+            Fail::Ep(Error::NotSymmetric { what }) => Error::NotSymmetric { what },
+            _ => Error::InvalidState("the Python binding refused the call's arguments".into()),
+        }
+    }
+}
+
 /// Runs `f` with the GIL released (the ops block on their peers: virtual
 /// ranks on Python threads need the others to run), catching a panic.
 pub(crate) fn detached<T: Send>(
@@ -176,7 +197,7 @@ pub(crate) fn detached<T: Send>(
     f: impl FnOnce() -> moe_ep::Result<T> + Send,
 ) -> Res<T> {
     py.detach(|| match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r.map_err(Fail::Ep),
+        Ok(r) => r.map_err(Fail::Ran),
         Err(p) => Err(Fail::Panic(panic_text(p))),
     })
 }

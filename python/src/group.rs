@@ -11,6 +11,7 @@
 //! returned here into tensors.
 
 use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +20,7 @@ use moe_ep::error::Error;
 use moe_ep::ops::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, EpGroup,
     Fp8Rows, Fp8Scales, GroupConfig, Handle as EpHandle, Mode, Overflow, RecvBuf, RecvLayout,
-    RecvScales, RecvScalesOut, TopkIdx,
+    RecvScales, RecvScalesOut, RefusedCall, TopkIdx,
 };
 use moe_ep::runtime::{Communicator, UniqueId};
 use moe_ep::{bf16, SymmBuffer};
@@ -427,6 +428,48 @@ impl Group {
     pub(crate) fn hidden(&self) -> usize {
         self.g.config().hidden
     }
+    /// Runs one op's binding (`f`: this binding's checks of the arguments,
+    /// then the op, inside [`detached`]) as [`guarded`] does; where the
+    /// binding's own checks refuse the call, the refusal is published to
+    /// the peers first ([`Group::publish_refusal`]).
+    pub(crate) fn guarded_op<T>(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        call: RefusedCall<'_>,
+        f: impl FnOnce() -> Res<T>,
+    ) -> PyResult<T> {
+        guarded(py, || {
+            let r = f();
+            if let Err(e) = &r {
+                self.publish_refusal(py, stream, call, e);
+            }
+            r
+        })
+    }
+    /// Tells the peers that this rank refused `call` (`EpGroup::refuse`),
+    /// so that their op stops at once naming this rank and the argument,
+    /// as for the Rust API's own refusals. Nothing for an error of the op
+    /// itself (it told them) or on a stream this binding cannot wrap.
+    pub(crate) fn publish_refusal(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        call: RefusedCall<'_>,
+        e: &Fail,
+    ) {
+        if matches!(e, Fail::Ran(_) | Fail::Panic(_)) {
+            return;
+        }
+        let told = e.told();
+        let _ = py.detach(|| {
+            catch_unwind(AssertUnwindSafe(|| {
+                if let Ok(s) = stream::wrap(&self.ctx, stream) {
+                    drop(self.g.refuse(&s, call, told));
+                }
+            }))
+        });
+    }
     fn check_handle(&self, h: &Handle) -> Res<()> {
         if Arc::ptr_eq(&h.group, &self.g) {
             return Ok(());
@@ -658,7 +701,7 @@ impl Group {
         layout: &str,
         alignment: usize,
     ) -> PyResult<Handle> {
-        guarded(py, || {
+        self.guarded_op(py, stream, RefusedCall::Layout, || {
             let lay = parse_layout(layout, alignment)?;
             let idx = self.import(topk_idx, "topk_idx", &[DType::I64, DType::I32], stream)?;
             idx.expect_shape(&[None, None], "[T, topk]")?;
@@ -704,7 +747,7 @@ impl Group {
         DeviceArray,
         DeviceArray,
     )> {
-        guarded(py, || {
+        self.guarded_op(py, stream, RefusedCall::Dispatch(&handle.h), || {
             self.check_handle(handle)?;
             let (t, k, hd) = (handle.h.num_tokens(), handle.h.topk(), self.hidden());
             let em = handle.h.layout() != RecvLayout::RankMajor;
@@ -789,7 +832,7 @@ impl Group {
         DeviceArray,
         DeviceArray,
     )> {
-        guarded(py, || {
+        self.guarded_op(py, stream, RefusedCall::Dispatch(&handle.h), || {
             self.check_handle(handle)?;
             let (t, k, hd) = (handle.h.num_tokens(), handle.h.topk(), self.hidden());
             let em = handle.h.layout() != RecvLayout::RankMajor;
@@ -894,7 +937,7 @@ impl Group {
         out: &Bound<'_, PyAny>,
         weights: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        guarded(py, || {
+        self.guarded_op(py, stream, RefusedCall::Combine(&handle.h), || {
             self.check_handle(handle)?;
             let (t, hd) = (handle.h.num_tokens(), self.hidden());
             let y = self.import(expert_out, "expert_out", &[DType::Bf16], stream)?;
@@ -935,7 +978,7 @@ impl Group {
         weights: Option<&Bound<'_, PyAny>>,
         out: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<DeviceArray>> {
-        guarded(py, || {
+        self.guarded_op(py, stream, RefusedCall::CombineBackward(&handle.h), || {
             self.check_handle(handle)?;
             let (t, hd) = (handle.h.num_tokens(), self.hidden());
             let g = self.import(grad_out, "grad_out", &[DType::Bf16], stream)?;
@@ -986,7 +1029,7 @@ impl Group {
         grad_recv_topk_weights: Option<&Bound<'_, PyAny>>,
         grad_topk_weights: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        guarded(py, || {
+        self.guarded_op(py, stream, RefusedCall::DispatchBackward(&handle.h), || {
             self.check_handle(handle)?;
             let (t, k, hd) = (handle.h.num_tokens(), handle.h.topk(), self.hidden());
             let em = handle.h.layout() != RecvLayout::RankMajor;

@@ -12,7 +12,7 @@ use moe_ep::cuda::CudaContext;
 use moe_ep::error::Error;
 use moe_ep::ops::{
     DeviceRegion, EpGroup, Fp8Scaling, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
-    LlInput, LlLayout, TopkIdx,
+    LlInput, LlLayout, RefusedCall, TopkIdx,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -69,6 +69,19 @@ pub struct LlBatch {
 impl LlBatch {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    /// A combine (one call or send) of this batch that the binding's
+    /// checks refused: its homes are told ([`Group::publish_refusal`]),
+    /// where the batch is this group's and received (else no home waits
+    /// for this rank's rows of it).
+    fn publish_combine_refusal(&self, py: Python<'_>, g: &Group, stream: u64, e: &Fail) {
+        if self.check_group(g).is_err() {
+            return;
+        }
+        let views = self.lock().views.clone();
+        if let Some(h) = views {
+            g.publish_refusal(py, stream, RefusedCall::LlCombine(&h), e);
+        }
     }
     fn check_group(&self, g: &Group) -> Res<()> {
         if Arc::ptr_eq(&self.group, &g.g) {
@@ -140,7 +153,10 @@ pub(crate) fn ll_dispatch(
     x_scales: Option<&Bound<'_, PyAny>>,
     send_only: bool,
 ) -> PyResult<LlBatch> {
-    guarded(py, || {
+    // The refusal's send carries no rows: a layout this binding refuses
+    // publishes as rank-major.
+    let told = parse_ll_layout(layout).unwrap_or(LlLayout::RankMajor);
+    group.guarded_op(py, stream, RefusedCall::LlDispatch(told), || {
         let layout = parse_ll_layout(layout)?;
         let cast = parse_cast(cast_fp8)?;
         let hd = group.hidden();
@@ -221,7 +237,7 @@ pub(crate) fn ll_dispatch_wait(
     stream: u64,
     batch: &LlBatch,
 ) -> PyResult<()> {
-    guarded(py, || {
+    group.guarded_op(py, stream, RefusedCall::LlDispatchWait, || {
         batch.check_group(group)?;
         detached(py, || {
             let mut st = batch.lock();
@@ -296,7 +312,8 @@ pub(crate) fn ll_combine(
     weights: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     guarded(py, || {
-        let a = combine_args(group, batch, stream, Some(expert_out), weights, Some(out))?;
+        let a = combine_args(group, batch, stream, Some(expert_out), weights, Some(out))
+            .inspect_err(|e| batch.publish_combine_refusal(py, group, stream, e))?;
         let yr = Raw::<bf16>::of(a.y.as_ref().expect("given"));
         let wr = a.w.as_ref().map(Raw::<f32>::of);
         let mut or = Raw::<bf16>::of(a.out.as_ref().expect("given"));
@@ -324,7 +341,8 @@ pub(crate) fn ll_combine_send(
     expert_out: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     guarded(py, || {
-        let a = combine_args(group, batch, stream, Some(expert_out), None, None)?;
+        let a = combine_args(group, batch, stream, Some(expert_out), None, None)
+            .inspect_err(|e| batch.publish_combine_refusal(py, group, stream, e))?;
         let yr = Raw::<bf16>::of(a.y.as_ref().expect("given"));
         detached(py, || {
             let mut st = batch.lock();
@@ -350,7 +368,7 @@ pub(crate) fn ll_combine_wait(
     out: &Bound<'_, PyAny>,
     weights: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    guarded(py, || {
+    group.guarded_op(py, stream, RefusedCall::LlCombineWait, || {
         let a = combine_args(group, batch, stream, None, weights, Some(out))?;
         let wr = a.w.as_ref().map(Raw::<f32>::of);
         let mut or = Raw::<bf16>::of(a.out.as_ref().expect("given"));

@@ -24,11 +24,12 @@ use super::footprint::MemoryFootprint;
 use super::low_latency::handle::{LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle};
 use super::node::group::NodeGroup;
 use super::node::handle::{HostCounts, NodeHandle};
+use super::node::turn::Op;
 use super::two_level::{TwoLevelHandle, TwoLevelPath};
 use crate::error::{Error, Result};
 use crate::runtime::Communicator;
 use crate::symm::SymmPool;
-use crate::types::{RecvLayout, Topology};
+use crate::types::{LlLayout, RecvLayout, Topology};
 
 /// One expert-parallel group over a communicator: its experts, buffers and
 /// kernels. Creating it is collective; so is every op (every rank calls the
@@ -693,6 +694,85 @@ impl EpGroup {
     ) -> Result<()> {
         self.one_node("ll_combine")?
             .ll_combine(stream, handle, expert_out, weights, out)
+    }
+}
+
+/// An op this rank's caller refuses before making it, for
+/// [`EpGroup::refuse`]: a binding's own checks (a dtype, a device, a shape
+/// its language can see before the call) fail on one rank, and the peers,
+/// which made the call, must not wait for that rank.
+#[derive(Clone, Copy)]
+pub enum RefusedCall<'h> {
+    /// [`EpGroup::layout`].
+    Layout,
+    /// [`EpGroup::dispatch`] or [`EpGroup::dispatch_fp8`] of the handle.
+    Dispatch(&'h Handle),
+    /// [`EpGroup::combine`] of the handle.
+    Combine(&'h Handle),
+    /// [`EpGroup::dispatch_backward`] of the handle.
+    DispatchBackward(&'h Handle),
+    /// [`EpGroup::combine_backward`] of the handle.
+    CombineBackward(&'h Handle),
+    /// [`EpGroup::ll_dispatch`] or [`EpGroup::ll_dispatch_send`] in the
+    /// layout.
+    LlDispatch(LlLayout),
+    /// [`EpGroup::ll_dispatch_wait`] (no peer waits for it).
+    LlDispatchWait,
+    /// [`EpGroup::ll_combine`] or [`EpGroup::ll_combine_send`] of the
+    /// batch.
+    LlCombine(&'h LlHandle),
+    /// [`EpGroup::ll_combine_wait`] (no peer waits for it).
+    LlCombineWait,
+}
+
+impl EpGroup {
+    /// Refuses `call` on this rank with `e`, as the op itself refuses a bad
+    /// argument: every peer's op stops at once with
+    /// [`Error::PeerFailed`] naming this rank and `e`'s argument, this rank
+    /// refuses its next ops until [`check`](Self::check), and the call
+    /// counts on every rank. For the checks a caller makes before an op (a
+    /// binding's dtype or device checks); returns the error to raise: `e`,
+    /// or the error the op would have returned first (the group holds one,
+    /// the communicator was aborted, the handle is another group's).
+    ///
+    /// On several nodes nothing is published (the two-level ops' own host
+    /// refusals are not either): the peers wait until their timeout, naming
+    /// this rank.
+    ///
+    /// ```no_run
+    /// # use moe_ep::{EpGroup, Error, Handle, RefusedCall};
+    /// # fn f(group: &EpGroup, handle: &Handle) -> moe_ep::Result<()> {
+    /// let stream = group.comm().context().default_stream();
+    /// // This rank's x is f16 where the op takes bf16:
+    /// let e = Error::arg("x", "a bf16 array", "f16");
+    /// return Err(group.refuse(&stream, RefusedCall::Dispatch(handle), e));
+    /// # }
+    /// ```
+    pub fn refuse(&self, stream: &Arc<CudaStream>, call: RefusedCall<'_>, e: Error) -> Error {
+        let Path::Node(g) = &self.path else {
+            return e;
+        };
+        fn node(h: &Handle) -> Option<&NodeHandle> {
+            match &h.inner {
+                HandleOf::Node(h) => Some(h),
+                HandleOf::TwoLevel(_) => None,
+            }
+        }
+        match call {
+            RefusedCall::Layout => g.refuse_op(stream, Op::Layout, None, e),
+            RefusedCall::Dispatch(h) => g.refuse_op(stream, Op::Dispatch, node(h), e),
+            RefusedCall::Combine(h) => g.refuse_op(stream, Op::Combine, node(h), e),
+            RefusedCall::DispatchBackward(h) => {
+                g.refuse_op(stream, Op::DispatchBackward, node(h), e)
+            }
+            RefusedCall::CombineBackward(h) => g.refuse_op(stream, Op::CombineBackward, node(h), e),
+            RefusedCall::LlDispatch(layout) => g.ll_refuse_dispatch(stream, layout, e),
+            RefusedCall::LlDispatchWait => {
+                g.ll_refuse_quietly(stream, "moe_ep::ll_dispatch_wait", e)
+            }
+            RefusedCall::LlCombine(h) => g.ll_refuse_combine(stream, h, e),
+            RefusedCall::LlCombineWait => g.ll_refuse_quietly(stream, "moe_ep::ll_combine_wait", e),
+        }
     }
 }
 

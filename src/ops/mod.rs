@@ -60,7 +60,7 @@ pub use buffers::{
     DispatchedFp8, Fp8Rows, Fp8Scales, RecvBuf, RecvScales, RecvScalesOut, TopkIdx,
 };
 pub use config::{GroupConfig, Mode, Overflow, DEFAULT_HOP_CHUNK_ROWS};
-pub use ep_group::{EpGroup, Handle};
+pub use ep_group::{EpGroup, Handle, RefusedCall};
 pub use footprint::{workspace_bytes, MemoryFootprint};
 pub use low_latency::{
     ll_buffer_bytes, LlBufferBytes, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,

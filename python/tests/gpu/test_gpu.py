@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import unittest
 
 try:
@@ -757,10 +758,87 @@ class Refusals(unittest.TestCase):
         with self.assertRaises(moe_ep.NotSymmetric):
             plain = torch.empty((group.recv_capacity, H), dtype=torch.bfloat16, device="cuda")
             group.dispatch(h, x, w, out=(plain, None))
+        # Each refusal above counts as the call it refused: this rank
+        # refuses its next ops until check, which names its own refusal.
+        with self.assertRaises(moe_ep.InvalidState):
+            group.dispatch(h, x, w)
+        with self.assertRaises(moe_ep.InvalidState) as cm:
+            group.check()
+        self.assertIn("refused", str(cm.exception))
         # A tensor that requires grad is read, not differentiated.
+        h = group.layout(idx)
         d = group.dispatch(h, x.clone().requires_grad_(), w)
         group.combine(h, d.tokens)
         group.check()
+
+
+@unittest.skipUnless(HAVE_GPU, "needs torch with CUDA and a GPU")
+class OneRankRefusal(unittest.TestCase):
+    def test_a_refusal_on_one_rank_reaches_every_rank_at_once(self):
+        """The binding's own dtype check refuses ``x`` (float32) on the last
+        rank only, in dispatch and then in the low-latency dispatch: every
+        other rank's op stops at once, and ``check`` names that rank and
+        ``x`` there (``PeerFailed``) in well under the group's 10 s timeout;
+        then a round trip on the same group matches the CPU reference."""
+        el = 4
+        for world in [w for w in WORLDS if w > 1]:
+            with self.subTest(world=world):
+
+                def rank(comm):
+                    r, bad = comm.rank, comm.rank == world - 1
+                    all_in = [inputs(s, world, seed=30, experts_per_rank=el) for s in range(world)]
+                    x, idx, w = (t.cuda() for t in all_in[r])
+                    took = []
+                    for mode in ("high_throughput", "low_latency"):
+                        group = moe_ep.Group(
+                            comm,
+                            num_experts=el * world,
+                            hidden=H,
+                            max_tokens_per_rank=M,
+                            mode=mode,
+                            timeout=10.0,
+                        )
+                        ll = mode == "low_latency"
+                        h = None if ll else group.layout(idx)
+                        torch.cuda.current_stream().synchronize()
+                        t0 = time.monotonic()
+                        op = group.ll_dispatch if ll else (lambda a, b, c: group.dispatch(h, a, c))
+                        if bad:
+                            with self.assertRaises(moe_ep.InvalidArgumentType) as cm:
+                                op(x.float(), idx, w)
+                            self.assertEqual(cm.exception.arg, "x")
+                            with self.assertRaises(moe_ep.InvalidState) as cm:
+                                group.check()
+                            self.assertIn("refused", str(cm.exception))
+                        else:
+                            op(x, idx, w)
+                            with self.assertRaises(moe_ep.PeerFailed) as cm:
+                                group.check()
+                            self.assertEqual(cm.exception.peer, world - 1, str(cm.exception))
+                            self.assertEqual(cm.exception.arg, "x", str(cm.exception))
+                        took.append(time.monotonic() - t0)
+                        self.assertLess(took[-1], 2.0, f"{mode} on rank {r}")
+                        # The same group works: a round trip, checked.
+                        if ll:
+                            b = group.ll_dispatch(x, idx, w, layout="rank_major")
+                            wsum = b.topk_weights.sum(-1, keepdim=True)
+                            out = group.ll_combine(b, (b.tokens.float() * wsum).to(torch.bfloat16))
+                            group.check()
+                            self.assertEqual(tuple(out.shape), tuple(x.shape))
+                        else:
+                            h = group.layout(idx)
+                            d = group.dispatch(h, x, w)
+                            out = group.combine(h, d.tokens)
+
+                            def y_of(dst):
+                                return ref_dispatch(all_in, dst, el, "rank_major")[0]
+
+                            ref = ref_combine(all_in, r, el, "rank_major", y_of, False)
+                            group.check()
+                            self.assertTrue(torch.equal(cpu(out), ref), f"round trip on rank {r}")
+                    return took
+
+                run_world(world, rank)
 
 
 if __name__ == "__main__":

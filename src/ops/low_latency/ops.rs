@@ -23,7 +23,7 @@ use crate::ops::abi::{
 use crate::ops::buffers::{DeviceRegion, DeviceRegionMut, TopkIdx, ROW_ALIGN};
 use crate::ops::node::group::NodeGroup;
 use crate::ops::node::layout_op::tokens_of_routing;
-use crate::ops::node::turn::{OpTurn, Refuse};
+use crate::ops::node::turn::{refusal, OpTurn, Refuse};
 use crate::runtime::Function;
 use crate::types::{Fp8Scaling, LlLayout};
 
@@ -372,6 +372,59 @@ impl NodeGroup {
                 self.ll_recv(stream, &sent)
             },
         )
+    }
+
+    /// [`EpGroup::refuse`](crate::EpGroup::refuse) of a low-latency
+    /// dispatch (one call or send) in `layout`: the entry's checks, then
+    /// the send that tells every receiver (as the op's own refusal).
+    pub(crate) fn ll_refuse_dispatch(
+        &self,
+        stream: &Arc<CudaStream>,
+        layout: LlLayout,
+        e: Error,
+    ) -> Error {
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_send(turn, layout, arg);
+        refusal(self.op_with(
+            "moe_ep::ll_dispatch",
+            0,
+            stream,
+            None,
+            Refuse::With(&refuse),
+            |_| Err(e),
+        ))
+    }
+
+    /// [`EpGroup::refuse`](crate::EpGroup::refuse) of a low-latency combine
+    /// (one call or send) of `handle`'s batch: the entry's checks, then the
+    /// send that tells every home (as the op's own refusal).
+    pub(crate) fn ll_refuse_combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        handle: &LlHandle,
+        e: Error,
+    ) -> Error {
+        let b = handle.b;
+        let refuse = |turn: &OpTurn<'_>, arg: u64| self.ll_refuse_combine_send(turn, &b, arg);
+        refusal(self.op_with(
+            "moe_ep::ll_combine",
+            0,
+            stream,
+            None,
+            Refuse::With(&refuse),
+            |_| Err(e),
+        ))
+    }
+
+    /// [`EpGroup::refuse`](crate::EpGroup::refuse) of a wait (`name`): no
+    /// peer waits for it; this rank refuses its next ops until `check`, as
+    /// after the wait's own refusal.
+    pub(crate) fn ll_refuse_quietly(
+        &self,
+        stream: &Arc<CudaStream>,
+        name: &'static str,
+        e: Error,
+    ) -> Error {
+        refusal(self.op_with(name, 0, stream, None, Refuse::Quiet, |_| Err(e)))
     }
 
     /// The checks of `expert_out`.

@@ -390,6 +390,54 @@ impl NodeGroup {
     }
 }
 
+/// The high-throughput ops, for a refusal their caller makes
+/// ([`NodeGroup::refuse_op`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Op {
+    Layout,
+    Dispatch,
+    Combine,
+    DispatchBackward,
+    CombineBackward,
+}
+
+impl Op {
+    /// The op's NVTX name and descriptor code, as the op itself has them.
+    fn name_and_code(self) -> (&'static str, u64) {
+        match self {
+            Op::Layout => ("moe_ep::layout", desc::OP_LAYOUT),
+            Op::Dispatch => ("moe_ep::dispatch", desc::OP_DISPATCH),
+            Op::Combine => ("moe_ep::combine", desc::OP_COMBINE),
+            Op::DispatchBackward => ("moe_ep::dispatch_backward", desc::OP_DISPATCH_BWD),
+            Op::CombineBackward => ("moe_ep::combine_backward", desc::OP_COMBINE_BWD),
+        }
+    }
+}
+
+impl NodeGroup {
+    /// `op`, refused on this rank with `e` before its own checks ran
+    /// ([`EpGroup::refuse`](crate::EpGroup::refuse)): the entry's checks,
+    /// then the refusal the op would publish for `e`. Returns the error.
+    pub(crate) fn refuse_op(
+        &self,
+        stream: &Arc<CudaStream>,
+        op: Op,
+        handle: Option<&NodeHandle>,
+        e: Error,
+    ) -> Error {
+        let (name, code) = op.name_and_code();
+        refusal(self.op(name, code, stream, handle, |_| Err(e)))
+    }
+}
+
+/// The error of an op whose body always fails.
+pub(crate) fn refusal(r: Result<std::convert::Infallible>) -> Error {
+    match r {
+        Err(e) => e,
+        Ok(never) => match never {},
+    }
+}
+
 /// How a refused op tells its peers.
 pub(crate) enum Refuse<'r> {
     /// The high-throughput ops: the call's descriptor says so
