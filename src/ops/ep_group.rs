@@ -728,9 +728,10 @@ pub enum RefusedCall<'h> {
 impl EpGroup {
     /// Refuses `call` on this rank with `e`, as the op itself refuses a bad
     /// argument: every peer's op stops at once with
-    /// [`Error::PeerFailed`] naming this rank and `e`'s argument, this rank
-    /// refuses its next ops until [`check`](Self::check), and the call
-    /// counts on every rank. For the checks a caller makes before an op (a
+    /// [`Error::PeerFailed`] from their [`check`](Self::check) naming this
+    /// rank and `e`'s argument, this rank's `check` returns
+    /// [`Error::InvalidState`] naming its refusal, and the call counts on
+    /// every rank. For the checks a caller makes before an op (a
     /// binding's dtype or device checks); returns the error to raise: `e`,
     /// or the error the op would have returned first (the group holds one,
     /// the communicator was aborted, the handle is another group's).
