@@ -779,7 +779,10 @@ class OneRankRefusal(unittest.TestCase):
         ``x`` there (``PeerFailed``) in well under the group's 10 s timeout;
         then a round trip on the same group matches the CPU reference."""
         el = 4
-        for world in [w for w in WORLDS if w > 1]:
+        worlds = [w for w in WORLDS if w > 1]
+        if not worlds:
+            self.skipTest("needs a world of two ranks or more (MOE_EP_PY_WORLDS)")
+        for world in worlds:
             with self.subTest(world=world):
 
                 def rank(comm):
