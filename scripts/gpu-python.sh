@@ -21,7 +21,7 @@ budget=${BUDGET_S:-420}
 nccl_lib=$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
 [ -n "$nccl_lib" ] && export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export RUST_BACKTRACE=1 CUDA_DEVICE_MAX_CONNECTIONS=32
+export RUST_BACKTRACE=1 CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONFAULTHANDLER=1
 
 whl=$(ls .pywheel/*.whl 2>/dev/null | head -1)
 if [ -z "$whl" ]; then echo "no wheel in .pywheel/ (build it first)"; exit 2; fi
@@ -43,7 +43,9 @@ run() {  # name, timeout (s), command...
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
+  # SIGABRT at the limit: faulthandler prints every thread's Python stack
+  # (a hang shows where each rank's thread waits).
+  timeout -s ABRT -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
   rc[$name]=$?
   echo "$name rc=${rc[$name]} at $(( $(date +%s) - t0 )) s"
 }
