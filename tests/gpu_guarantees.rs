@@ -946,6 +946,17 @@ fn ll_dispatch_rank_major(
     )
 }
 
+/// A low-latency batch's inputs on this rank: `x` all ones, weights 1,
+/// the identity routing (rank-major dispatch, `ll_dispatch_rank_major`).
+fn ll_ones(r: &Rank) -> Result<(CudaSlice<bf16>, CudaSlice<f32>, CudaSlice<i32>)> {
+    let s = &r.stream;
+    Ok((
+        up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?,
+        up(s, &vec![1.0f32; LL_TOKENS * TOPK])?,
+        up(s, &identity_routing(r.rank, LL_TOKENS))?,
+    ))
+}
+
 /// A bf16 batch's received rows.
 fn ll_rows(hd: &moe_ep::LlHandle) -> Result<moe_ep::ops::LlView<'_, bf16>> {
     hd.tokens()
@@ -1055,9 +1066,7 @@ fn fault_ll_refused_send_on_one_rank() {
     run_worlds("fault_ll_refused_send_on_one_rank", 2, |r| {
         let s = &r.stream;
         let group = ll_group(r)?;
-        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
-        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
-        let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+        let (x, w, idx) = ll_ones(r)?;
         r.comm.barrier(s)?;
         let t0 = Instant::now();
         let xs = x.slice(
@@ -1100,9 +1109,7 @@ fn fault_ll_refused_combine_on_one_rank() {
     run_worlds("fault_ll_refused_combine_on_one_rank", 2, |r| {
         let s = &r.stream;
         let group = ll_group(r)?;
-        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
-        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
-        let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+        let (x, w, idx) = ll_ones(r)?;
         let mut out = s
             .alloc_zeros::<bf16>(LL_TOKENS * HIDDEN)
             .map_err(Error::cuda("alloc"))?;
@@ -1196,9 +1203,7 @@ fn fault_caller_refusal_on_one_rank() {
             round_trip(r, &group, RecvLayout::RankMajor, 32)?;
         }
         let group = ll_group(r)?;
-        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
-        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
-        let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+        let (x, w, idx) = ll_ones(r)?;
         r.comm.barrier(s)?;
         let t0 = Instant::now();
         let op = if bad {
