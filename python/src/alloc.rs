@@ -52,6 +52,13 @@ pub(crate) fn _torch_allocations() -> usize {
         .unwrap_or(0)
 }
 
+extern "C" {
+    /// CPython's "does this thread hold the GIL" (public C API since 3.4,
+    /// exported by every interpreter this abi3 module loads into; PyO3 does
+    /// not bind it under the limited API). Safe to call without the GIL.
+    fn PyGILState_Check() -> c_int;
+}
+
 /// torch's `alloc(size, device, stream)`: `size` bytes of the current
 /// thread's group's pool; NULL (torch reports out of memory) without a
 /// group, on another device, or on failure. Never unwinds.
@@ -70,22 +77,30 @@ pub unsafe extern "C" fn moe_ep_torch_alloc(
         if device < 0 || device as usize != ctx.ordinal() || size < 0 {
             return None;
         }
-        // A new segment is a host collective of a virtual world, and torch
-        // calls this with the GIL held (torch.empty): release it while the
-        // pool allocates, or the sibling ranks' threads could never reach
-        // their own allocation. (Ensure first: the GIL may not be held.)
-        // SAFETY: the interpreter runs (CURRENT is set from Python only);
-        // the pairs are balanced on this thread.
+        // A new segment is a host collective of a virtual world. torch
+        // calls this under its allocator's device lock, mostly with the GIL
+        // released (torch.empty releases it): then the GIL is left alone,
+        // since taking it here would wait for a sibling rank's thread that
+        // holds the GIL while it waits for that same allocator lock (a
+        // lock-order inversion: two virtual ranks allocating at once hung).
+        // Called with the GIL held, it is released while the pool
+        // allocates, so that the siblings' threads can reach their own
+        // allocation.
+        // SAFETY: PyGILState_Check may be called without the GIL; the
+        // save/restore pair is balanced on this thread and runs only when
+        // this thread holds the GIL.
+        let alloc = || pool.alloc::<u8>(size as usize);
         let b = unsafe {
-            let g = pyo3::ffi::PyGILState_Ensure();
-            let ts = pyo3::ffi::PyEval_SaveThread();
-            let b = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                pool.alloc::<u8>(size as usize)
-            }));
-            pyo3::ffi::PyEval_RestoreThread(ts);
-            pyo3::ffi::PyGILState_Release(g);
-            b.ok()?.ok()?
+            if PyGILState_Check() == 1 {
+                let ts = pyo3::ffi::PyEval_SaveThread();
+                let b = std::panic::catch_unwind(std::panic::AssertUnwindSafe(alloc));
+                pyo3::ffi::PyEval_RestoreThread(ts);
+                b
+            } else {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(alloc))
+            }
         };
+        let b = b.ok()?.ok()?;
         let p = b.device_ptr();
         live().lock().ok()?.insert(p, (b, ctx));
         Some(p as *mut c_void)
