@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use moe_ep::cuda::{CudaContext, CudaStream};
 use moe_ep::error::{Error, Result};
-use moe_ep::ops::{EpGroup, GroupConfig, Mode, Overflow};
+use moe_ep::ops::{EpGroup, GroupConfig, Mode, Overflow, RefusedCall};
 use moe_ep::runtime::{Communicator, UniqueId};
 use moe_ep::symm::SymmPool;
 
@@ -61,6 +61,44 @@ pub(crate) unsafe fn stream_of(ctx: &Arc<CudaContext>, s: *mut c_void) -> Result
     // SAFETY: the header makes the caller keep the stream alive while the
     // group and what it made with it live.
     unsafe { moe_ep::runtime::borrow_stream(ctx, s as u64) }
+}
+
+/// The group and the caller's stream of an op that takes no handle.
+pub(crate) unsafe fn group_stream<'a>(
+    group: *const CGroup,
+    stream: *mut c_void,
+) -> Result<(&'a CGroup, Arc<CudaStream>)> {
+    // SAFETY: the header's contract for handles and streams.
+    unsafe {
+        let g = obj(group, "group")?;
+        let s = stream_of(g.comm().context(), stream)?;
+        Ok((g, s))
+    }
+}
+
+/// Runs the C ABI's own checks of an op's call (`checks`: NULL pointers
+/// with a length, dtype and enum codes, overlapping buffers, ...) and, where
+/// they refuse it, publishes the refusal as `call` on `on`'s group and
+/// stream ([`EpGroup::refuse`]), as the op's own refusals are published: no
+/// peer waits for this rank, their `moe_ep_group_check` names this rank and
+/// the argument. Returns the error to report: the checks', or one the op
+/// would have returned first (the group holds an error, the communicator was
+/// aborted, the handle is another group's or stale).
+///
+/// `on` is `None` where the group, the stream or the handle did not resolve
+/// (NULL, a stream of another context; for a low-latency combine, a handle
+/// of another group or of a batch not received yet): nothing can be
+/// published, and the checks' error is returned as it is (the peers wait
+/// until their timeout, which names this rank). An error of the op itself
+/// is published by the op: only its caller's checks go through here.
+pub(crate) fn checked<T>(
+    on: Option<(&CGroup, &Arc<CudaStream>, RefusedCall<'_>)>,
+    checks: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    checks().map_err(|e| match on {
+        Some((g, s, call)) => g.0.refuse(s, call, e),
+        None => e,
+    })
 }
 
 // ---- devices and communicators -----------------------------------------

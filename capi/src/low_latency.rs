@@ -13,11 +13,11 @@ use moe_ep::cuda::CudaStream;
 use moe_ep::error::{Error, Result};
 use moe_ep::ops::{
     DeviceRegion, EpGroup, Fp8Scaling, LlCombineSent, LlDispatchArgs, LlDispatchSent, LlHandle,
-    LlInput, LlLayout, TopkIdx,
+    LlInput, LlLayout, RefusedCall, TopkIdx,
 };
 
 use crate::buffers::{disjoint, span_of, CRegion, CTopkIdx};
-use crate::group::{group_config, stream_of, CGroup};
+use crate::group::{checked, group_config, group_stream, stream_of, CGroup};
 use crate::status::{
     boxed, ffi, obj, out_ptr, unboxed, Status, MOE_EP_LAYOUT_EXPERT_MAJOR,
     MOE_EP_LAYOUT_RANK_MAJOR, MOE_EP_LL_BF16, MOE_EP_LL_CAST_FP8_EXACT,
@@ -99,34 +99,65 @@ impl CLlHandle {
     }
 }
 
-/// The group, its stream and the handle of a low-latency op.
+/// The group, its stream and the handle of a low-latency op; with
+/// `same_group`, a handle of another group is refused (naming `handle`).
 unsafe fn ll_op<'a>(
     group: *const CGroup,
     stream: *mut c_void,
     handle: *const CLlHandle,
+    same_group: bool,
 ) -> Result<(&'a CGroup, Arc<CudaStream>, &'a CLlHandle)> {
     // SAFETY: the header's contract for handles and streams.
     unsafe {
         let g = obj(group, "group")?;
         let h = obj(handle, "handle")?;
-        h.check_group(g)?;
+        if same_group {
+            h.check_group(g)?;
+        }
         let s = stream_of(g.comm().context(), stream)?;
         Ok((g, s, h))
     }
 }
 
-/// A low-latency dispatch's arguments, checked as C buffers, handed to `f`
-/// as the Rust API takes them.
-fn with_ll_args<R>(
-    a: &CLlDispatchArgs,
-    f: impl FnOnce(
-        LlInput<'_>,
-        TopkIdx<'_>,
-        &dyn DeviceRegion<f32>,
-        LlLayout,
-        Option<Fp8Scaling>,
-    ) -> Result<R>,
-) -> Result<R> {
+/// A low-latency dispatch's rows as C gave them.
+enum LlRows {
+    Bf16(CRegion<bf16>),
+    Fp8(CRegion<u8>, CRegion<f32>),
+}
+
+/// A low-latency dispatch's arguments, checked as C buffers.
+struct LlArgs {
+    x: LlRows,
+    idx: CTopkIdx,
+    w: CRegion<f32>,
+    layout: LlLayout,
+    cast: Option<Fp8Scaling>,
+}
+
+impl LlArgs {
+    /// The layout of `code`: rank-major or expert-major.
+    fn layout(code: u32) -> Result<LlLayout> {
+        match code {
+            MOE_EP_LAYOUT_RANK_MAJOR => Ok(LlLayout::RankMajor),
+            MOE_EP_LAYOUT_EXPERT_MAJOR => Ok(LlLayout::ExpertMajor),
+            l => Err(Error::arg(
+                "layout",
+                "MOE_EP_LAYOUT_RANK_MAJOR or MOE_EP_LAYOUT_EXPERT_MAJOR",
+                l,
+            )),
+        }
+    }
+
+    /// The rows as the Rust API takes them.
+    fn input(&self) -> LlInput<'_> {
+        match &self.x {
+            LlRows::Bf16(x) => LlInput::Bf16(x),
+            LlRows::Fp8(codes, scales) => LlInput::Fp8 { codes, scales },
+        }
+    }
+}
+
+fn ll_args(a: &CLlDispatchArgs) -> Result<LlArgs> {
     let (cast, fp8_rows) = match a.payload {
         MOE_EP_LL_BF16 => (None, false),
         MOE_EP_LL_CAST_FP8_EXACT => (Some(Fp8Scaling::Exact), false),
@@ -140,27 +171,14 @@ fn with_ll_args<R>(
             ))
         }
     };
-    let layout = match a.layout {
-        MOE_EP_LAYOUT_RANK_MAJOR => LlLayout::RankMajor,
-        MOE_EP_LAYOUT_EXPERT_MAJOR => LlLayout::ExpertMajor,
-        l => {
-            return Err(Error::arg(
-                "layout",
-                "MOE_EP_LAYOUT_RANK_MAJOR or MOE_EP_LAYOUT_EXPERT_MAJOR",
-                l,
-            ))
-        }
-    };
+    let layout = LlArgs::layout(a.layout)?;
     let idx = CTopkIdx::new(a.topk_idx, a.topk_idx_dtype)?;
     let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
-    let (bf16_x, codes, scales);
     let x = if fp8_rows {
-        codes = CRegion::<u8>::new("x", a.x.ptr, a.x.len)?;
-        scales = CRegion::<f32>::new("x_scales", a.x_scales.ptr, a.x_scales.len)?;
-        LlInput::Fp8 {
-            codes: &codes,
-            scales: &scales,
-        }
+        LlRows::Fp8(
+            CRegion::<u8>::new("x", a.x.ptr, a.x.len)?,
+            CRegion::<f32>::new("x_scales", a.x_scales.ptr, a.x_scales.len)?,
+        )
     } else {
         if !a.x_scales.ptr.is_null() || a.x_scales.len != 0 {
             return Err(Error::arg(
@@ -169,10 +187,15 @@ fn with_ll_args<R>(
                 format!("{:p} with len {}", a.x_scales.ptr, a.x_scales.len),
             ));
         }
-        bf16_x = CRegion::<bf16>::new("x", a.x.ptr, a.x.len)?;
-        LlInput::Bf16(&bf16_x)
+        LlRows::Bf16(CRegion::<bf16>::new("x", a.x.ptr, a.x.len)?)
     };
-    f(x, idx.get(), &w, layout, cast)
+    Ok(LlArgs {
+        x,
+        idx,
+        w,
+        layout,
+        cast,
+    })
 }
 
 /// The two forms of a low-latency dispatch.
@@ -183,51 +206,63 @@ unsafe fn ll_dispatch_impl(
     out: *mut *mut CLlHandle,
     wait: bool,
 ) -> Result<()> {
-    let a = unsafe { read_in(args, "args") }?;
-    with_ll_args(&a, |x, idx, w, layout, cast| {
-        let g = unsafe { obj(group, "group") }?;
-        let out = out_ptr(out, "out")?;
-        let s = unsafe { stream_of(g.comm().context(), stream) }?;
-        let topk = a.topk as usize;
-        let idx_len = match idx {
-            TopkIdx::I32(r) => r.len(),
-            TopkIdx::I64(r) => r.len(),
-        };
-        let num_tokens = idx_len.checked_div(topk).unwrap_or(0);
-        let args = |x, topk_idx| LlDispatchArgs {
-            x,
-            topk_idx,
-            topk,
-            topk_weights: w,
-            layout,
-            cast_fp8: cast,
-        };
-        let group = g.node()?.clone();
-        let mut batch = LlBatchState::default();
-        let buffer_set = if wait {
-            let h = group.ll_dispatch(&s, args(x, idx))?;
-            let set = h.buffer_set();
-            batch.views = Some(h);
-            set
-        } else {
-            let sent = group.ll_dispatch_send(&s, args(x, idx))?;
-            let set = sent.buffer_set();
-            batch.sent = Some(sent);
-            set
-        };
-        let fp8 = cast.is_some() || a.payload == MOE_EP_LL_FP8;
-        let h = CLlHandle {
-            batch: Mutex::new(batch),
-            group,
-            num_tokens,
-            topk,
-            layout,
-            fp8,
-            buffer_set,
-        };
-        unsafe { *out = boxed(h) };
-        Ok(())
-    })
+    // SAFETY: the header's contract for handles, streams and structs.
+    let on = unsafe { group_stream(group, stream) };
+    // A refusal's send moves no rows: a layout these checks refuse is told
+    // as rank-major.
+    let told = unsafe { read_in(args, "args") }
+        .and_then(|a| LlArgs::layout(a.layout))
+        .unwrap_or(LlLayout::RankMajor);
+    let call = on
+        .as_ref()
+        .ok()
+        .map(|(g, s)| (*g, s, RefusedCall::LlDispatch(told)));
+    let (a, la, out) = checked(call, || {
+        let a = unsafe { read_in(args, "args") }?;
+        let la = ll_args(&a)?;
+        Ok((a, la, out_ptr(out, "out")?))
+    })?;
+    let (g, s) = on?;
+    let (topk, layout, cast) = (a.topk as usize, la.layout, la.cast);
+    let idx = la.idx.get();
+    let idx_len = match idx {
+        TopkIdx::I32(r) => r.len(),
+        TopkIdx::I64(r) => r.len(),
+    };
+    let num_tokens = idx_len.checked_div(topk).unwrap_or(0);
+    let args = LlDispatchArgs {
+        x: la.input(),
+        topk_idx: idx,
+        topk,
+        topk_weights: &la.w,
+        layout,
+        cast_fp8: cast,
+    };
+    let group = g.node()?.clone();
+    let mut batch = LlBatchState::default();
+    let buffer_set = if wait {
+        let h = group.ll_dispatch(&s, args)?;
+        let set = h.buffer_set();
+        batch.views = Some(h);
+        set
+    } else {
+        let sent = group.ll_dispatch_send(&s, args)?;
+        let set = sent.buffer_set();
+        batch.sent = Some(sent);
+        set
+    };
+    let fp8 = cast.is_some() || a.payload == MOE_EP_LL_FP8;
+    let h = CLlHandle {
+        batch: Mutex::new(batch),
+        group,
+        num_tokens,
+        topk,
+        layout,
+        fp8,
+        buffer_set,
+    };
+    unsafe { *out = boxed(h) };
+    Ok(())
 }
 
 #[no_mangle]
@@ -282,9 +317,16 @@ pub unsafe extern "C" fn moe_ep_ll_dispatch_wait(
     handle: *mut CLlHandle,
 ) -> Status {
     ffi(|| {
-        let (_, s, h) = unsafe { ll_op(group, stream, handle) }?;
-        let mut st = h.lock();
-        CLlHandle::expect_state("moe_ep_ll_dispatch_wait", &st, MOE_EP_LL_SENT)?;
+        let (g, s, h) = unsafe { ll_op(group, stream, handle, false) }?;
+        // The handle's group and the batch's state, refused as the wait's
+        // own refusals are (no peer waits for it).
+        let call = Some((g, &s, RefusedCall::LlDispatchWait));
+        let mut st = checked(call, || {
+            h.check_group(g)?;
+            let st = h.lock();
+            CLlHandle::expect_state("moe_ep_ll_dispatch_wait", &st, MOE_EP_LL_SENT)?;
+            Ok(st)
+        })?;
         let sent = st.sent.as_ref().expect("a sent batch");
         let r = h.group.ll_dispatch_wait(&s, sent)?;
         st.views = Some(r);
@@ -300,7 +342,14 @@ struct CombineBufs {
     out: CRegion<bf16>,
 }
 
-fn combine_bufs(a: &CLlCombineArgs, send: bool, wait: bool) -> Result<CombineBufs> {
+/// What a combine's op returns: the sent combine of a send, `None` for
+/// the one call.
+type CombineResult = Result<Option<LlCombineSent>>;
+
+/// The buffers of a combine's `args` (`send`: its expert outputs; `wait`:
+/// its weights and output).
+unsafe fn combine_bufs(args: *const CLlCombineArgs, send: bool, wait: bool) -> Result<CombineBufs> {
+    let a = unsafe { read_in(args, "args") }?;
     let y = if send {
         CRegion::<bf16>::new("expert_out", a.expert_out.ptr, a.expert_out.len)?
     } else {
@@ -321,6 +370,47 @@ fn combine_bufs(a: &CLlCombineArgs, send: bool, wait: bool) -> Result<CombineBuf
     Ok(CombineBufs { y, w, out })
 }
 
+/// A combine of `handle`'s batch (`wait`: the one call; else its send):
+/// the buffers of `args` checked, their refusal told to the batch's homes
+/// ([`checked`]) where the group, the stream and the handle resolve and the
+/// batch is the group's and received (else no home waits for this rank's
+/// rows of it; a handle of another group is refused naming `handle`, and a
+/// batch in another state by state, neither told); then `f` with the
+/// group, the stream, the batch's views and the buffers, which returns the
+/// sent combine of a send (`None`: combined).
+unsafe fn ll_combine_op(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *mut CLlHandle,
+    args: *const CLlCombineArgs,
+    wait: bool,
+    op: &str,
+    f: impl FnOnce(&EpGroup, &Arc<CudaStream>, &LlHandle, CombineBufs) -> CombineResult,
+) -> Result<()> {
+    let bufs = || unsafe { combine_bufs(args, true, wait) };
+    let (g, s, h) = match unsafe { ll_op(group, stream, handle, true) } {
+        Ok(t) => t,
+        // Nothing to publish with: a bad buffer is still named first.
+        Err(e) => {
+            bufs()?;
+            return Err(e);
+        }
+    };
+    let mut st = h.lock();
+    let call = st
+        .views
+        .as_ref()
+        .map(|lh| (g, &s, RefusedCall::LlCombine(lh)));
+    let b = checked(call, bufs)?;
+    CLlHandle::expect_state(op, &st, MOE_EP_LL_RECEIVED)?;
+    let lh = st.views.as_ref().expect("a received batch");
+    match f(g.node()?, &s, lh, b)? {
+        Some(sent) => st.combine = Some(sent),
+        None => st.combined = true,
+    }
+    Ok(())
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn moe_ep_ll_combine(
     group: *const CGroup,
@@ -328,17 +418,20 @@ pub unsafe extern "C" fn moe_ep_ll_combine(
     handle: *mut CLlHandle,
     args: *const CLlCombineArgs,
 ) -> Status {
-    ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let mut b = combine_bufs(&a, true, true)?;
-        let (g, s, h) = unsafe { ll_op(group, stream, handle) }?;
-        let mut st = h.lock();
-        CLlHandle::expect_state("moe_ep_ll_combine", &st, MOE_EP_LL_RECEIVED)?;
-        let lh = st.views.as_ref().expect("a received batch");
-        let w = b.w.as_ref().map(|w| w as &dyn DeviceRegion<f32>);
-        g.node()?.ll_combine(&s, lh, &b.y, w, &mut b.out)?;
-        st.combined = true;
-        Ok(())
+    ffi(|| unsafe {
+        ll_combine_op(
+            group,
+            stream,
+            handle,
+            args,
+            true,
+            "moe_ep_ll_combine",
+            |g, s, lh, mut b| {
+                let w = b.w.as_ref().map(|w| w as &dyn DeviceRegion<f32>);
+                g.ll_combine(s, lh, &b.y, w, &mut b.out)?;
+                Ok(None)
+            },
+        )
     })
 }
 
@@ -349,16 +442,16 @@ pub unsafe extern "C" fn moe_ep_ll_combine_send(
     handle: *mut CLlHandle,
     args: *const CLlCombineArgs,
 ) -> Status {
-    ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let b = combine_bufs(&a, true, false)?;
-        let (g, s, h) = unsafe { ll_op(group, stream, handle) }?;
-        let mut st = h.lock();
-        CLlHandle::expect_state("moe_ep_ll_combine_send", &st, MOE_EP_LL_RECEIVED)?;
-        let lh = st.views.as_ref().expect("a received batch");
-        let sent = g.node()?.ll_combine_send(&s, lh, &b.y)?;
-        st.combine = Some(sent);
-        Ok(())
+    ffi(|| unsafe {
+        ll_combine_op(
+            group,
+            stream,
+            handle,
+            args,
+            false,
+            "moe_ep_ll_combine_send",
+            |g, s, lh, b| g.ll_combine_send(s, lh, &b.y).map(Some),
+        )
     })
 }
 
@@ -370,11 +463,25 @@ pub unsafe extern "C" fn moe_ep_ll_combine_wait(
     args: *const CLlCombineArgs,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let mut b = combine_bufs(&a, false, true)?;
-        let (g, s, h) = unsafe { ll_op(group, stream, handle) }?;
-        let mut st = h.lock();
-        CLlHandle::expect_state("moe_ep_ll_combine_wait", &st, MOE_EP_LL_COMBINE_SENT)?;
+        let bufs = || unsafe { combine_bufs(args, false, true) };
+        let (g, s, h) = match unsafe { ll_op(group, stream, handle, false) } {
+            Ok(t) => t,
+            // Nothing to publish with: a bad buffer is still named first.
+            Err(e) => {
+                bufs()?;
+                return Err(e);
+            }
+        };
+        // The buffers, the handle's group and the batch's state, refused as
+        // the wait's own refusals are (no peer waits for it).
+        let call = Some((g, &s, RefusedCall::LlCombineWait));
+        let (mut b, mut st) = checked(call, || {
+            let b = bufs()?;
+            h.check_group(g)?;
+            let st = h.lock();
+            CLlHandle::expect_state("moe_ep_ll_combine_wait", &st, MOE_EP_LL_COMBINE_SENT)?;
+            Ok((b, st))
+        })?;
         let sent = st.combine.as_ref().expect("a sent combine");
         let w = b.w.as_ref().map(|w| w as &dyn DeviceRegion<f32>);
         g.node()?.ll_combine_wait(&s, sent, w, &mut b.out)?;

@@ -13,11 +13,11 @@ use moe_ep::cuda::{CudaStream, DeviceSlice};
 use moe_ep::error::{Error, Result};
 use moe_ep::ops::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, DispatchOutFp8, Fp8Rows,
-    Fp8Scales, Handle, RecvBuf, RecvLayout, RecvScales, RecvScalesOut,
+    Fp8Scales, Handle, RecvBuf, RecvLayout, RecvScales, RecvScalesOut, RefusedCall,
 };
 
 use crate::buffers::{disjoint, span_of, CBuffer, CDispatched, CRegion, CTopkIdx, Kept, Span};
-use crate::group::{stream_of, CGroup};
+use crate::group::{checked, group_stream, stream_of, CGroup};
 use crate::status::{
     boxed, ffi, obj, out_ptr, unboxed, Status, MOE_EP_FP8_SCALES_E8M0_PER_32,
     MOE_EP_FP8_SCALES_F32_PER_128, MOE_EP_LAYOUT_EXPERT_MAJOR, MOE_EP_LAYOUT_RANK_MAJOR,
@@ -56,7 +56,7 @@ unsafe fn op<'a>(
     group: *const CGroup,
     stream: *mut c_void,
     handle: *const CHandle,
-) -> Result<(&'a CGroup, Arc<CudaStream>, &'a CHandle)> {
+) -> Result<Op<'a>> {
     // SAFETY: the header's contract for handles and streams.
     unsafe {
         let g = obj(group, "group")?;
@@ -64,6 +64,22 @@ unsafe fn op<'a>(
         let s = stream_of(g.comm().context(), stream)?;
         Ok((g, s, h))
     }
+}
+
+/// An op's group, stream and handle ([`op`]).
+type Op<'a> = (&'a CGroup, Arc<CudaStream>, &'a CHandle);
+
+/// Where an op's group, stream and handle resolved (`on`): the group and
+/// stream on which a refusal of the C ABI's own checks is published, as
+/// `call` of the handle ([`checked`]); the op's entry checks the handle
+/// there first (another group's, or a stale one, is refused naming
+/// `handle`, as the op refuses it). `None` where they did not: nothing can
+/// be published.
+fn refusing<'a>(
+    on: &'a Result<Op<'a>>,
+    call: fn(&'a Handle) -> RefusedCall<'a>,
+) -> Option<(&'a CGroup, &'a Arc<CudaStream>, RefusedCall<'a>)> {
+    on.as_ref().ok().map(|(g, s, h)| (*g, s, call(&h.0)))
 }
 
 #[no_mangle]
@@ -74,28 +90,34 @@ pub unsafe extern "C" fn moe_ep_layout(
     out: *mut *mut CHandle,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let idx = CTopkIdx::new(a.topk_idx, a.topk_idx_dtype)?;
-        let layout = match (a.layout, a.alignment) {
-            (MOE_EP_LAYOUT_RANK_MAJOR, 0) => RecvLayout::RankMajor,
-            (MOE_EP_LAYOUT_RANK_MAJOR, al) => {
-                return Err(Error::arg("alignment", "0 for a rank-major layout", al))
-            }
-            (MOE_EP_LAYOUT_EXPERT_MAJOR, al) => RecvLayout::ExpertMajor {
-                alignment: al as usize,
-            },
-            (l, _) => {
-                return Err(Error::arg(
-                    "layout",
-                    "MOE_EP_LAYOUT_RANK_MAJOR or MOE_EP_LAYOUT_EXPERT_MAJOR",
-                    l,
-                ))
-            }
-        };
-        layout.validate()?;
-        let g = unsafe { obj(group, "group") }?;
-        let out = out_ptr(out, "out")?;
-        let s = unsafe { stream_of(g.comm().context(), stream) }?;
+        // The arguments are checked first (named even beside a NULL
+        // group); a refusal is published where the group and stream resolve.
+        let on = unsafe { group_stream(group, stream) };
+        let call = on.as_ref().ok().map(|(g, s)| (*g, s, RefusedCall::Layout));
+        let (a, idx, layout, out) = checked(call, || {
+            let a = unsafe { read_in(args, "args") }?;
+            let idx = CTopkIdx::new(a.topk_idx, a.topk_idx_dtype)?;
+            let layout = match (a.layout, a.alignment) {
+                (MOE_EP_LAYOUT_RANK_MAJOR, 0) => RecvLayout::RankMajor,
+                (MOE_EP_LAYOUT_RANK_MAJOR, al) => {
+                    return Err(Error::arg("alignment", "0 for a rank-major layout", al))
+                }
+                (MOE_EP_LAYOUT_EXPERT_MAJOR, al) => RecvLayout::ExpertMajor {
+                    alignment: al as usize,
+                },
+                (l, _) => {
+                    return Err(Error::arg(
+                        "layout",
+                        "MOE_EP_LAYOUT_RANK_MAJOR or MOE_EP_LAYOUT_EXPERT_MAJOR",
+                        l,
+                    ))
+                }
+            };
+            layout.validate()?;
+            let out = out_ptr(out, "out")?;
+            Ok((a, idx, layout, out))
+        })?;
+        let (g, s) = on?;
         let h = g.0.layout(&s, idx.get(), a.topk as usize, layout)?;
         unsafe { *out = boxed(CHandle(h)) };
         Ok(())
@@ -266,24 +288,27 @@ pub unsafe extern "C" fn moe_ep_dispatch(
     out: *mut *mut CDispatched,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let x = CRegion::<bf16>::new("x", a.x.ptr, a.x.len)?;
-        let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
-        let mut rt = CRegion::<bf16>::opt("recv_tokens", a.recv_tokens.ptr, a.recv_tokens.len)?;
-        let mut rw = CRegion::<f32>::opt(
-            "recv_topk_weights",
-            a.recv_topk_weights.ptr,
-            a.recv_topk_weights.len,
-        )?;
-        disjoint(
-            &[
-                span_of("recv_tokens", &rt),
-                span_of("recv_topk_weights", &rw),
-            ],
-            &[Some(x.span("x")), Some(w.span("topk_weights"))],
-        )?;
-        let (g, s, h) = unsafe { op(group, stream, handle) }?;
-        let out = out_ptr(out, "out")?;
+        let on = unsafe { op(group, stream, handle) };
+        let (x, w, mut rt, mut rw, out) = checked(refusing(&on, RefusedCall::Dispatch), || {
+            let a = unsafe { read_in(args, "args") }?;
+            let x = CRegion::<bf16>::new("x", a.x.ptr, a.x.len)?;
+            let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
+            let rt = CRegion::<bf16>::opt("recv_tokens", a.recv_tokens.ptr, a.recv_tokens.len)?;
+            let rw = CRegion::<f32>::opt(
+                "recv_topk_weights",
+                a.recv_topk_weights.ptr,
+                a.recv_topk_weights.len,
+            )?;
+            disjoint(
+                &[
+                    span_of("recv_tokens", &rt),
+                    span_of("recv_topk_weights", &rw),
+                ],
+                &[Some(x.span("x")), Some(w.span("topk_weights"))],
+            )?;
+            Ok((x, w, rt, rw, out_ptr(out, "out")?))
+        })?;
+        let (g, s, h) = on?;
         let d = on_kind!(g, h, |g, h| g.dispatch(
             &s,
             h,
@@ -351,27 +376,32 @@ pub unsafe extern "C" fn moe_ep_dispatch_fp8(
     out: *mut *mut CDispatched,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let codes = CRegion::<u8>::new("codes", a.codes.ptr, a.codes.len)?;
-        let mut sc = CScales::new(a.scale_kind, a.scales, a.recv_scales)?;
-        let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
-        let mut rc = CRegion::<u8>::opt("recv_codes", a.recv_codes.ptr, a.recv_codes.len)?;
-        let mut rw = CRegion::<f32>::opt(
-            "recv_topk_weights",
-            a.recv_topk_weights.ptr,
-            a.recv_topk_weights.len,
-        )?;
-        let (xs, rs) = sc.spans();
-        disjoint(
-            &[
-                span_of("recv_codes", &rc),
-                rs,
-                span_of("recv_topk_weights", &rw),
-            ],
-            &[Some(codes.span("codes")), xs, Some(w.span("topk_weights"))],
-        )?;
-        let (g, s, h) = unsafe { op(group, stream, handle) }?;
-        let out = out_ptr(out, "out")?;
+        let on = unsafe { op(group, stream, handle) };
+        let checks = || {
+            let a = unsafe { read_in(args, "args") }?;
+            let codes = CRegion::<u8>::new("codes", a.codes.ptr, a.codes.len)?;
+            let sc = CScales::new(a.scale_kind, a.scales, a.recv_scales)?;
+            let w = CRegion::<f32>::new("topk_weights", a.topk_weights.ptr, a.topk_weights.len)?;
+            let rc = CRegion::<u8>::opt("recv_codes", a.recv_codes.ptr, a.recv_codes.len)?;
+            let rw = CRegion::<f32>::opt(
+                "recv_topk_weights",
+                a.recv_topk_weights.ptr,
+                a.recv_topk_weights.len,
+            )?;
+            let (xs, rs) = sc.spans();
+            disjoint(
+                &[
+                    span_of("recv_codes", &rc),
+                    rs,
+                    span_of("recv_topk_weights", &rw),
+                ],
+                &[Some(codes.span("codes")), xs, Some(w.span("topk_weights"))],
+            )?;
+            Ok((codes, sc, w, rc, rw, out_ptr(out, "out")?))
+        };
+        let (codes, mut sc, w, mut rc, mut rw, out) =
+            checked(refusing(&on, RefusedCall::Dispatch), checks)?;
+        let (g, s, h) = on?;
         let (scales, recv_scales) = match &mut sc {
             CScales::E8m0(x, r) => (
                 Fp8Scales::E8m0Per32(x as &dyn DeviceRegion<u8>),
@@ -453,15 +483,19 @@ pub unsafe extern "C" fn moe_ep_combine(
     args: *const CCombineArgs,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let y = CRegion::<bf16>::new("expert_out", a.expert_out.ptr, a.expert_out.len)?;
-        let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
-        let mut o = CRegion::<bf16>::new("out", a.out.ptr as *const c_void, a.out.len)?;
-        disjoint(
-            &[Some(o.span("out"))],
-            &[Some(y.span("expert_out")), span_of("weights", &w)],
-        )?;
-        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let on = unsafe { op(group, stream, handle) };
+        let (y, w, mut o) = checked(refusing(&on, RefusedCall::Combine), || {
+            let a = unsafe { read_in(args, "args") }?;
+            let y = CRegion::<bf16>::new("expert_out", a.expert_out.ptr, a.expert_out.len)?;
+            let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
+            let o = CRegion::<bf16>::new("out", a.out.ptr as *const c_void, a.out.len)?;
+            disjoint(
+                &[Some(o.span("out"))],
+                &[Some(y.span("expert_out")), span_of("weights", &w)],
+            )?;
+            Ok((y, w, o))
+        })?;
+        let (g, s, h) = on?;
         on_kind!(g, h, |g, h| g.combine(
             &s,
             h,
@@ -481,22 +515,26 @@ pub unsafe extern "C" fn moe_ep_combine_backward(
     out: *mut *mut CBuffer,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let go = CRegion::<bf16>::new("grad_out", a.grad_out.ptr, a.grad_out.len)?;
-        let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
-        let mut ge = CRegion::<bf16>::opt(
-            "grad_expert_out",
-            a.grad_expert_out.ptr,
-            a.grad_expert_out.len,
-        )?;
-        disjoint(
-            &[span_of("grad_expert_out", &ge)],
-            &[Some(go.span("grad_out")), span_of("weights", &w)],
-        )?;
-        if ge.is_none() {
-            out_ptr(out, "out")?;
-        }
-        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let on = unsafe { op(group, stream, handle) };
+        let (go, w, mut ge) = checked(refusing(&on, RefusedCall::CombineBackward), || {
+            let a = unsafe { read_in(args, "args") }?;
+            let go = CRegion::<bf16>::new("grad_out", a.grad_out.ptr, a.grad_out.len)?;
+            let w = CRegion::<f32>::opt("weights", a.weights.ptr, a.weights.len)?;
+            let ge = CRegion::<bf16>::opt(
+                "grad_expert_out",
+                a.grad_expert_out.ptr,
+                a.grad_expert_out.len,
+            )?;
+            disjoint(
+                &[span_of("grad_expert_out", &ge)],
+                &[Some(go.span("grad_out")), span_of("weights", &w)],
+            )?;
+            if ge.is_none() {
+                out_ptr(out, "out")?;
+            }
+            Ok((go, w, ge))
+        })?;
+        let (g, s, h) = on?;
         let r = on_kind!(g, h, |g, h| g.combine_backward(
             &s,
             h,
@@ -523,38 +561,44 @@ pub unsafe extern "C" fn moe_ep_dispatch_backward(
     args: *const CDispatchBackwardArgs,
 ) -> Status {
     ffi(|| {
-        let a = unsafe { read_in(args, "args") }?;
-        let gr = CRegion::<bf16>::new(
-            "grad_recv_tokens",
-            a.grad_recv_tokens.ptr,
-            a.grad_recv_tokens.len,
-        )?;
-        let grw = CRegion::<f32>::opt(
-            "grad_recv_topk_weights",
-            a.grad_recv_topk_weights.ptr,
-            a.grad_recv_topk_weights.len,
-        )?;
-        let mut gt = CRegion::<bf16>::new(
-            "grad_tokens",
-            a.grad_tokens.ptr as *const c_void,
-            a.grad_tokens.len,
-        )?;
-        let mut gtw = CRegion::<f32>::opt(
-            "grad_topk_weights",
-            a.grad_topk_weights.ptr,
-            a.grad_topk_weights.len,
-        )?;
-        disjoint(
-            &[
-                Some(gt.span("grad_tokens")),
-                span_of("grad_topk_weights", &gtw),
-            ],
-            &[
-                Some(gr.span("grad_recv_tokens")),
-                span_of("grad_recv_topk_weights", &grw),
-            ],
-        )?;
-        let (g, s, h) = unsafe { op(group, stream, handle) }?;
+        let on = unsafe { op(group, stream, handle) };
+        let checks = || {
+            let a = unsafe { read_in(args, "args") }?;
+            let gr = CRegion::<bf16>::new(
+                "grad_recv_tokens",
+                a.grad_recv_tokens.ptr,
+                a.grad_recv_tokens.len,
+            )?;
+            let grw = CRegion::<f32>::opt(
+                "grad_recv_topk_weights",
+                a.grad_recv_topk_weights.ptr,
+                a.grad_recv_topk_weights.len,
+            )?;
+            let gt = CRegion::<bf16>::new(
+                "grad_tokens",
+                a.grad_tokens.ptr as *const c_void,
+                a.grad_tokens.len,
+            )?;
+            let gtw = CRegion::<f32>::opt(
+                "grad_topk_weights",
+                a.grad_topk_weights.ptr,
+                a.grad_topk_weights.len,
+            )?;
+            disjoint(
+                &[
+                    Some(gt.span("grad_tokens")),
+                    span_of("grad_topk_weights", &gtw),
+                ],
+                &[
+                    Some(gr.span("grad_recv_tokens")),
+                    span_of("grad_recv_topk_weights", &grw),
+                ],
+            )?;
+            Ok((gr, grw, gt, gtw))
+        };
+        let (gr, grw, mut gt, mut gtw) =
+            checked(refusing(&on, RefusedCall::DispatchBackward), checks)?;
+        let (g, s, h) = on?;
         on_kind!(g, h, |g, h| g.dispatch_backward(
             &s,
             h,

@@ -29,6 +29,15 @@
  * ranks (4 rows a rank), their slots say so, the kept routing has -1 there,
  * dispatch delivers row s * 6 + t = token t < 6 of rank s, and combine gives
  * 2 x for t < 6 and zeros for the dropped tokens.
+ *
+ * Last, a refusal of the C ABI's own checks on one rank, on the first
+ * group: rank 1's dispatch has x NULL with a length, rank 0's is correct.
+ * Rank 1 gets MOE_EP_ERR_INVALID_ARGUMENT naming `x`, and its refusal is
+ * published: rank 0's dispatch stops at once, and its moe_ep_group_check
+ * gets MOE_EP_ERR_PEER_FAILED naming rank 1 and `x` within 2 s of the
+ * dispatch (the timeout is 10 s), rank 1's MOE_EP_ERR_INVALID_STATE naming
+ * its refusal; then a new layout's dispatch and combine on both ranks give
+ * 2 x again.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe_ep.h"
@@ -38,6 +47,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define TEST "c_window_dispatch_at_an_offset"
@@ -200,6 +210,8 @@ static void *run_rank(void *p) {
   moe_ep_dispatched_t *dispatched = NULL, *fp8 = NULL, *dropped = NULL;
   moe_ep_group_t *drop_group = NULL;
   moe_ep_handle_t *drop_handle = NULL;
+  moe_ep_handle_t *again = NULL; /* the layout after the refusal (8) */
+  moe_ep_dispatched_t *refused = NULL, *redone = NULL;
   CUdeviceptr base = 0, x = 0, w = 0, idx = 0, out = 0, codes = 0, scales = 0;
   void *nccl_mem = NULL;
   uint16_t *host = malloc(WINDOW_BYTES);
@@ -499,14 +511,74 @@ static void *run_rank(void *p) {
   }
   CHECK(moe_ep_group_check(drop_group), "group_check (overflow drop)");
 
+  /* 8: the C ABI's own check refuses rank 1's dispatch (x NULL with a
+   * length); the refusal is published, so rank 0 does not wait for it. */
+  pthread_barrier_wait(a->line);
+  {
+    moe_ep_dispatch_args_t ra = MOE_EP_DISPATCH_ARGS_INIT;
+    ra.x = da.x;
+    ra.topk_weights = da.topk_weights;
+    if (r == 1) ra.x.ptr = NULL;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    moe_ep_status_t d = moe_ep_dispatch(group, stream, handle, &ra, &refused);
+    if (r == 1)
+      expect(r, "dispatch with x NULL refused", d, MOE_EP_ERR_INVALID_ARGUMENT, "`x`");
+    else
+      expect(r, "dispatch beside rank 1's refusal", d, MOE_EP_OK, NULL);
+    moe_ep_status_t c = moe_ep_group_check(group);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double took = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    if (r == 1) {
+      expect(r, "check names this rank's refusal", c, MOE_EP_ERR_INVALID_STATE, "`x`");
+    } else {
+      int named = c != MOE_EP_OK && strstr(moe_ep_last_error(), "rank 1") != NULL;
+      expect(r, "check: peer failed, naming `x`", c, MOE_EP_ERR_PEER_FAILED, "`x`");
+      report(r, "check names rank 1", named, NULL);
+      char detail[64];
+      snprintf(detail, sizeof detail, "%.3f s", took);
+      report(r, "dispatch and check within 2 s (the timeout is 10 s)", took < 2.0, detail);
+    }
+    moe_ep_dispatched_destroy(refused);
+    refused = NULL;
+  }
+  /* Handles made before the error are refused: a new layout's round trip,
+   * into the group's own buffers. */
+  CHECK(moe_ep_layout(group, stream, &la, &again), "layout after the refusal");
+  moe_ep_dispatch_args_t ga = MOE_EP_DISPATCH_ARGS_INIT;
+  ga.x = da.x;
+  ga.topk_weights = da.topk_weights;
+  CHECK(moe_ep_dispatch(group, stream, again, &ga, &redone), "dispatch after the refusal");
+  {
+    moe_ep_recv_buffers_t gb = MOE_EP_RECV_BUFFERS_INIT;
+    CHECK(moe_ep_dispatched_buffers(redone, &gb), "dispatched_buffers after the refusal");
+    moe_ep_combine_args_t gc = MOE_EP_COMBINE_ARGS_INIT;
+    gc.expert_out = (moe_ep_buf_t){gb.tokens.ptr, gb.tokens.len};
+    gc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
+    CHECK(moe_ep_combine(group, stream, again, &gc), "combine after the refusal");
+    static uint16_t sum[WORLD][T * HIDDEN];
+    if (!cu_ok(r, "sync", cu.stream_synchronize(stream)) ||
+        !cu_ok(r, "download out", cu.dtoh(sum[r], out, sizeof sum[r], stream)) ||
+        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+      goto out;
+    int ok = 1;
+    for (int i = 0; i < T * HIDDEN; i++)
+      ok &= sum[r][i] == bf16(2.0f * token(r, i / HIDDEN, i % HIDDEN));
+    report(r, "the round trip after the refusal is 2 x", ok, NULL);
+  }
+  CHECK(moe_ep_group_check(group), "group_check after the refusal");
+
 out:
   /* Every rank is done with its peers' windows before anything goes. */
   pthread_barrier_wait(a->line);
   moe_ep_dispatched_destroy(dispatched);
   moe_ep_dispatched_destroy(fp8);
   moe_ep_dispatched_destroy(dropped);
+  moe_ep_dispatched_destroy(refused);
+  moe_ep_dispatched_destroy(redone);
   moe_ep_handle_destroy(handle);
   moe_ep_handle_destroy(drop_handle);
+  moe_ep_handle_destroy(again);
   moe_ep_buffer_free(window);
   moe_ep_group_destroy(group);
   moe_ep_group_destroy(drop_group);

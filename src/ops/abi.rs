@@ -104,7 +104,7 @@ pub const FIELD_RECV_SCALES: i32 = 16;
 /// The arguments a refusal names (the id a refused call's descriptor
 /// carries, `MOE_EP_OP_REFUSED`): index 0 is "an argument" (one not in
 /// the table).
-pub const ARG_NAMES: [&str; 36] = [
+pub const ARG_NAMES: [&str; 41] = [
     "an argument",
     "x",
     "topk_weights",
@@ -141,6 +141,12 @@ pub const ARG_NAMES: [&str; 36] = [
     "x.scales",
     "recv_codes",
     "recv_scales",
+    // The C ABI's own names (its fp8 arrays, codes and the args struct).
+    "codes",
+    "scales",
+    "scale_kind",
+    "topk_idx_dtype",
+    "args",
 ];
 
 /// The id of argument `name` in [`ARG_NAMES`] (0 for one not there).

@@ -416,8 +416,8 @@ impl NodeGroup {
     }
 
     /// [`EpGroup::refuse`](crate::EpGroup::refuse) of a wait (`name`): no
-    /// peer waits for it; this rank refuses its next ops until `check`, as
-    /// after the wait's own refusal.
+    /// peer waits for it; this rank's `check` names the refusal, as after
+    /// the wait's own refusal.
     pub(crate) fn ll_refuse_quietly(
         &self,
         stream: &Arc<CudaStream>,
