@@ -21,7 +21,9 @@ budget=${BUDGET_S:-420}
 nccl_lib=$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null || true)
 [ -n "$nccl_lib" ] && export LD_LIBRARY_PATH="$nccl_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export RUST_BACKTRACE=1 CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONFAULTHANDLER=1
+# Virtual ranks: every kernel loaded when CUDA starts (a lazy load at a
+# first launch waits for the whole GPU; moe_ep.run_virtual says more).
+export RUST_BACKTRACE=1 CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONFAULTHANDLER=1 CUDA_MODULE_LOADING=EAGER
 
 whl=$(ls .pywheel/*.whl 2>/dev/null | head -1)
 if [ -z "$whl" ]; then echo "no wheel in .pywheel/ (build it first)"; exit 2; fi

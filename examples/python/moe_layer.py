@@ -20,13 +20,18 @@ bfloat16's rounding (the check prints the worst relative error of each).
 """
 
 import argparse
+import os
 import sys
 
-import torch
+# Virtual ranks need every kernel loaded when CUDA starts (moe_ep.run_virtual
+# says why): before the first CUDA call, unless the caller chose.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 
-import moe_ep
-import moe_ep.torch as ep_torch
+import moe_ep  # noqa: E402
+import moe_ep.torch as ep_torch  # noqa: E402
 
 H, FF, K, EL, T = 256, 512, 4, 4, 96  # hidden, expert width, top-k, experts per rank, tokens
 ALIGN = 8  # expert-major: each expert's block of rows padded to a multiple of this

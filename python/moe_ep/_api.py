@@ -9,7 +9,9 @@ are ``DeviceArray`` objects (DLPack producers: ``cupy.from_dlpack(a)``).
 """
 
 import contextlib
+import os
 import threading
+import warnings
 from typing import NamedTuple, Optional
 
 from . import _moe_ep as _core
@@ -286,6 +288,7 @@ class Group:
         self.device = self._g.device
         self.hidden = hidden
         self._tdev = _torch.device("cuda", self.device) if _torch is not None else None
+        self._pool = None  # mem_pool(), made at its first call
 
     rank = property(lambda self: self._g.rank)
     world = property(lambda self: self._g.world)
@@ -360,14 +363,22 @@ class Group:
         symmetric pool while ``symmetric_allocations`` is active on the
         allocating thread (as TransformerEngine places its buffers in NCCL
         windows). Allocations are collective by contract: every rank must
-        make the same ones in the same order."""
-        return _torch.cuda.MemPool(_pluggable().allocator())
+        make the same ones in the same order. One pool a group, made at the
+        first call and kept with the group: torch aborts the process when a
+        ``MemPool`` is destroyed while any thread allocates into a pool
+        (``use_mem_pool``), so on virtual ranks, where the ranks are threads,
+        a pool made and dropped per block would end one rank's block under
+        another's. Drop the groups of a virtual world only once every rank
+        has left ``symmetric_allocations``."""
+        if self._pool is None:
+            self._pool = _torch.cuda.MemPool(_pluggable().allocator())
+        return self._pool
 
     @contextlib.contextmanager
     def symmetric_allocations(self, pool=None):
         """Within the block, torch allocations of this thread on the group's
-        GPU come from the group's symmetric pool (through ``pool``, a
-        ``mem_pool()``, made here when not given). Yields the pool."""
+        GPU come from the group's symmetric pool (through ``pool``, the
+        group's ``mem_pool()`` when not given). Yields the pool."""
         pool = pool if pool is not None else self.mem_pool()
         # The group's pool takes its first segment in a collective
         # allocation: made here, outside torch's allocator, whose device lock
@@ -621,7 +632,21 @@ def run_virtual(world, fn, *, device=0, timeout=None):
     runs every backward of a GPU on one engine thread, where the ranks'
     collective backward ops would wait for each other forever. Where ranks
     raise, the first rank's exception is raised (the others are attached as
-    ``exc.rank_errors``)."""
+    ``exc.rank_errors``).
+
+    Set ``CUDA_MODULE_LOADING=EAGER`` before CUDA starts in the process (warned
+    here otherwise): with CUDA's default lazy loading, the first launch of a
+    kernel (torch's, in a backward pass say) loads its module, which waits
+    for the whole GPU, where the sibling ranks' kernels wait for this rank's
+    next op: every rank then waits until the group's timeout."""
+    if world > 1 and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
+        warnings.warn(
+            "moe_ep.run_virtual: CUDA_MODULE_LOADING is not EAGER: a kernel loaded lazily at its "
+            "first launch waits for the whole GPU while sibling ranks' kernels wait for this rank "
+            "(a hang until the group's timeout); set CUDA_MODULE_LOADING=EAGER before CUDA starts",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     comms = virtual_world(world, device=device, timeout=timeout)
     streams = [None] * world
     if _torch is not None:

@@ -730,8 +730,9 @@ impl EpGroup {
     /// argument: every peer's op stops at once with
     /// [`Error::PeerFailed`] from their [`check`](Self::check) naming this
     /// rank and `e`'s argument, this rank's `check` returns
-    /// [`Error::InvalidState`] naming its refusal, and the call counts on
-    /// every rank. For the checks a caller makes before an op (a
+    /// [`Error::InvalidState`] naming its refusal (where every rank refused
+    /// the call, nothing is out of step and `check` returns `Ok`), and the
+    /// call counts on every rank. For the checks a caller makes before an op (a
     /// binding's dtype or device checks); returns the error to raise: `e`,
     /// or the error the op would have returned first (the group holds one,
     /// the communicator was aborted, the handle is another group's).

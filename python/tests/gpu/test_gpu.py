@@ -40,6 +40,10 @@ import threading
 import time
 import unittest
 
+# Virtual ranks: every kernel loaded when CUDA starts (moe_ep.run_virtual
+# says why); before the first CUDA call.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 try:
     import torch
 except ImportError:  # pragma: no cover
@@ -350,6 +354,10 @@ class HighThroughput(unittest.TestCase):
     def test_mem_pool_allocations_are_symmetric(self):
         for world in [w for w in WORLDS if w <= 2]:
             with self.subTest(world=world):
+                # No rank drops its group (and with it its MemPool) while
+                # another is still inside symmetric_allocations (torch
+                # aborts then): every rank meets here first.
+                barrier = threading.Barrier(world)
 
                 def rank(comm):
                     group = moe_ep.Group(comm, num_experts=4 * world, hidden=H, max_tokens_per_rank=M)
@@ -362,6 +370,7 @@ class HighThroughput(unittest.TestCase):
                     d = group.dispatch(h, x, w, out=(recv, None))
                     self.assertEqual(d.tokens.data_ptr(), recv.data_ptr())
                     group.check()
+                    barrier.wait()
                     return True
 
                 run_world(world, rank)
@@ -758,11 +767,11 @@ class Refusals(unittest.TestCase):
         with self.assertRaises(moe_ep.NotSymmetric):
             plain = torch.empty((group.recv_capacity, H), dtype=torch.bfloat16, device="cuda")
             group.dispatch(h, x, w, out=(plain, None))
-        # Each refusal above counts as the call it refused (published to
-        # the peers, here none): check names this rank's own refusal.
-        with self.assertRaises(moe_ep.InvalidState) as cm:
-            group.check()
-        self.assertIn("refused", str(cm.exception))
+        # Each refusal above counts as the call it refused, published to
+        # the peers (here none): every rank refused the same calls, so
+        # nothing is out of step and check returns normally (a rank whose
+        # peers did not refuse gets InvalidState there: OneRankRefusal).
+        group.check()
         # A tensor that requires grad is read, not differentiated.
         h = group.layout(idx)
         d = group.dispatch(h, x.clone().requires_grad_(), w)

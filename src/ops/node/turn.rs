@@ -189,7 +189,8 @@ impl NodeGroup {
     /// shares (an error the group holds, an aborted communicator) or the
     /// op launched its kernels, this rank's part of the call is published
     /// as refused, naming the argument of `e`, so that no peer waits for it;
-    /// this rank's `check` then names the refusal. Returns `e`.
+    /// this rank's `check` then names the refusal (unless every rank refused
+    /// the call: nothing is then out of step). Returns `e`.
     fn refused(&self, mut turn: OpTurn<'_>, e: Error, refuse: Refuse<'_>) -> Error {
         let dead = self.poisoned.load(Ordering::Relaxed) || self.comm.is_aborted();
         // An error this rank's kernels already hold (its peers found it
