@@ -152,6 +152,9 @@ impl Communicator {
     ///   siblings' kernels may wait for its next launch: do it before a
     ///   barrier; the crate loads every kernel when a group is created (not
     ///   lazily at its first launch, which can wait for the whole GPU);
+    ///   other libraries' kernels load lazily by default (torch's backward
+    ///   kernels, first launched between two ops): set
+    ///   `CUDA_MODULE_LOADING=EAGER` before CUDA starts in the process;
     /// - synchronize a rank's stream before a copy from or to pageable host
     ///   memory: the driver moves pageable copies of all threads through
     ///   shared staging buffers, so a copy queued behind this rank's waiting
