@@ -16,6 +16,7 @@ import ctypes
 import importlib.util
 import os
 import unittest
+import warnings
 
 import moe_ep
 from moe_ep import _moe_ep as core
@@ -374,6 +375,23 @@ class WithoutDriver(unittest.TestCase):
         with self.assertRaises(moe_ep.InvalidArgument) as cm:
             moe_ep.virtual_world(2, timeout=-1.0)
         self.assertEqual(cm.exception.arg, "timeout")
+
+    def test_run_virtual_warns_without_eager_module_loading(self):
+        old = os.environ.pop("CUDA_MODULE_LOADING", None)
+        try:
+            # The warning comes before anything else (here a bad timeout).
+            with self.assertWarns(RuntimeWarning) as w, self.assertRaises(moe_ep.InvalidArgument):
+                moe_ep.run_virtual(2, lambda comm: None, timeout=-1.0)
+            self.assertIn("CUDA_MODULE_LOADING", str(w.warning))
+            os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with self.assertRaises(moe_ep.InvalidArgument):
+                    moe_ep.run_virtual(2, lambda comm: None, timeout=-1.0)
+        finally:
+            os.environ.pop("CUDA_MODULE_LOADING", None)
+            if old is not None:
+                os.environ["CUDA_MODULE_LOADING"] = old
 
     @unittest.skipIf(importlib.util.find_spec("torch"), "torch is installed")
     def test_without_torch_a_stream_must_be_named(self):
