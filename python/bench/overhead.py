@@ -7,11 +7,18 @@ no Python in the loop). Reported per call: host time (the loop's wall time
 over the calls, enqueue only) and time until the stream drained; the
 overhead is Python's host time less Rust's.
 
-    python3 python/bench/overhead.py [--iters 200] [--json out.json]
+    python3 python/bench/overhead.py [--iters 200] [--json out.json] [--profile 15]
+
+With ``--profile N`` each Python loop is run once more under cProfile after
+its measurement, and the N functions with the most own time are printed
+(where the Python side spends its overhead).
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
@@ -32,6 +39,24 @@ def py_loop(fn, iters):
     return host / iters, total / iters
 
 
+PROFILE_TOP = 0
+
+
+def profile(name, fn, iters):
+    """`fn` called `iters` times under cProfile; prints the PROFILE_TOP
+    functions with the most own time."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        fn()
+    pr.disable()
+    torch.cuda.current_stream().synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(PROFILE_TOP)
+    print(f"---- profile of {name}, {iters} calls ----")
+    print(buf.getvalue().strip())
+
+
 def measure(name, py_fn, rust_fn, iters, warmup=10):
     py_loop(py_fn, warmup)
     rust_fn(warmup)
@@ -39,6 +64,8 @@ def measure(name, py_fn, rust_fn, iters, warmup=10):
     for _ in range(3):  # interleaved, best of three each
         rows.append((py_loop(py_fn, iters), rust_fn(iters)))
     (ph, pt), (rh, rt) = min(r[0] for r in rows), min(r[1] for r in rows)
+    if PROFILE_TOP:
+        profile(name, py_fn, iters)
     return {
         "op": name,
         "python_host_us": ph * 1e6,
@@ -58,7 +85,10 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--ll-tokens", type=int, default=128)
     ap.add_argument("--json")
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     a = ap.parse_args()
+    global PROFILE_TOP
+    PROFILE_TOP = a.profile
     torch.cuda.set_device(0)
     stream = torch.cuda.Stream()
     torch.cuda.set_stream(stream)

@@ -5,7 +5,9 @@
 //! device address, shape and dtype, checked to be C-contiguous CUDA memory
 //! of the group's GPU. The producer's `__dlpack__` is given the op's stream,
 //! so that it orders that stream after its own pending work (torch makes the
-//! op's stream wait for its current stream where they differ); a
+//! op's stream wait for its current stream where they differ; a torch
+//! tensor on an op that runs on torch's current stream is exported without
+//! a stream, there being nothing to order: `torch_export`); a
 //! `__cuda_array_interface__` that names a stream is waited for the same
 //! way. Host memory, another GPU, another dtype or strides are refused
 //! naming the argument, before anything is enqueued.
@@ -25,6 +27,7 @@ use moe_ep::cuda::{sys, CudaContext, CudaStream};
 use moe_ep::error::Error;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::{guarded, type_err, value_err, Fail, Res};
@@ -317,7 +320,12 @@ fn from_dlpack(
     let py = obj.py();
     // The array API's value for the legacy default stream is 1 (0 is
     // ambiguous and refused by some producers).
-    let s = if stream == 0 { 1 } else { stream };
+    let s = if stream == 0 { 1 } else { stream as i64 };
+    let (exported, s) = match torch_export(obj, device, stream)? {
+        Some((t, sync)) => (t, if sync { s } else { NO_SYNC }),
+        None => (obj.clone(), s),
+    };
+    let obj = &exported;
     let kwargs = PyDict::new(py);
     kwargs.set_item(pyo3::intern!(py, "stream"), s)?;
     let name = pyo3::intern!(py, "__dlpack__");
@@ -385,6 +393,56 @@ fn from_dlpack(
         dtype,
         _keep: Some(cap.unbind()),
     })
+}
+
+/// DLPack's stream value for "no synchronisation".
+const NO_SYNC: i64 = -1;
+
+/// `sys.modules`, looked up once.
+static MODULES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// For a torch tensor (torch loaded by the caller; this crate never
+/// imports it): the tensor to export, detached where it requires grad (the
+/// op reads it; `moe_ep.torch` differentiates it, and torch refuses to
+/// export it otherwise), and whether its `__dlpack__` must order the op's
+/// `stream` after torch's current stream of `device`. Where the op runs on
+/// that stream there is nothing to order, and the stream is not passed:
+/// torch would otherwise wrap both in Python stream objects, for every
+/// tensor of every call, only to find them equal. `None`: not a torch
+/// tensor.
+fn torch_export<'py>(
+    obj: &Bound<'py, PyAny>,
+    device: usize,
+    stream: u64,
+) -> Res<Option<(Bound<'py, PyAny>, bool)>> {
+    let py = obj.py();
+    let modules = MODULES.get_or_try_init(py, || {
+        py.import("sys")?.getattr("modules").map(Bound::unbind)
+    })?;
+    let Ok(torch) = modules.bind(py).get_item(pyo3::intern!(py, "torch")) else {
+        return Ok(None);
+    };
+    let Ok(tensor) = torch.getattr(pyo3::intern!(py, "Tensor")) else {
+        return Ok(None);
+    };
+    if !obj.is_instance(&tensor)? {
+        return Ok(None);
+    }
+    let t = if obj
+        .getattr(pyo3::intern!(py, "requires_grad"))?
+        .is_truthy()?
+    {
+        obj.call_method0(pyo3::intern!(py, "detach"))?
+    } else {
+        obj.clone()
+    };
+    // Older or CPU-only builds lack the raw lookup: order as DLPack says.
+    let current = torch
+        .getattr(pyo3::intern!(py, "_C"))
+        .and_then(|c| c.getattr(pyo3::intern!(py, "_cuda_getCurrentRawStream")))
+        .and_then(|f| f.call1((device,)))
+        .and_then(|r| r.extract::<u64>());
+    Ok(Some((t, current.map_or(true, |c| c != stream))))
 }
 
 /// C-contiguous: each stride (in elements) the product of the extents
@@ -792,10 +850,10 @@ impl DeviceArray {
 }
 
 /// For the CPU tests: `obj` read as an argument of an op on GPU `device`
-/// (no GPU needed: without a context no driver call is made), returning
-/// `(data_ptr, shape, dtype)`.
+/// and raw stream `stream` (no GPU needed: without a context no driver call
+/// is made), returning `(data_ptr, shape, dtype)`.
 #[pyfunction]
-#[pyo3(signature = (obj, arg="x", dtypes=vec!["bfloat16".to_string()], device=0, shape=None))]
+#[pyo3(signature = (obj, arg="x", dtypes=vec!["bfloat16".to_string()], device=0, shape=None, stream=0))]
 pub(crate) fn _check_array(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
@@ -803,6 +861,7 @@ pub(crate) fn _check_array(
     dtypes: Vec<String>,
     device: usize,
     shape: Option<Vec<Option<usize>>>,
+    stream: u64,
 ) -> PyResult<(u64, Vec<usize>, &'static str)> {
     guarded(py, || {
         let arg: &'static str = Box::leak(arg.to_string().into_boxed_str());
@@ -810,7 +869,7 @@ pub(crate) fn _check_array(
             .iter()
             .map(|d| DType::from_name("dtypes", d))
             .collect::<Res<_>>()?;
-        let a = import(obj, arg, &want, device, None, 0)?;
+        let a = import(obj, arg, &want, device, None, stream)?;
         if let Some(shape) = shape {
             a.expect_shape(&shape, "an array of the shape given")?;
         }

@@ -107,8 +107,8 @@ class FakeCai:
         }
 
 
-def check(obj, arg="x", dtypes=("bfloat16",), shape=None, device=0):
-    return core._check_array(obj, arg, list(dtypes), device, shape)
+def check(obj, arg="x", dtypes=("bfloat16",), shape=None, device=0, stream=0):
+    return core._check_array(obj, arg, list(dtypes), device, shape, stream)
 
 
 class ArgumentChecks(unittest.TestCase):
@@ -224,6 +224,107 @@ KINDS = {
     "Io": (moe_ep.IoError, OSError, "I/O error"),
 }
 
+
+
+class TorchTensorExport(unittest.TestCase):
+    """A torch tensor (here a stand-in: a module named ``torch`` whose
+    ``Tensor`` the binding recognises, as it looks torch up in
+    ``sys.modules`` and never imports it) is exported without a stream where
+    the op runs on torch's current stream of the group's GPU, with the op's
+    stream where it does not, and detached where it requires grad."""
+
+    def setUp(self):
+        import sys
+        import types
+
+        self._saved = sys.modules.get("torch")
+        fake = types.ModuleType("torch")
+        self.current = {0: 0}
+        self.asked = []
+
+        def current_raw(device):
+            self.asked.append(device)
+            return self.current[device]
+
+        class Tensor(FakeArray):
+            def __init__(self, *a, requires_grad=False, **k):
+                super().__init__(*a, **k)
+                self.requires_grad = requires_grad
+                self.detached = None
+
+            def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+                if self.requires_grad:
+                    raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+                return super().__dlpack__(stream, max_version, dl_device, copy)
+
+            def detach(self):
+                d = Tensor(tuple(self._shape))
+                self.detached = d
+                return d
+
+        fake.Tensor = Tensor
+        fake._C = types.SimpleNamespace(_cuda_getCurrentRawStream=current_raw)
+        sys.modules["torch"] = fake
+        self.Tensor = Tensor
+
+    def tearDown(self):
+        import sys
+
+        if self._saved is None:
+            sys.modules.pop("torch", None)
+        else:
+            sys.modules["torch"] = self._saved
+
+    def test_on_the_current_stream_no_stream_is_passed(self):
+        self.current[0] = 0x5000
+        t = self.Tensor((4, 16))
+        check(t, shape=[4, 16], stream=0x5000)
+        self.assertEqual(t.streams, [-1])
+        self.assertEqual(self.asked, [0])
+        # The legacy default stream as torch's current one too.
+        self.current[0] = 0
+        t = self.Tensor((4, 16))
+        check(t, stream=0)
+        self.assertEqual(t.streams, [-1])
+
+    def test_on_another_stream_the_op_stream_is_passed(self):
+        self.current[0] = 0x5000
+        t = self.Tensor((4, 16))
+        check(t, stream=0x6000)
+        self.assertEqual(t.streams, [0x6000])
+        t = self.Tensor((4, 16))
+        check(t, stream=0)
+        self.assertEqual(t.streams, [1])
+
+    def test_the_current_stream_of_the_groups_gpu_is_asked(self):
+        self.current = {0: 7, 3: 0x5000}
+        t = self.Tensor((4, 16), device=(2, 3))
+        check(t, device=3, stream=0x5000)
+        self.assertEqual(self.asked, [3])
+        self.assertEqual(t.streams, [-1])
+
+    def test_a_tensor_that_requires_grad_is_exported_detached(self):
+        self.current[0] = 0x5000
+        t = self.Tensor((4, 16), requires_grad=True)
+        ptr, shape, _ = check(t, shape=[4, 16], stream=0x5000)
+        self.assertEqual((ptr, shape), (FAKE_PTR, [4, 16]))
+        self.assertEqual(t.streams, [])
+        self.assertIsNotNone(t.detached)
+        self.assertEqual(t.detached.streams, [-1])
+
+    def test_without_the_raw_lookup_the_op_stream_is_passed(self):
+        import sys
+
+        sys.modules["torch"]._C = object()
+        t = self.Tensor((4, 16))
+        check(t, stream=0x5000)
+        self.assertEqual(t.streams, [0x5000])
+
+    def test_other_arrays_are_unchanged(self):
+        self.current[0] = 0x5000
+        a = FakeArray((4, 16))
+        check(a, stream=0x5000)
+        self.assertEqual(a.streams, [0x5000])
 
 class Fp8Arguments(unittest.TestCase):
     """``Group.dispatch_fp8``'s argument checks (``core._check_fp8_args``, the
