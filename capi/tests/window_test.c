@@ -30,14 +30,16 @@
  * dispatch delivers row s * 6 + t = token t < 6 of rank s, and combine gives
  * 2 x for t < 6 and zeros for the dropped tokens.
  *
- * Last, a refusal of the C ABI's own checks on one rank, on the first
- * group: rank 1's dispatch has x NULL with a length, rank 0's is correct.
- * Rank 1 gets MOE_EP_ERR_INVALID_ARGUMENT naming `x`, and its refusal is
- * published: rank 0's dispatch stops at once, and its moe_ep_group_check
- * gets MOE_EP_ERR_PEER_FAILED naming rank 1 and `x` within 2 s of the
- * dispatch (the timeout is 10 s), rank 1's MOE_EP_ERR_INVALID_STATE naming
- * its refusal; then a new layout's dispatch and combine on both ranks give
- * 2 x again.
+ * Last, refusals of the C ABI's own checks on one rank, on the first
+ * group: rank 1's dispatch has x NULL with a length, then its layout an
+ * unknown layout code, then (after a dispatch on both) its combine
+ * expert_out NULL with a length; rank 0's calls are correct. Each time
+ * rank 1 gets MOE_EP_ERR_INVALID_ARGUMENT naming the argument, and its
+ * refusal is published: rank 0's op stops at once, and its
+ * moe_ep_group_check gets MOE_EP_ERR_PEER_FAILED naming rank 1 and the
+ * argument within 2 s of the op (the timeout is 10 s), rank 1's
+ * MOE_EP_ERR_INVALID_STATE naming its refusal; then a new layout's
+ * dispatch and combine on both ranks give 2 x again.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe_ep.h"
@@ -190,6 +192,82 @@ struct rank_args {
 #define CHECK(call, what) \
   if (!expect(r, (what), (call), MOE_EP_OK, NULL)) goto out
 
+static double since(const struct timespec *t0) {
+  struct timespec t1;
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  return (double)(t1.tv_sec - t0->tv_sec) + (t1.tv_nsec - t0->tv_nsec) * 1e-9;
+}
+
+/* A refusal of the C ABI's own checks on rank 1 only (`what`, naming
+ * `arg`): rank 1's op returned `got` MOE_EP_ERR_INVALID_ARGUMENT, rank 0's
+ * MOE_EP_OK; then the check on both, within 2 s of t0 on rank 0 (the
+ * timeout is 10 s): rank 0's MOE_EP_ERR_PEER_FAILED naming rank 1 and
+ * `arg`, rank 1's MOE_EP_ERR_INVALID_STATE naming `arg`. */
+static void expect_published(int r, moe_ep_group_t *group, const char *what,
+                             moe_ep_status_t got, const char *arg,
+                             const struct timespec *t0) {
+  char line[160];
+  snprintf(line, sizeof line, "%s on rank %d", what, r);
+  expect(r, line, got, r == 1 ? MOE_EP_ERR_INVALID_ARGUMENT : MOE_EP_OK, r == 1 ? arg : NULL);
+  moe_ep_status_t c = moe_ep_group_check(group);
+  const double took = since(t0);
+  snprintf(line, sizeof line, "%s: check", what);
+  if (r == 1) {
+    expect(r, line, c, MOE_EP_ERR_INVALID_STATE, arg);
+    return;
+  }
+  int named = c != MOE_EP_OK && strstr(moe_ep_last_error(), "rank 1") != NULL;
+  expect(r, line, c, MOE_EP_ERR_PEER_FAILED, arg);
+  snprintf(line, sizeof line, "%s: check names rank 1", what);
+  report(r, line, named, NULL);
+  char detail[64];
+  snprintf(detail, sizeof detail, "%.3f s", took);
+  snprintf(line, sizeof line, "%s: op and check within 2 s (the timeout is 10 s)", what);
+  report(r, line, took < 2.0, detail);
+}
+
+/* A new layout's dispatch into the group's buffers and combine into `out`:
+ * 2 x on every rank, then a clean check. Returns 0 where a call failed. */
+static int round_trip_2x(int r, moe_ep_group_t *group, moe_ep_stream_t stream,
+                         const moe_ep_layout_args_t *la, const moe_ep_dispatch_args_t *da,
+                         CUdeviceptr out, const char *what) {
+  moe_ep_handle_t *h = NULL;
+  moe_ep_dispatched_t *d = NULL;
+  int ok = 0;
+  char line[160];
+  snprintf(line, sizeof line, "layout %s", what);
+  if (!expect(r, line, moe_ep_layout(group, stream, la, &h), MOE_EP_OK, NULL)) goto done;
+  moe_ep_dispatch_args_t ga = MOE_EP_DISPATCH_ARGS_INIT;
+  ga.x = da->x;
+  ga.topk_weights = da->topk_weights;
+  snprintf(line, sizeof line, "dispatch %s", what);
+  if (!expect(r, line, moe_ep_dispatch(group, stream, h, &ga, &d), MOE_EP_OK, NULL)) goto done;
+  moe_ep_recv_buffers_t gb = MOE_EP_RECV_BUFFERS_INIT;
+  snprintf(line, sizeof line, "dispatched_buffers %s", what);
+  if (!expect(r, line, moe_ep_dispatched_buffers(d, &gb), MOE_EP_OK, NULL)) goto done;
+  moe_ep_combine_args_t gc = MOE_EP_COMBINE_ARGS_INIT;
+  gc.expert_out = (moe_ep_buf_t){gb.tokens.ptr, gb.tokens.len};
+  gc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
+  snprintf(line, sizeof line, "combine %s", what);
+  if (!expect(r, line, moe_ep_combine(group, stream, h, &gc), MOE_EP_OK, NULL)) goto done;
+  static uint16_t sum[WORLD][T * HIDDEN];
+  if (!cu_ok(r, "sync", cu.stream_synchronize(stream)) ||
+      !cu_ok(r, "download out", cu.dtoh(sum[r], out, sizeof sum[r], stream)) ||
+      !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+    goto done;
+  int same = 1;
+  for (int i = 0; i < T * HIDDEN; i++)
+    same &= sum[r][i] == bf16(2.0f * token(r, i / HIDDEN, i % HIDDEN));
+  snprintf(line, sizeof line, "the round trip %s is 2 x", what);
+  report(r, line, same, NULL);
+  snprintf(line, sizeof line, "group_check %s", what);
+  ok = expect(r, line, moe_ep_group_check(group), MOE_EP_OK, NULL) && same;
+done:
+  moe_ep_dispatched_destroy(d);
+  moe_ep_handle_destroy(h);
+  return ok;
+}
+
 static void *run_rank(void *p) {
   struct rank_args *a = p;
   const int r = a->rank;
@@ -210,7 +288,7 @@ static void *run_rank(void *p) {
   moe_ep_dispatched_t *dispatched = NULL, *fp8 = NULL, *dropped = NULL;
   moe_ep_group_t *drop_group = NULL;
   moe_ep_handle_t *drop_handle = NULL;
-  moe_ep_handle_t *again = NULL; /* the layout after the refusal (8) */
+  moe_ep_handle_t *again = NULL; /* the layouts of the refusals (9) */
   moe_ep_dispatched_t *refused = NULL, *redone = NULL;
   CUdeviceptr base = 0, x = 0, w = 0, idx = 0, out = 0, codes = 0, scales = 0;
   void *nccl_mem = NULL;
@@ -512,61 +590,57 @@ static void *run_rank(void *p) {
   CHECK(moe_ep_group_check(drop_group), "group_check (overflow drop)");
 
   /* 8: the C ABI's own check refuses rank 1's dispatch (x NULL with a
-   * length); the refusal is published, so rank 0 does not wait for it. */
+   * length); the refusal is published, so rank 0 does not wait for it.
+   * Handles made before the error are refused: then a new layout's round
+   * trip, into the group's own buffers. */
   pthread_barrier_wait(a->line);
   {
     moe_ep_dispatch_args_t ra = MOE_EP_DISPATCH_ARGS_INIT;
     ra.x = da.x;
     ra.topk_weights = da.topk_weights;
     if (r == 1) ra.x.ptr = NULL;
-    struct timespec t0, t1;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     moe_ep_status_t d = moe_ep_dispatch(group, stream, handle, &ra, &refused);
-    if (r == 1)
-      expect(r, "dispatch with x NULL refused", d, MOE_EP_ERR_INVALID_ARGUMENT, "`x`");
-    else
-      expect(r, "dispatch beside rank 1's refusal", d, MOE_EP_OK, NULL);
-    moe_ep_status_t c = moe_ep_group_check(group);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    const double took = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
-    if (r == 1) {
-      expect(r, "check names this rank's refusal", c, MOE_EP_ERR_INVALID_STATE, "`x`");
-    } else {
-      int named = c != MOE_EP_OK && strstr(moe_ep_last_error(), "rank 1") != NULL;
-      expect(r, "check: peer failed, naming `x`", c, MOE_EP_ERR_PEER_FAILED, "`x`");
-      report(r, "check names rank 1", named, NULL);
-      char detail[64];
-      snprintf(detail, sizeof detail, "%.3f s", took);
-      report(r, "dispatch and check within 2 s (the timeout is 10 s)", took < 2.0, detail);
-    }
+    expect_published(r, group, "dispatch with x NULL", d, "`x`", &t0);
     moe_ep_dispatched_destroy(refused);
     refused = NULL;
   }
-  /* Handles made before the error are refused: a new layout's round trip,
-   * into the group's own buffers. */
-  CHECK(moe_ep_layout(group, stream, &la, &again), "layout after the refusal");
-  moe_ep_dispatch_args_t ga = MOE_EP_DISPATCH_ARGS_INIT;
-  ga.x = da.x;
-  ga.topk_weights = da.topk_weights;
-  CHECK(moe_ep_dispatch(group, stream, again, &ga, &redone), "dispatch after the refusal");
+  if (!round_trip_2x(r, group, stream, &la, &da, out, "after the refused dispatch")) goto out;
+
+  /* 9: the same for a layout (an unknown layout code on rank 1) and for a
+   * combine (expert_out NULL with a length on rank 1, after a dispatch that
+   * ran on both), each followed by a round trip. */
+  pthread_barrier_wait(a->line);
   {
-    moe_ep_recv_buffers_t gb = MOE_EP_RECV_BUFFERS_INIT;
-    CHECK(moe_ep_dispatched_buffers(redone, &gb), "dispatched_buffers after the refusal");
-    moe_ep_combine_args_t gc = MOE_EP_COMBINE_ARGS_INIT;
-    gc.expert_out = (moe_ep_buf_t){gb.tokens.ptr, gb.tokens.len};
-    gc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
-    CHECK(moe_ep_combine(group, stream, again, &gc), "combine after the refusal");
-    static uint16_t sum[WORLD][T * HIDDEN];
-    if (!cu_ok(r, "sync", cu.stream_synchronize(stream)) ||
-        !cu_ok(r, "download out", cu.dtoh(sum[r], out, sizeof sum[r], stream)) ||
-        !cu_ok(r, "sync", cu.stream_synchronize(stream)))
-      goto out;
-    int ok = 1;
-    for (int i = 0; i < T * HIDDEN; i++)
-      ok &= sum[r][i] == bf16(2.0f * token(r, i / HIDDEN, i % HIDDEN));
-    report(r, "the round trip after the refusal is 2 x", ok, NULL);
+    moe_ep_layout_args_t rl = la;
+    if (r == 1) rl.layout = 7;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    moe_ep_status_t l = moe_ep_layout(group, stream, &rl, &again);
+    expect_published(r, group, "layout with layout code 7", l, "`layout`", &t0);
+    moe_ep_handle_destroy(again);
+    again = NULL;
   }
-  CHECK(moe_ep_group_check(group), "group_check after the refusal");
+  if (!round_trip_2x(r, group, stream, &la, &da, out, "after the refused layout")) goto out;
+  pthread_barrier_wait(a->line);
+  CHECK(moe_ep_layout(group, stream, &la, &again), "layout before the refused combine");
+  {
+    moe_ep_dispatch_args_t ga = MOE_EP_DISPATCH_ARGS_INIT;
+    ga.x = da.x;
+    ga.topk_weights = da.topk_weights;
+    CHECK(moe_ep_dispatch(group, stream, again, &ga, &redone), "dispatch before the refused combine");
+    moe_ep_recv_buffers_t gb = MOE_EP_RECV_BUFFERS_INIT;
+    CHECK(moe_ep_dispatched_buffers(redone, &gb), "dispatched_buffers before the refused combine");
+    moe_ep_combine_args_t rc = MOE_EP_COMBINE_ARGS_INIT;
+    rc.expert_out = (moe_ep_buf_t){r == 1 ? NULL : gb.tokens.ptr, gb.tokens.len};
+    rc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    moe_ep_status_t c = moe_ep_combine(group, stream, again, &rc);
+    expect_published(r, group, "combine with expert_out NULL", c, "`expert_out`", &t0);
+  }
+  if (!round_trip_2x(r, group, stream, &la, &da, out, "after the refused combine")) goto out;
 
 out:
   /* Every rank is done with its peers' windows before anything goes. */
