@@ -39,7 +39,9 @@
  * moe_ep_group_check gets MOE_EP_ERR_PEER_FAILED naming rank 1 and the
  * argument within 2 s of the op (the timeout is 10 s), rank 1's
  * MOE_EP_ERR_INVALID_STATE naming its refusal; then a new layout's
- * dispatch and combine on both ranks give 2 x again.
+ * dispatch and combine on both ranks give 2 x again. The same for a
+ * low-latency dispatch (x NULL with a length on rank 1, a group of
+ * MOE_EP_MODE_LOW_LATENCY), then a batch's round trip.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe_ep.h"
@@ -290,6 +292,8 @@ static void *run_rank(void *p) {
   moe_ep_handle_t *drop_handle = NULL;
   moe_ep_handle_t *again = NULL; /* the layouts of the refusals (9) */
   moe_ep_dispatched_t *refused = NULL, *redone = NULL;
+  moe_ep_group_t *ll_group = NULL;
+  moe_ep_ll_handle_t *ll_refused = NULL;
   CUdeviceptr base = 0, x = 0, w = 0, idx = 0, out = 0, codes = 0, scales = 0;
   void *nccl_mem = NULL;
   uint16_t *host = malloc(WINDOW_BYTES);
@@ -364,6 +368,10 @@ static void *run_rank(void *p) {
   drop_cfg.overflow = MOE_EP_OVERFLOW_DROP;
   drop_cfg.padding = MOE_EP_PADDING_UNTOUCHED;
   CHECK(moe_ep_group_create(comm, &drop_cfg, &drop_group), "group_create (overflow drop)");
+  /* The low-latency group (10), made before any kernel runs. */
+  moe_ep_group_config_t ll_cfg = cfg;
+  ll_cfg.mode = MOE_EP_MODE_LOW_LATENCY;
+  CHECK(moe_ep_group_create(comm, &ll_cfg, &ll_group), "group_create (low latency)");
   if (a->nccl) {
     expect(r, "wrap_device on NCCL ranks refused", moe_ep_pool_wrap_device(group, (void *)(uintptr_t)base, WINDOW_BYTES, &window),
            MOE_EP_ERR_INVALID_ARGUMENT, "`group`");
@@ -642,6 +650,57 @@ static void *run_rank(void *p) {
   }
   if (!round_trip_2x(r, group, stream, &la, &da, out, "after the refused combine")) goto out;
 
+  /* 10: a low-latency dispatch refused by the C ABI's own check on rank 1
+   * (x NULL with a length): its send tells every home, rank 0's dispatch
+   * stops, the checks name it; then a batch round trip (rank-major,
+   * identity experts of weight 1: each rank's received rows are its
+   * expert's outputs, summed home to 2 x). */
+  pthread_barrier_wait(a->line);
+  {
+    moe_ep_ll_dispatch_args_t lr = MOE_EP_LL_DISPATCH_ARGS_INIT;
+    lr.x = da.x;
+    lr.topk_idx = la.topk_idx;
+    lr.topk_idx_dtype = MOE_EP_DTYPE_I64;
+    lr.topk_weights = da.topk_weights;
+    lr.topk = TOPK;
+    lr.layout = MOE_EP_LAYOUT_RANK_MAJOR;
+    moe_ep_ll_dispatch_args_t bad_x = lr;
+    if (r == 1) bad_x.x.ptr = NULL;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    moe_ep_status_t d = moe_ep_ll_dispatch(ll_group, stream, &bad_x, &ll_refused);
+    expect_published(r, ll_group, "low-latency dispatch with x NULL", d, "`x`", &t0);
+    moe_ep_ll_handle_destroy(ll_refused);
+    ll_refused = NULL;
+    moe_ep_ll_handle_t *b = NULL;
+    int ok = 0;
+    if (expect(r, "low-latency dispatch after the refusal", moe_ep_ll_dispatch(ll_group, stream, &lr, &b),
+               MOE_EP_OK, NULL)) {
+      moe_ep_ll_buffers_t lb = MOE_EP_LL_BUFFERS_INIT;
+      moe_ep_ll_combine_args_t lc = MOE_EP_LL_COMBINE_ARGS_INIT;
+      if (expect(r, "ll_handle_buffers", moe_ep_ll_handle_buffers(b, &lb), MOE_EP_OK, NULL)) {
+        lc.expert_out = lb.tokens;
+        lc.out = (moe_ep_buf_mut_t){(void *)(uintptr_t)out, T * HIDDEN};
+        ok = expect(r, "low-latency combine after the refusal",
+                    moe_ep_ll_combine(ll_group, stream, b, &lc), MOE_EP_OK, NULL);
+      }
+    }
+    if (ok) {
+      static uint16_t sum[WORLD][T * HIDDEN];
+      if (!cu_ok(r, "sync", cu.stream_synchronize(stream)) ||
+          !cu_ok(r, "download out", cu.dtoh(sum[r], out, sizeof sum[r], stream)) ||
+          !cu_ok(r, "sync", cu.stream_synchronize(stream)))
+        ok = 0;
+      int same = ok;
+      for (int i = 0; ok && i < T * HIDDEN; i++)
+        same &= sum[r][i] == bf16(2.0f * token(r, i / HIDDEN, i % HIDDEN));
+      report(r, "the low-latency round trip after the refusal is 2 x", same, NULL);
+    }
+    moe_ep_ll_handle_destroy(b);
+    expect(r, "group_check (low latency) after the round trip", moe_ep_group_check(ll_group),
+           MOE_EP_OK, NULL);
+  }
+
 out:
   /* Every rank is done with its peers' windows before anything goes. */
   pthread_barrier_wait(a->line);
@@ -656,6 +715,8 @@ out:
   moe_ep_buffer_free(window);
   moe_ep_group_destroy(group);
   moe_ep_group_destroy(drop_group);
+  moe_ep_ll_handle_destroy(ll_refused);
+  moe_ep_group_destroy(ll_group);
   pthread_barrier_wait(a->line);
   if (win) nccl.window_deregister(nc, win);
   if (nccl_mem) nccl.mem_free(nccl_mem);
