@@ -134,6 +134,21 @@ def main():
             a.iters,
         )
     )
+    # Where the Rust host time goes: a layout whose handles are all kept
+    # until the time is taken (against the loop that drops each), and the
+    # pool allocations of a dispatch without its kernel.
+    probes = []
+    for name, op, arrays in [
+        ("layout, handles dropped", "layout", [idx]),
+        ("layout, handles kept", "layout_keep", [idx]),
+        ("dispatch's 4 pool allocations", "pool", [x, w]),
+    ]:
+        fn = lambda n, op=op, arrays=arrays: core._rust_loop(
+            group._g, s, op, n, arrays, handle=h._h, layout="rank_major"
+        )
+        fn(10)
+        best = min(fn(a.iters) for _ in range(3))
+        probes.append({"probe": name, "rust_host_us": best[0] * 1e6, "rust_total_us": best[1] * 1e6})
     group.check()
     del d, y, h, group
 
@@ -164,9 +179,16 @@ def main():
     for r in results:
         print(f"{r['op']:<24}{r['python_host_us']:>13.1f}{r['rust_host_us']:>11.1f}"
               f"{r['overhead_host_us']:>10.1f}{r['python_total_us']:>14.1f}{r['rust_total_us']:>12.1f}")
+    print(f"{'rust probe':<34}{'host':>8}{'total':>8}  (us per call)")
+    for p in probes:
+        print(f"{p['probe']:<34}{p['rust_host_us']:>8.1f}{p['rust_total_us']:>8.1f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "args": vars(a), "results": results}, f, indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(0), "args": vars(a), "results": results, "probes": probes},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ use crate::stream;
 /// returns `(host seconds per call, seconds per call until the stream
 /// drained)`. `op`: `"layout"` (`arrays` = topk_idx), `"dispatch"` (x,
 /// topk_weights), `"combine"` (expert_out, out), `"ll"` (ll_dispatch and
-/// ll_combine: x, topk_idx, topk_weights, expert_out, out).
+/// ll_combine: x, topk_idx, topk_weights, expert_out, out). Two probes of
+/// where the host time goes: `"layout_keep"` is `"layout"` with every
+/// handle kept until the loop's time is taken (what dropping one costs),
+/// `"pool"` (x, topk_weights; `handle`) the four pool allocations a
+/// dispatch into the pool makes, and their release, without a kernel.
 #[pyfunction]
 #[pyo3(signature = (group, stream, op, iters, arrays, handle=None, layout="expert_major"))]
 #[allow(clippy::too_many_arguments)]
@@ -32,8 +36,8 @@ pub(crate) fn _rust_loop(
 ) -> PyResult<(f64, f64)> {
     guarded(py, || {
         let want: &[&[DType]] = match op {
-            "layout" => &[&[DType::I64]],
-            "dispatch" => &[&[DType::Bf16], &[DType::F32]],
+            "layout" | "layout_keep" => &[&[DType::I64]],
+            "dispatch" | "pool" => &[&[DType::Bf16], &[DType::F32]],
             "combine" => &[&[DType::Bf16], &[DType::Bf16]],
             "ll" => &[
                 &[DType::Bf16],
@@ -42,7 +46,13 @@ pub(crate) fn _rust_loop(
                 &[DType::Bf16],
                 &[DType::Bf16],
             ],
-            other => return Err(value_err("op", "layout, dispatch, combine or ll", other)),
+            other => {
+                return Err(value_err(
+                    "op",
+                    "layout, layout_keep, dispatch, pool, combine or ll",
+                    other,
+                ))
+            }
         };
         if arrays.len() != want.len() {
             return Err(value_err(
@@ -57,7 +67,7 @@ pub(crate) fn _rust_loop(
             .map(|(o, w)| group.import(o, "arrays", w, stream))
             .collect::<Result<Vec<_>, _>>()?;
         let h = match (op, handle) {
-            ("layout" | "ll", _) => None,
+            ("layout" | "layout_keep" | "ll", _) => None,
             (_, Some(h)) => Some(&h.h),
             (_, None) => return Err(value_err("handle", "the layout's handle", "None")),
         };
@@ -70,18 +80,37 @@ pub(crate) fn _rust_loop(
             let s = stream::wrap(&group.ctx, stream)?;
             s.synchronize()
                 .map_err(moe_ep::Error::cuda("cuStreamSynchronize"))?;
+            let rl = match ll {
+                LlLayout::RankMajor => moe_ep::RecvLayout::RankMajor,
+                LlLayout::ExpertMajor => moe_ep::RecvLayout::ExpertMajor { alignment: 1 },
+            };
+            let mut kept = Vec::new();
             let t0 = Instant::now();
             for _ in 0..iters {
                 match op {
-                    "layout" => {
+                    "layout" | "layout_keep" => {
                         let idx = Raw::<i64>::of(&a[0]);
-                        let rl = match ll {
-                            LlLayout::RankMajor => moe_ep::RecvLayout::RankMajor,
-                            LlLayout::ExpertMajor => {
-                                moe_ep::RecvLayout::ExpertMajor { alignment: 1 }
-                            }
+                        let h = group.g.layout(&s, TopkIdx::I64(&idx), topk, rl)?;
+                        if op == "layout_keep" {
+                            kept.push(h);
+                        }
+                    }
+                    "pool" => {
+                        // dispatch's: recv_tokens, recv_topk_weights, the
+                        // received ids and sources.
+                        let h = h.expect("checked");
+                        let (cap, pool) = (group.g.recv_capacity(), group.g.pool());
+                        let k = h.topk();
+                        let wpr = match h.layout() {
+                            moe_ep::RecvLayout::RankMajor => k,
+                            moe_ep::RecvLayout::ExpertMajor { .. } => 1,
                         };
-                        drop(group.g.layout(&s, TopkIdx::I64(&idx), topk, rl)?);
+                        drop((
+                            pool.alloc::<bf16>(cap * group.hidden())?,
+                            pool.alloc::<f32>(cap * wpr)?,
+                            pool.alloc::<i32>(cap * wpr)?,
+                            pool.alloc::<i32>(cap * 2)?,
+                        ));
                     }
                     "dispatch" => {
                         let (x, w) = (Raw::<bf16>::of(&a[0]), Raw::<f32>::of(&a[1]));
@@ -117,6 +146,7 @@ pub(crate) fn _rust_loop(
                 }
             }
             let host = t0.elapsed().as_secs_f64();
+            drop(kept);
             s.synchronize()
                 .map_err(moe_ep::Error::cuda("cuStreamSynchronize"))?;
             let total = t0.elapsed().as_secs_f64();
