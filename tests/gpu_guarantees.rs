@@ -6,7 +6,8 @@
 //!   alternating (or one of them), handles and outputs dropped every cycle
 //!   and no host sync in the loop; the last cycle's output checked bit for
 //!   bit. `MOE_EP_SOAK_CYCLES` sets the cycles (default 300; the ignored
-//!   `plain_loop_soak` runs 10,000).
+//!   `plain_loop_soak` runs 10,000). `plain_loop_after_a_refusal_on_every_rank`
+//!   starts with a dispatch every rank refuses alike, not checked.
 //! - `fault_*`: the fault-injection table. Each row gives a bad input to
 //!   one rank only (the last), asserts what every rank sees (the error's
 //!   kind, the argument or rank it names) and how fast (far below the
@@ -108,6 +109,14 @@ fn cycles(default: usize) -> usize {
 
 /// One rank's plain loop of `n` cycles.
 fn plain_loop(r: &Rank, layouts: Layouts, n: usize) -> Result<()> {
+    plain_loop_after(r, layouts, n, false)
+}
+
+/// [`plain_loop`], after a dispatch with a short `x` on every rank
+/// (`refused_first`), refused everywhere alike: no check between, so the
+/// loop runs with every rank's refusal still on record (virtual ranks stay
+/// paced: the ranks are in step), and the check after it is Ok.
+fn plain_loop_after(r: &Rank, layouts: Layouts, n: usize, refused_first: bool) -> Result<()> {
     let s: &Arc<CudaStream> = &r.stream;
     let group = EpGroup::new(&r.comm, loop_config(r)?)?;
     let x_host = workload::tokens(&mut Rng::new(77 + r.rank as u64), TOKENS, HIDDEN);
@@ -118,6 +127,19 @@ fn plain_loop(r: &Rank, layouts: Layouts, n: usize) -> Result<()> {
         .alloc_zeros::<bf16>(TOKENS * HIDDEN)
         .map_err(Error::cuda("alloc"))?;
     let sync_each = std::env::var_os("MOE_EP_SOAK_SYNC").is_some_and(|v| v == "1");
+    if refused_first {
+        let handle = group.layout(s, TopkIdx::I32(&idx), TOPK, layouts.of(0))?;
+        let short = x.slice(0..TOKENS * HIDDEN - 8);
+        match group.dispatch(s, &handle, &short, &w, DispatchOut::default()) {
+            Err(Error::InvalidArgument { arg: "x", .. }) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "a short x on every rank: expected InvalidArgument naming x, got {:?}",
+                    other.map(|_| ())
+                )))
+            }
+        }
+    }
     let t0 = Instant::now();
     for cycle in 0..n {
         let layout = layouts.of(cycle);
@@ -179,6 +201,13 @@ fn plain_loop_rank_major() {
 fn plain_loop_expert_major() {
     run_worlds("plain_loop_expert_major", 2, |r| {
         plain_loop(r, Layouts::ExpertOnly, cycles(300))
+    });
+}
+
+#[test]
+fn plain_loop_after_a_refusal_on_every_rank() {
+    run_worlds("plain_loop_after_a_refusal_on_every_rank", 2, |r| {
+        plain_loop_after(r, Layouts::Alternating, cycles(300), true)
     });
 }
 

@@ -290,46 +290,88 @@ impl HostGroup {
 /// every rank has arrived as often as this one, or fails naming the ranks
 /// that have not, without breaking anything (unlike a [`HostGroup`]
 /// collective: later arrivals are counted as before).
+///
+/// A rank's host may refuse a call ([`OpBarrier::arrive`]'s `refused`).
+/// Where every rank refused the same call the ranks are still in step and
+/// the arrivals pace them as before; where one refused a call that another
+/// made, their programs may part (the refusing rank retries, its peer
+/// checks), so neither waits for the other until [`OpBarrier::realign`].
 pub struct OpBarrier {
-    arrivals: Mutex<Vec<u64>>,
+    state: Mutex<Arrivals>,
     wake: Condvar,
+}
+
+/// Per rank: arrivals, the arrival at which its host last refused its call
+/// (0: none), and the count it was realigned to (refusals at or below it
+/// are of before the realignment).
+struct Arrivals {
+    count: Vec<u64>,
+    refused: Vec<u64>,
+    since: Vec<u64>,
+}
+
+impl Arrivals {
+    /// Whether `rank` and a peer parted on a refusal since `rank` was last
+    /// realigned: one refused a call the other has made without refusing.
+    fn parted(&self, rank: usize) -> bool {
+        let base = self.since[rank];
+        let fresh = |r: usize| Some(self.refused[r]).filter(|&a| a > base);
+        let mine = fresh(rank);
+        (0..self.count.len()).any(|p| {
+            let theirs = fresh(p);
+            theirs != mine
+                && (mine.is_some_and(|a| self.count[p] >= a)
+                    || theirs.is_some_and(|a| self.count[rank] >= a))
+        })
+    }
 }
 
 impl OpBarrier {
     /// A barrier of `world` ranks, no arrival yet.
     pub fn new(world: usize) -> OpBarrier {
         OpBarrier {
-            arrivals: Mutex::new(vec![0; world]),
+            state: Mutex::new(Arrivals {
+                count: vec![0; world],
+                refused: vec![0; world],
+                since: vec![0; world],
+            }),
             wake: Condvar::new(),
         }
     }
 
-    /// Counts `rank`'s next arrival and waits (at most `timeout`) until every
-    /// rank has arrived as often, or until `stop()` (looked at every
-    /// millisecond) says the wait is moot. `what` names the point in the
-    /// error.
+    /// Counts `rank`'s next arrival (`refused`: its host refused the call
+    /// it arrives from) and waits (at most `timeout`) until every rank has
+    /// arrived as often, or until `stop()` (looked at every millisecond)
+    /// says the wait is moot, or this rank and a peer parted on a refusal
+    /// (see [`OpBarrier`]). `what` names the point in the error.
     pub fn arrive(
         &self,
         rank: usize,
         what: &'static str,
         timeout: Duration,
+        refused: bool,
         stop: &dyn Fn() -> bool,
     ) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
-        a[rank] += 1;
-        let target = a[rank];
+        let mut a = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        a.count[rank] += 1;
+        let target = a.count[rank];
+        if refused {
+            a.refused[rank] = target;
+        }
         self.wake.notify_all();
         loop {
-            let missing: Vec<usize> = (0..a.len()).filter(|&r| a[r] < target).collect();
-            if missing.is_empty() {
+            let missing: Vec<usize> = (0..a.count.len())
+                .filter(|&r| a.count[r] < target)
+                .collect();
+            if missing.is_empty() || a.parted(rank) {
                 return Ok(());
             }
             drop(a);
             if stop() {
                 return Ok(());
             }
-            a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+            a = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::CollectiveFailed {
@@ -352,15 +394,17 @@ impl OpBarrier {
 
     /// How often `rank` has arrived.
     pub fn arrivals(&self, rank: usize) -> u64 {
-        self.arrivals.lock().unwrap_or_else(|p| p.into_inner())[rank]
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).count[rank]
     }
 
     /// Counts `rank` as having arrived `to` times (after an error, when the
     /// ranks made different calls: every rank sets the same count, the most
-    /// any rank had, at the same point of its program).
+    /// any rank had, at the same point of its program); refusals up to
+    /// then no longer part it from its peers.
     pub fn realign(&self, rank: usize, to: u64) {
-        let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
-        a[rank] = to;
+        let mut a = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        a.count[rank] = to;
+        a.since[rank] = to;
         self.wake.notify_all();
     }
 }
@@ -547,5 +591,72 @@ mod tests {
             assert!(e.to_string().contains("aborted"), "{e}");
         });
         assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    /// Two ranks through one op barrier: rank 1 arrives `late` after rank
+    /// 0 did; returns how long rank 0's arrival took.
+    fn op_pair(b: &OpBarrier, refused: [bool; 2], late: Duration) -> Duration {
+        let next = b.arrivals(0) + 1;
+        std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                let t0 = Instant::now();
+                b.arrive(0, "op", Duration::from_secs(10), refused[0], &|| false)
+                    .unwrap();
+                t0.elapsed()
+            });
+            while b.arrivals(0) < next {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(late);
+            b.arrive(1, "op", Duration::from_secs(10), refused[1], &|| false)
+                .unwrap();
+            h.join().unwrap()
+        })
+    }
+
+    #[test]
+    fn op_barrier_paces_ranks_that_refused_the_same_call() {
+        let b = OpBarrier::new(2);
+        let late = Duration::from_millis(60);
+        assert!(op_pair(&b, [false, false], late) >= late);
+        // Both refused call 2: still in step, still paced, then and later.
+        assert!(op_pair(&b, [true, true], late) >= late);
+        assert!(op_pair(&b, [false, false], late) >= late);
+        assert_eq!((b.arrivals(0), b.arrivals(1)), (3, 3));
+    }
+
+    #[test]
+    fn op_barrier_lets_ranks_part_on_a_refusal_of_one_until_realigned() {
+        let b = OpBarrier::new(2);
+        let late = Duration::from_millis(200);
+        // Rank 1 refused call 1, rank 0 made it: rank 0 does not wait once
+        // rank 1 has arrived from it...
+        assert!(op_pair(&b, [false, true], Duration::ZERO) < late);
+        // ...nor at its next call, where rank 1 (retrying, say) comes late.
+        assert!(op_pair(&b, [false, false], late) < late);
+        // Rank 1 retried once more than rank 0: realigned to the most,
+        // the ranks are paced again.
+        b.arrive(1, "op", Duration::from_secs(10), false, &|| false)
+            .unwrap();
+        b.realign(0, 3);
+        b.realign(1, 3);
+        assert!(op_pair(&b, [false, false], late) >= late);
+        // The same with rank 0 the one that refused.
+        let b = OpBarrier::new(2);
+        assert!(op_pair(&b, [true, false], Duration::ZERO) < late);
+        assert!(op_pair(&b, [false, false], late) < late);
+    }
+
+    #[test]
+    fn op_barrier_waits_for_a_peer_that_has_not_reached_the_refused_call() {
+        // Rank 0 refused call 1; rank 1 has not made call 1 yet: it may
+        // refuse it too, so rank 0 waits for it.
+        let b = OpBarrier::new(2);
+        let late = Duration::from_millis(60);
+        assert!(op_pair(&b, [true, true], late) >= late);
+        let e = OpBarrier::new(2)
+            .arrive(0, "op", Duration::from_millis(30), true, &|| false)
+            .unwrap_err();
+        assert!(e.to_string().contains("rank 1"), "{e}");
     }
 }

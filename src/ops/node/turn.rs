@@ -106,17 +106,20 @@ impl NodeGroup {
         refuse: Refuse<'_>,
         body: impl FnOnce(&OpTurn<'_>) -> Result<T>,
     ) -> Result<T> {
-        let out = {
+        let (out, refused) = {
             let mut turn = self.turn(name, op);
             let res = self
                 .enter(&mut turn, stream, handle)
                 .and_then(|()| body(&turn));
             match res {
-                Ok(v) => Ok(v),
-                Err(e) => Err(self.refused(turn, e, refuse)),
+                Ok(v) => (Ok(v), false),
+                Err(e) => {
+                    let (e, refused) = self.refused(turn, e, refuse);
+                    (Err(e), refused)
+                }
             }
         };
-        match (out, self.virtual_barrier()) {
+        match (out, self.virtual_barrier(refused)) {
             (Ok(v), Ok(())) => Ok(v),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         }
@@ -190,8 +193,9 @@ impl NodeGroup {
     /// op launched its kernels, this rank's part of the call is published
     /// as refused, naming the argument of `e`, so that no peer waits for it;
     /// this rank's `check` then names the refusal (unless every rank refused
-    /// the call: nothing is then out of step). Returns `e`.
-    fn refused(&self, mut turn: OpTurn<'_>, e: Error, refuse: Refuse<'_>) -> Error {
+    /// the call: nothing is then out of step). Returns `e` and whether it
+    /// was this rank's own refusal (not an error every rank shares).
+    fn refused(&self, mut turn: OpTurn<'_>, e: Error, refuse: Refuse<'_>) -> (Error, bool) {
         let dead = self.poisoned.load(Ordering::Relaxed) || self.comm.is_aborted();
         // An error this rank's kernels already hold (its peers found it
         // too): the call is skipped, not refused.
@@ -230,7 +234,7 @@ impl NodeGroup {
                 desc::op_name(turn.op)
             ));
         }
-        e
+        (e, !shared && !dead)
     }
 
     /// Launches the refusal of `turn`'s call (moe_ep_publish_refusal, whose
@@ -276,26 +280,20 @@ impl NodeGroup {
     /// rank's kernels wait for it.
     /// A rank that does not come within twice the group's timeout leaves
     /// the ops out of step: the group is then unusable on the ranks that
-    /// came. Once
-    /// this rank holds an error, or its host refused a call since the last
-    /// `check`, the wait ends at once (its kernels skip every call until
-    /// `check`, or meet peers that stopped on its refusal; `check` counts
-    /// every rank in step again): after an error the ranks' programs may
-    /// make different calls (a rank retries the call its host refused).
-    fn virtual_barrier(&self) -> Result<()> {
+    /// came. Once this rank holds an error, or it and a peer parted on a
+    /// refusal (one's host refused a call the other made: `refused` says
+    /// this call was refused here), the wait ends at once until `check`
+    /// (its kernels skip every call, or meet peers that stopped on the
+    /// refusal; `check` counts every rank in step again): the ranks'
+    /// programs may then make different calls (a rank retries the call its
+    /// host refused). Ranks that all refused the same call stay in step and
+    /// paced.
+    fn virtual_barrier(&self, refused: bool) -> Result<()> {
         let Some(b) = &self.op_barrier else {
             return Ok(());
         };
-        let holds_error = || {
-            self.poisoned.load(Ordering::Relaxed)
-                || self.error.read().code != abi::code::OK
-                || self
-                    .turns
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .refused
-                    .is_some()
-        };
+        let holds_error =
+            || self.poisoned.load(Ordering::Relaxed) || self.error.read().code != abi::code::OK;
         b.arrive(
             self.comm.rank(),
             "op (virtual ranks enqueue every op in step)",
@@ -303,6 +301,7 @@ impl NodeGroup {
             // first by the kernels that wait for it (naming it), which ends
             // this wait (an error held).
             2 * self.cfg.timeout,
+            refused,
             &holds_error,
         )
         .inspect_err(|_| self.poisoned.store(true, Ordering::Relaxed))
