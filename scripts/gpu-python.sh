@@ -6,7 +6,8 @@
 # the binary needs glibc >= 2.34 as built on Debian 12):
 # installs it into /tmp/site, then runs the Python package's GPU tests at
 # NCCL world 1 and virtual worlds 2, 4 and 8, the example at virtual world 4
-# and NCCL world 1, and the overhead measurement (Python over Rust). Logs
+# and NCCL world 1, and the overhead measurement (Python over Rust, each
+# op's Python profile, the Rust host-time probes). Logs
 # land in $OUT (or /tmp/gpu-python); the last lines printed are the summary.
 # The whole script ends within BUDGET_S seconds (default 420, 7 minutes):
 # every step's timeout is cut to what is left of it, and a step with less
@@ -59,13 +60,13 @@ for w in 1 2 4 8; do
 done
 run example-virtual4 30 python3 examples/python/moe_layer.py --world 4
 run example-nccl1 20 python3 examples/python/moe_layer.py --world 1
-run overhead 30 python3 python/bench/overhead.py --iters 100 --json "$out/overhead.json"
+run overhead 60 python3 python/bench/overhead.py --iters 100 --profile 15 --json "$out/overhead.json"
 
 echo "== summary"
 grep -hE "^(Ran|OK|FAILED)" "$out"/gpu-tests-world*.log "$out/cpu-tests.log" | paste -sd' ' | cut -c1-400
 grep -hE "^(FAIL|ERROR):" "$out"/*.log | head -20
 grep -h "^world" "$out"/example-*.log
-tail -6 "$out/overhead.log"
+tail -10 "$out/overhead.log"
 fails=0
 for k in "${!rc[@]}"; do [ "${rc[$k]}" = 0 ] || fails=$((fails + 1)); done
 echo "== gpu-python: ${#rc[@]} steps, $fails failed, $(( $(date +%s) - t0 )) s"
