@@ -738,8 +738,10 @@ impl EpGroup {
     /// the communicator was aborted, the handle is another group's).
     ///
     /// On several nodes nothing is published (the two-level ops' own host
-    /// refusals are not either): the peers wait until their timeout, naming
-    /// this rank.
+    /// refusals are not either): the node peers wait until their timeout,
+    /// naming this rank, the peers on other nodes in the network hop until
+    /// the host collectives' timeout on virtual nodes, over NCCL until
+    /// [`Communicator::abort`](crate::Communicator::abort).
     ///
     /// ```no_run
     /// # use moe_ep::{EpGroup, Error, Handle, RefusedCall};
