@@ -26,6 +26,8 @@ thread and one torch stream each.
   written here, then dispatch into eagerly sized buffers of
   ``max_recv_rows`` rows and combine bit for bit against the reference of
   the kept routing); the memory footprint.
+- Streams: an op given ``stream=`` waits for its inputs written on
+  torch's current stream.
 - A group from a ``torch.distributed`` process group (gloo, world 1) and
   the refusals, in the run whose worlds include 1.
 
@@ -704,6 +706,40 @@ class LowLatency(unittest.TestCase):
                     barrier.wait()
                     del g
                     return True
+
+                run_world(world, rank)
+
+
+@unittest.skipUnless(HAVE_GPU, "needs torch with CUDA and a GPU")
+class Streams(unittest.TestCase):
+    def test_an_op_on_another_stream_waits_for_its_inputs(self):
+        """x is written on torch's current stream behind a long kernel; the
+        layout and dispatch run on another stream (``stream=``), so the
+        export must order that stream after the current one (an op on the
+        current stream itself needs nothing: its tensors are exported
+        without a stream). The rows received are x's, not the zeros x
+        held before."""
+        for world in WORLDS:
+            with self.subTest(world=world):
+
+                def rank(comm):
+                    r = comm.rank
+                    group = ht_group(comm, world, 4, "rank_major")
+                    all_in = [inputs(s, world, seed=5) for s in range(world)]
+                    x_dev, idx, w = (t.cuda() for t in all_in[r])
+                    x = torch.zeros_like(x_dev)
+                    side = torch.cuda.Stream()
+                    torch.cuda.current_stream().synchronize()
+                    torch.cuda._sleep(20_000_000)  # ~10 ms of this stream
+                    x.copy_(x_dev)
+                    h = group.layout(idx, stream=side)
+                    d = group.dispatch(h, x, w, stream=side)
+                    rows = h.host_counts(stream=side)["recv_rows"]
+                    rt = ref_dispatch(all_in, r, 4, "rank_major")[0]
+                    if rt is not None:
+                        self.assertTrue(torch.equal(cpu(d.tokens[:rows]), rt), f"rank {r}")
+                    group.check()
+                    return rows
 
                 run_world(world, rank)
 
