@@ -18,7 +18,7 @@
 #![cfg(feature = "multi-gpu")]
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use moe_ep::ops::{DeviceRegion, DispatchOut, TopkIdx};
 use moe_ep::reference::{self as refr, RankInput, Shape};
@@ -684,6 +684,93 @@ fn bad_expert_id_is_refused_on_every_rank() {
                 refr::two_level_dispatch(&shape, &topo, &inputs, r.rank, RecvLayout::RankMajor)?;
             first_diff(
                 "dispatch after the refusals",
+                &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
+                &bits(&want.tokens),
+            )?;
+            r.comm.barrier(s)
+        });
+    }
+}
+
+/// A layout this rank's host refuses (its topk_idx one element short of
+/// [T, K], on the last rank only): that rank gets InvalidArgument naming
+/// topk_idx, every other rank PeerFailed naming it and topk_idx, all at
+/// once (within 2 s; the host collectives would wait 60 s); then the group
+/// runs a good batch.
+#[test]
+fn a_refused_layout_on_one_rank_fails_every_rank_at_once() {
+    let test = "a_refused_layout_on_one_rank_fails_every_rank_at_once";
+    let c = case(20, 512, 4, 32, Routing::Uniform);
+    let run = Run {
+        case: c,
+        route: Route::Table,
+        chunk_rows: moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS,
+    };
+    for world in worlds(test, 2) {
+        let g = per_node(world.size)[0];
+        run_ranks(world, |r| {
+            let topo = Topology::new(r.world, g)?;
+            let inputs = inputs_of(&run, &topo, 17);
+            let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+            cfg.ranks_per_node = g;
+            cfg.num_sms = r.sms(4, c.experts / topo.nodes())?;
+            let group = EpGroup::new(&r.comm, cfg)?;
+            let s = &r.stream;
+            let me = &inputs[r.rank];
+            let idx = up(s, &me.topk_idx)?;
+            let bad = r.world - 1;
+            let n = if r.rank == bad {
+                me.topk_idx.len() - 1
+            } else {
+                me.topk_idx.len()
+            };
+            r.comm.barrier(s)?;
+            let t0 = Instant::now();
+            let got = group.layout(
+                s,
+                TopkIdx::I64(&idx.slice(0..n)),
+                c.topk,
+                RecvLayout::RankMajor,
+            );
+            let took = t0.elapsed();
+            match got {
+                Err(Error::InvalidArgument {
+                    arg: "topk_idx", ..
+                }) if r.rank == bad => {}
+                Err(Error::PeerFailed {
+                    peer,
+                    arg: Some("topk_idx"),
+                    ..
+                }) if r.rank != bad && peer == bad => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                        "rank {}: expected {} (rank {bad} refused its topk_idx), got {:?}",
+                        r.rank,
+                        if r.rank == bad {
+                            "InvalidArgument naming topk_idx"
+                        } else {
+                            "PeerFailed naming it and topk_idx"
+                        },
+                        other.err()
+                    )))
+                }
+            }
+            if took > Duration::from_secs(2) {
+                return Err(Error::InvalidState(format!(
+                    "rank {}: the refused layout took {took:?} (want under 2 s)",
+                    r.rank
+                )));
+            }
+            group.check()?;
+            // The group still works.
+            let (x, w) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
+            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+            let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+            let shape = shape_of(&c, r.world);
+            let want =
+                refr::two_level_dispatch(&shape, &topo, &inputs, r.rank, RecvLayout::RankMajor)?;
+            first_diff(
+                "dispatch after the refused layout",
                 &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
                 &bits(&want.tokens),
             )?;

@@ -737,10 +737,13 @@ impl EpGroup {
     /// or the error the op would have returned first (the group holds one,
     /// the communicator was aborted, the handle is another group's).
     ///
-    /// On several nodes nothing is published (the two-level ops' own host
-    /// refusals are not either): the node peers wait until their timeout,
-    /// naming this rank, the peers on other nodes in the network hop until
-    /// the host collectives' timeout on virtual nodes, over NCCL until
+    /// On several nodes a refused layout is told to every rank (its part of
+    /// the layout's all-gather says so: every rank's layout fails at once,
+    /// [`Error::PeerFailed`] naming this rank); of the other ops nothing is
+    /// published (the two-level ops' own host refusals are not either): the
+    /// node peers wait until their timeout, naming this rank, the peers on
+    /// other nodes in the network hop until the host collectives' timeout
+    /// on virtual nodes, over NCCL until
     /// [`Communicator::abort`](crate::Communicator::abort).
     ///
     /// ```no_run
@@ -753,8 +756,10 @@ impl EpGroup {
     /// # }
     /// ```
     pub fn refuse(&self, stream: &Arc<CudaStream>, call: RefusedCall<'_>, e: Error) -> Error {
-        let Path::Node(g) = &self.path else {
-            return e;
+        let g = match (&self.path, &call) {
+            (Path::Node(g), _) => g,
+            (Path::TwoLevel(p), RefusedCall::Layout) => return p.refuse_layout(stream, e),
+            (Path::TwoLevel(_), _) => return e,
         };
         fn node(h: &Handle) -> Option<&NodeHandle> {
             match &h.inner {

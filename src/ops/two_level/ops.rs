@@ -16,13 +16,14 @@ use super::handle::TwoLevelHandle;
 use super::path::{alloc, dptr, grid, TwoLevelPath, STREAM_THREADS, THREADS};
 use super::plan::{Chunks, Plan};
 use crate::error::{Error, Result};
-use crate::ops::abi::TwoLevelParams;
+use crate::ops::abi::{self, TwoLevelParams};
 use crate::ops::buffers::{
     DeviceRegion, DeviceRegionMut, DispatchBackwardArgs, DispatchOut, Dispatched, RecvBuf, TopkIdx,
     ROW_ALIGN,
 };
 use crate::ops::node::group::OpStreams;
 use crate::ops::node::layout_op::tokens_of_routing;
+use crate::ops::node::turn::refused_arg;
 use crate::runtime::nvtx;
 use crate::symm::SymmBuffer;
 use crate::types::RecvLayout;
@@ -49,22 +50,44 @@ impl TwoLevelPath {
         // streams wait for it when it ends).
         let mut order = OpStreams::start(stream);
         let (idx_ptr, idx_len) = topk_idx.ptr_len();
-        let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
-        let elem = match topk_idx {
-            TopkIdx::I32(b) => {
-                self.node
-                    .check_region_in(&mut order, "topk_idx", b, t * topk, "[T, K] i32", 4)?;
-                4
-            }
-            TopkIdx::I64(b) => {
-                self.node
-                    .check_region_in(&mut order, "topk_idx", b, t * topk, "[T, K] i64", 8)?;
-                8
-            }
+        // This rank's own checks, before any collective step; a refusal is
+        // still this rank's part of the world's all-gather below, so that
+        // every rank's layout fails at once naming it.
+        let checked = (|| {
+            let t = tokens_of_routing(topk, idx_len, &self.cfg)?;
+            let elem = match topk_idx {
+                TopkIdx::I32(b) => {
+                    self.node.check_region_in(
+                        &mut order,
+                        "topk_idx",
+                        b,
+                        t * topk,
+                        "[T, K] i32",
+                        4,
+                    )?;
+                    4
+                }
+                TopkIdx::I64(b) => {
+                    self.node.check_region_in(
+                        &mut order,
+                        "topk_idx",
+                        b,
+                        t * topk,
+                        "[T, K] i64",
+                        8,
+                    )?;
+                    8
+                }
+            };
+            // The node group's layout refuses what its kernels cannot
+            // take: here, before any collective step.
+            layout.check_for_kernels()?;
+            Ok((t, elem))
+        })();
+        let (t, elem) = match checked {
+            Ok(v) => v,
+            Err(e) => return Err(self.refuse_layout(stream, e)),
         };
-        // The node group's layout refuses what its kernels cannot take: here,
-        // before any collective step.
-        layout.check_for_kernels()?;
         let (rank, n) = (self.comm.rank(), self.topology.nodes());
         let me = self.topology.node_of(rank);
         self.comm
@@ -102,6 +125,9 @@ impl TwoLevelPath {
         // Every rank's lengths and verdict (the all-gather waits for the
         // kernel on every rank).
         let all = self.comm.all_gather_host(stream, &host_lens)?;
+        if let Some(e) = refusal_in(&all, n) {
+            return Err(e);
+        }
         for (r, theirs) in all.chunks(n + 1).enumerate() {
             if theirs[n] != 0 {
                 return Err(self.bad_entry(stream, r, theirs[n] - 1, topk, idx_ptr, elem));
@@ -179,6 +205,27 @@ impl TwoLevelPath {
             chunks,
             group: self.id,
         })
+    }
+
+    /// A layout this rank's host refused (`e`): its part of the world's
+    /// all-gather of the layout still comes, its verdict word naming the
+    /// argument, so that every other rank's layout fails at once with
+    /// [`Error::PeerFailed`] naming this rank (nothing of the layout is
+    /// enqueued on any rank: the group stays in step). Returns `e`.
+    pub(crate) fn refuse_layout(&self, stream: &Arc<CudaStream>, e: Error) -> Error {
+        let n = self.topology.nodes();
+        let mut words = vec![0i32; n + 1];
+        words[n] = -1 - refused_arg(&e) as i32;
+        let told = self
+            .comm
+            .context()
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))
+            .and_then(|()| self.comm.all_gather_host(stream, &words));
+        if let Err(p) = told {
+            tracing::warn!("telling the peers of a refused layout failed: {p}");
+        }
+        e
     }
 
     /// Sends every token to the ranks of its experts: over the network to
@@ -423,5 +470,54 @@ impl TwoLevelPath {
         );
         self.rejoin(stream)?;
         got
+    }
+}
+
+/// The first rank whose part of a layout's all-gather (`all`: every rank's
+/// `n + 1` words, the last its verdict) says its host refused the layout
+/// (a negative verdict: `-1 - argument id`), as every rank's error.
+fn refusal_in(all: &[i32], n: usize) -> Option<Error> {
+    all.chunks(n + 1).enumerate().find_map(|(r, w)| {
+        (w[n] < 0).then(|| {
+            let arg = Some(abi::arg_name((-1 - i64::from(w[n])) as u64))
+                .filter(|&a| a != abi::ARG_NAMES[0]);
+            Error::PeerFailed {
+                peer: r,
+                arg,
+                reason: format!(
+                    "its host refused its part of the layout{} (its own error says why)",
+                    arg.map_or(String::new(), |a| format!(": argument `{a}`"))
+                ),
+            }
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_layout_in_the_all_gather_names_the_rank_and_argument() {
+        // Three ranks of two nodes: lengths, then the verdict.
+        let topk_idx = abi::arg_id("topk_idx") as i32;
+        let all = [3, 4, 0, 0, 0, -1 - topk_idx, 5, 6, 2];
+        match refusal_in(&all, 2) {
+            Some(Error::PeerFailed {
+                peer: 1,
+                arg: Some("topk_idx"),
+                reason,
+            }) => assert!(reason.contains("`topk_idx`"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        // A bad entry (a positive verdict) and no verdict are no refusal.
+        assert!(refusal_in(&[3, 4, 0, 1, 2, 7], 2).is_none());
+        // An error naming no known argument.
+        match refusal_in(&[0, 0, -1], 2) {
+            Some(Error::PeerFailed {
+                peer: 0, arg: None, ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }
