@@ -266,6 +266,12 @@ pub(crate) fn import(
     stream: u64,
 ) -> Res<Array> {
     let py = obj.py();
+    // The array API's value for the legacy default stream is 1 (0 is
+    // ambiguous and refused by some producers).
+    let s = if stream == 0 { 1 } else { stream as i64 };
+    if let Some((t, sync)) = torch_export(obj, device, stream)? {
+        return from_dlpack(&t, arg, want, device, if sync { s } else { NO_SYNC });
+    }
     if let Ok(dev) = obj.call_method0(pyo3::intern!(py, "__dlpack_device__")) {
         let (kind, id): (i32, i32) = dev.extract().map_err(|_| {
             type_err(
@@ -275,7 +281,7 @@ pub(crate) fn import(
             )
         })?;
         check_device(arg, kind, id, device)?;
-        return from_dlpack(obj, arg, want, device, stream);
+        return from_dlpack(obj, arg, want, device, s);
     }
     if let Ok(cai) = obj.getattr(pyo3::intern!(py, "__cuda_array_interface__")) {
         return from_cai(&cai, arg, want, device, ctx, stream);
@@ -310,22 +316,18 @@ fn check_device(arg: &'static str, kind: i32, id: i32, device: usize) -> Res<()>
     }
 }
 
+/// `obj`'s DLPack capsule, its `__dlpack__` given `stream` (the array
+/// API's value: a raw handle, 1 the legacy default stream, -1 none), read
+/// and checked as an array of GPU `device` for argument `arg`.
 fn from_dlpack(
     obj: &Bound<'_, PyAny>,
     arg: &'static str,
     want: &[DType],
     device: usize,
-    stream: u64,
+    stream: i64,
 ) -> Res<Array> {
     let py = obj.py();
-    // The array API's value for the legacy default stream is 1 (0 is
-    // ambiguous and refused by some producers).
-    let s = if stream == 0 { 1 } else { stream as i64 };
-    let (exported, s) = match torch_export(obj, device, stream)? {
-        Some((t, sync)) => (t, if sync { s } else { NO_SYNC }),
-        None => (obj.clone(), s),
-    };
-    let obj = &exported;
+    let s = stream;
     let kwargs = PyDict::new(py);
     kwargs.set_item(pyo3::intern!(py, "stream"), s)?;
     let name = pyo3::intern!(py, "__dlpack__");
@@ -401,15 +403,17 @@ const NO_SYNC: i64 = -1;
 /// `sys.modules`, looked up once.
 static MODULES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-/// For a torch tensor (torch loaded by the caller; this crate never
-/// imports it): the tensor to export, detached where it requires grad (the
-/// op reads it; `moe_ep.torch` differentiates it, and torch refuses to
-/// export it otherwise), and whether its `__dlpack__` must order the op's
-/// `stream` after torch's current stream of `device`. Where the op runs on
-/// that stream there is nothing to order, and the stream is not passed:
-/// torch would otherwise wrap both in Python stream objects, for every
-/// tensor of every call, only to find them equal. `None`: not a torch
-/// tensor.
+/// For a torch tensor on GPU `device` (torch loaded by the caller; this
+/// crate never imports it): the tensor to export, detached where it
+/// requires grad (the op reads it; `moe_ep.torch` differentiates it, and
+/// torch refuses to export it otherwise), and whether its `__dlpack__`
+/// must order the op's `stream` after torch's current stream of `device`.
+/// Where the op runs on that stream there is nothing to order, and the
+/// stream is not passed: torch would otherwise wrap both in Python stream
+/// objects, for every tensor of every call, only to find them equal. Its
+/// device is read from the tensor (`__dlpack_device__` is Python code in
+/// torch). `None`: not a torch tensor, or not on `device` (the DLPack path
+/// then names what it is).
 fn torch_export<'py>(
     obj: &Bound<'py, PyAny>,
     device: usize,
@@ -425,7 +429,13 @@ fn torch_export<'py>(
     let Ok(tensor) = torch.getattr(pyo3::intern!(py, "Tensor")) else {
         return Ok(None);
     };
-    if !obj.is_instance(&tensor)? {
+    if !obj.is_instance(&tensor)?
+        || !obj.getattr(pyo3::intern!(py, "is_cuda"))?.is_truthy()?
+        || obj
+            .call_method0(pyo3::intern!(py, "get_device"))?
+            .extract::<i64>()?
+            != device as i64
+    {
         return Ok(None);
     }
     let t = if obj

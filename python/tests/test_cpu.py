@@ -241,6 +241,8 @@ class TorchTensorExport(unittest.TestCase):
         fake = types.ModuleType("torch")
         self.current = {0: 0}
         self.asked = []
+        self.dlpack_device_calls = 0
+        outer = self
 
         def current_raw(device):
             self.asked.append(device)
@@ -251,6 +253,17 @@ class TorchTensorExport(unittest.TestCase):
                 super().__init__(*a, **k)
                 self.requires_grad = requires_grad
                 self.detached = None
+
+            @property
+            def is_cuda(self):
+                return self.device[0] == 2
+
+            def get_device(self):
+                return self.device[1] if self.is_cuda else -1
+
+            def __dlpack_device__(self):
+                outer.dlpack_device_calls += 1
+                return super().__dlpack_device__()
 
             def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
                 if self.requires_grad:
@@ -319,6 +332,21 @@ class TorchTensorExport(unittest.TestCase):
         t = self.Tensor((4, 16))
         check(t, stream=0x5000)
         self.assertEqual(t.streams, [0x5000])
+
+    def test_the_device_is_read_from_the_tensor(self):
+        # is_cuda and get_device(), not torch's Python __dlpack_device__.
+        self.current[0] = 0x5000
+        check(self.Tensor((4, 16)), stream=0x5000)
+        self.assertEqual(self.dlpack_device_calls, 0)
+
+    def test_a_tensor_elsewhere_is_refused_as_any_array(self):
+        for dev, what in [((1, 0), "host memory"), ((2, 1), "memory of GPU 1")]:
+            t = self.Tensor((4, 16), device=dev)
+            with self.assertRaises(moe_ep.InvalidArgument) as cm:
+                check(t, arg="x")
+            self.assertIn(what, str(cm.exception))
+            self.assertEqual(cm.exception.arg, "x")
+            self.assertEqual(t.streams, [])
 
     def test_other_arrays_are_unchanged(self):
         self.current[0] = 0x5000
