@@ -90,6 +90,8 @@
 #define MOE_EP_FIELD_META 14       // expert-major meta rows written by a sender
 #define MOE_EP_FIELD_NUM_TOKENS 15 // a low-latency sender's token count
 #define MOE_EP_FIELD_RECV_SCALES 16 // dispatch: descriptor word 5, the place of recv_xs (fp8 scales)
+#define MOE_EP_FIELD_META_REPEATED 17 // an expert-major meta row a sender wrote twice for one token
+#define MOE_EP_FIELD_BAD_ENTRY 18  // a peer's first-bad-entry word that names no error code
 #define MOE_EP_DESC_WORDS 7
 // Descriptor word 6 of every data op: the handle's id (MOE_EP_FIELD_HANDLE).
 #define MOE_EP_DESC_HANDLE 6

@@ -146,7 +146,11 @@ __device__ void combine_push(const CombineParams& p) {
   const ErrSink& err = call.err;
   publish_desc(call);
   const int parity = (int)(call.call & 1);
-  const int cap = p.op.recv_capacity;
+  // Expert-major rows a sender wrote (meta) are trusted only inside this
+  // rank's rows (the padded blocks of its experts, from the checked count
+  // matrix; a caller's buffers sized after the host counts hold no more)
+  // and its capacity.
+  const int cap = min(p.op.recv_capacity, info[o.expert_start + El]);
   const int4* y = reinterpret_cast<const int4*>(p.y);
   int4* stage_here = ws.stage(me, parity, p.op.hidden);
   const float* stage_w_here = ws.stage_w(me, parity);
@@ -230,9 +234,9 @@ __device__ void combine_push(const CombineParams& p) {
       uint32_t seqn = 0;
       bool ok = true;
       // The lane's item of a batch: rows (of u, ascending), weights, target.
-      // A row a sender wrote (meta) is trusted only inside this rank's
-      // capacity: one outside is reported (the item then sums no rows, and
-      // the kernel stops at its next wait).
+      // A row a sender wrote (meta) is trusted only inside `cap`, and once
+      // a token: one outside, or repeated, is reported (the item then sums
+      // no such row, and the kernel stops at its next wait).
       auto fill_rows = [&](EmItem& e, int u) {
         int raw[MOE_EP_MAX_TOPK];
 #pragma unroll
@@ -240,6 +244,17 @@ __device__ void combine_push(const CombineParams& p) {
           raw[k] = k < K ? p.op.bufs.meta[(size_t)u * K + k] : -1;
           if (raw[k] >= cap || raw[k] < -1) {
             report_error(err, MOE_EP_ERR_BAD_PEER_DATA, me, -1, MOE_EP_FIELD_META, (uint64_t)cap,
+                         (uint64_t)(int64_t)raw[k], (uint64_t)u, 0);
+            raw[k] = -1;
+          }
+        }
+#pragma unroll
+        for (int k = 1; k < MOE_EP_MAX_TOPK; ++k) {
+          bool repeated = false;
+#pragma unroll
+          for (int j = 0; j < k; ++j) repeated |= raw[k] >= 0 && raw[j] == raw[k];
+          if (repeated) {
+            report_error(err, MOE_EP_ERR_BAD_PEER_DATA, me, -1, MOE_EP_FIELD_META_REPEATED, 0,
                          (uint64_t)(int64_t)raw[k], (uint64_t)u, 0);
             raw[k] = -1;
           }

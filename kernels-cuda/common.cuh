@@ -169,6 +169,23 @@ MOE_EP_DEVICE void report_error(const ErrSink& e, int code, int rank, int peer, 
   h->code = code;
   __threadfence_system();
 }
+// A peer's first-bad-entry word `w` (bad_entry_word, nonzero; from rank s)
+// reported as the error it names (MOE_EP_ERR_BAD_EXPERT, bounded by the
+// E experts, or MOE_EP_ERR_DUP_EXPERT), or, naming neither, as bad peer
+// data (MOE_EP_FIELD_BAD_ENTRY, the word as seen). Returns the code.
+MOE_EP_DEVICE int report_bad_entry(const ErrSink& err, int me, int s, unsigned long long w,
+                                   int E) {
+  const unsigned long long key = ~w;
+  const int code = (int)((key >> 32) & 0xfu);
+  if (code != MOE_EP_ERR_BAD_EXPERT && code != MOE_EP_ERR_DUP_EXPERT) {
+    report_error(err, MOE_EP_ERR_BAD_PEER_DATA, me, s, MOE_EP_FIELD_BAD_ENTRY, 0, w, 0, 0);
+    return MOE_EP_ERR_BAD_PEER_DATA;
+  }
+  const int64_t v = (int32_t)(uint32_t)key;
+  report_error(err, code, me, s, 0, code == MOE_EP_ERR_BAD_EXPERT ? (uint64_t)E : 0,
+               (uint64_t)v, key >> 40, (key >> 36) & 0xfu);
+  return code;
+}
 // An error was recorded here, or the host aborted the communicator (it
 // writes MOE_EP_ERR_ABORTED into the host-mapped report, read here over
 // PCIe; the waits below look only every kCheckEvery polls).

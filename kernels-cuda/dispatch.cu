@@ -355,11 +355,13 @@ __device__ void dispatch_body(const DispatchParams& p) {
   // ---- receiver (expert-major): extra copies of each token from other ranks ----
   const int self_lo = info[o.src_u_off + me], self_hi = info[o.src_u_off + me + 1];
   const int u_count = info[o.src_u_off + R] - (self_hi - self_lo);
-  const int cap = p.op.recv_capacity;
+  // A row a sender wrote is trusted only inside this rank's rows (the
+  // padded blocks of its experts, from the checked count matrix; a caller's
+  // buffers sized after the host counts hold no more), and its capacity.
+  const int cap = min(p.op.recv_capacity, info[o.expert_start + El]);
   for (int i = gw; i < u_count; i += nw) {
     const int u = i < self_lo ? i : i + (self_hi - self_lo);
     const int row_k = lane < K ? p.op.bufs.meta[(size_t)u * K + lane] : -1;
-    // A row a sender wrote is trusted only inside this rank's capacity.
     const bool bad_row = row_k >= cap || row_k < -1;
     if (__any_sync(0xffffffffu, bad_row)) {
       if (bad_row) {

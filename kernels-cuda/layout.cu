@@ -540,6 +540,23 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     if (i % n < row_tail(R, E) && (v < 0 || v > max_count)) atomicMin(&s_bad_at, i);
   }
   __syncthreads();
+  // Each rank's sub-chunk starts for each receiver (combine's rows of a
+  // chunk) rise and stay within its rows for that receiver.
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+    const int s = i / R, d = i % R;
+    const int32_t* row = info + o.counts + s * n;
+    const int at = E + R + d * (MOE_EP_SUBCHUNKS - 1);
+    int32_t prev = 0;
+    for (int j = 0; j < MOE_EP_SUBCHUNKS - 1; ++j) {
+      const int32_t v = row[at + j];
+      if (v < prev || v > row[E + d]) {
+        atomicMin(&s_bad_at, s * n + at + j);
+        break;
+      }
+      prev = v;
+    }
+  }
+  __syncthreads();
   // The drop policy clips the matrix before any offset is derived from it.
   const bool drop = p.drop != 0 && s_bad_at == 0x7fffffff;
   if (drop) drop_over_capacity(p, info, o);
@@ -654,13 +671,7 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
       const int32_t* tail = C + s * n + row_tail(R, E);
       const unsigned long long w =
           ((unsigned long long)(uint32_t)tail[0] << 32) | (unsigned long long)(uint32_t)tail[1];
-      if (w != 0ull) {
-        const unsigned long long key = ~w;
-        code = (int)((key >> 32) & 0xfu);
-        const int64_t v = (int32_t)(uint32_t)key;
-        report_error(err, code, me, s, 0, code == MOE_EP_ERR_BAD_EXPERT ? (uint64_t)E : 0,
-                     (uint64_t)v, key >> 40, (key >> 36) & 0xfu);
-      }
+      if (w != 0ull) code = report_bad_entry(err, me, s, w, E);
     }
     for (int d = 0; d < R && code == 0; ++d) {
       const int need = info[o.rows_needed + d];

@@ -486,13 +486,7 @@ __device__ void ll_dispatch_recv(const LlParams& p) {
     }
     for (int s = 0; s < R && code == 0; ++s) {
       const unsigned long long w = s_badw[s];
-      if (w != 0ull) {
-        const unsigned long long key = ~w;
-        code = (int)((key >> 32) & 0xfu);
-        const int64_t v = (int32_t)(uint32_t)key;
-        report_error(err, code, me, s, 0, code == MOE_EP_ERR_BAD_EXPERT ? (uint64_t)E : 0,
-                     (uint64_t)v, key >> 40, (key >> 36) & 0xfu);
-      }
+      if (w != 0ull) code = report_bad_entry(err, me, s, w, E);
     }
     if (code != 0) *ws.status(me) = (unsigned long long)code;
     s_code = code;

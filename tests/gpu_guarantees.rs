@@ -877,55 +877,92 @@ fn fault_group_dropped_with_a_pool_copy_pending() {
 #[test]
 fn fault_peer_row_out_of_range_on_one_rank() {
     run_worlds("fault_peer_row_out_of_range_on_one_rank", 2, |r| {
-        let s = &r.stream;
-        let group = fault_group(r)?;
-        let inp = inputs(r, 81)?;
-        let layout = FAULT_EM;
-        let mut out = s
-            .alloc_zeros::<bf16>(TOKENS * HIDDEN)
-            .map_err(Error::cuda("alloc"))?;
-        let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
-        let got = group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())?;
-        s.synchronize().map_err(Error::cuda("sync"))?;
-        r.comm.barrier(s)?;
-        if r.rank == bad_rank(r) {
-            let meta = handle.meta_for_tests();
-            let junk = vec![i32::MAX; meta.len()];
-            // SAFETY: meta holds meta.len() i32; the stream is drained.
-            unsafe {
-                moe_ep::cuda::result::memcpy_htod_async(meta.device_ptr(), &junk, s.cu_stream())
-            }
-            .map_err(Error::cuda("htod"))?;
-            s.synchronize().map_err(Error::cuda("sync"))?;
-        }
-        let t0 = Instant::now();
-        let op = group.combine(s, &handle, &got.tokens, Some(&got.topk_weights), &mut out);
-        let chk = group.check();
-        let took = t0.elapsed();
-        if r.rank == bad_rank(r) {
-            expect(
-                r,
-                "meta out of range",
-                op,
-                chk,
-                None,
-                Want::Device("only values below"),
-                took,
-            )?;
-        } else {
-            expect(
-                r,
-                "meta out of range",
-                op,
-                chk,
-                None,
-                Want::Peer(None),
-                took,
-            )?;
-        }
-        drop((got, handle));
-        round_trip(r, &group, layout, 82)
+        bad_meta_rows(r, 1, 81, "only values below", |rows, _| {
+            rows.iter_mut().for_each(|v| *v = i32::MAX)
+        })
     });
+}
+
+/// The same with the rows just past this rank's own rows (the padded
+/// blocks of its experts) but inside a capacity twice what the routing
+/// needs: a caller's buffers sized by the host counts hold no more, so
+/// such a row is out of range too.
+#[test]
+fn fault_peer_row_past_this_ranks_rows_on_one_rank() {
+    run_worlds("fault_peer_row_past_this_ranks_rows_on_one_rank", 2, |r| {
+        bad_meta_rows(r, 2, 83, "only values below", |rows, here| {
+            rows.iter_mut().filter(|v| **v >= 0).for_each(|v| *v = here as i32)
+        })
+    });
+}
+
+/// The same with a row written twice for one token (each token's second
+/// row here made its first): reported, nothing read there.
+#[test]
+fn fault_peer_row_repeated_on_one_rank() {
+    run_worlds("fault_peer_row_repeated_on_one_rank", 2, |r| {
+        bad_meta_rows(r, 1, 85, "twice", |rows, _| {
+            for tok in rows.chunks_mut(TOPK) {
+                let here: Vec<usize> = (0..TOPK).filter(|&k| tok[k] >= 0).collect();
+                if let [a, b, ..] = here[..] {
+                    tok[b] = tok[a];
+                }
+            }
+        })
+    });
+}
+
+/// A fault row of expert-major rows a peer wrote: on a group of `factor`
+/// times the fault rows' capacity, the bad rank's meta rows (as its senders
+/// wrote them, and its own rows) changed by `junk` before its combine;
+/// every rank's check fails (the bad rank's `InvalidDeviceData` naming
+/// `detail`), then the group works.
+fn bad_meta_rows(
+    r: &Rank,
+    factor: usize,
+    seed: u64,
+    detail: &str,
+    junk: impl Fn(&mut [i32], usize),
+) -> Result<()> {
+    let s = &r.stream;
+    let mut cfg = r.config(EXPERTS, HIDDEN, TOKENS)?;
+    let el = EXPERTS / r.world;
+    let per_expert = (TOKENS * TOPK * r.world / EXPERTS).div_ceil(FAULT_ALIGN) * FAULT_ALIGN;
+    cfg.recv_capacity = factor * (r.world * TOKENS).max(el * per_expert);
+    cfg.timeout = Duration::from_secs(10);
+    let group = EpGroup::new(&r.comm, cfg)?;
+    let inp = inputs(r, seed)?;
+    let layout = FAULT_EM;
+    let mut out = s
+        .alloc_zeros::<bf16>(TOKENS * HIDDEN)
+        .map_err(Error::cuda("alloc"))?;
+    let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, layout)?;
+    let got = group.dispatch(s, &handle, &inp.x, &inp.w, DispatchOut::default())?;
+    let here = handle.host_counts(s)?.recv_rows;
+    s.synchronize().map_err(Error::cuda("sync"))?;
+    r.comm.barrier(s)?;
+    if r.rank == bad_rank(r) {
+        let meta = handle.meta_for_tests();
+        let mut rows = vec![0i32; meta.len()];
+        meta.copy_to_host(s, &mut rows)?;
+        junk(&mut rows, here);
+        // SAFETY: meta holds meta.len() i32; the stream is drained.
+        unsafe { moe_ep::cuda::result::memcpy_htod_async(meta.device_ptr(), &rows, s.cu_stream()) }
+            .map_err(Error::cuda("htod"))?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+    }
+    let t0 = Instant::now();
+    let op = group.combine(s, &handle, &got.tokens, Some(&got.topk_weights), &mut out);
+    let chk = group.check();
+    let took = t0.elapsed();
+    let want = if r.rank == bad_rank(r) {
+        Want::Device(detail)
+    } else {
+        Want::Peer(None)
+    };
+    expect(r, "meta out of range", op, chk, None, want, took)?;
+    drop((got, handle));
+    round_trip(r, &group, layout, seed + 1)
 }
 
 /// The virtual world's size is bounded (every rank is a thread on one GPU).

@@ -85,6 +85,8 @@ pub fn field_name(f: i32) -> &'static str {
         FIELD_META => "expert-major row index (meta)",
         FIELD_NUM_TOKENS => "num_tokens",
         FIELD_RECV_SCALES => "recv_scales",
+        FIELD_META_REPEATED => "expert-major row index (meta) repeated in a token",
+        FIELD_BAD_ENTRY => "first bad topk_idx entry (a peer's report)",
         _ => "unknown field",
     }
 }
@@ -100,6 +102,12 @@ pub const FIELD_NUM_TOKENS: i32 = 15;
 /// `MOE_EP_FIELD_RECV_SCALES`: dispatch's descriptor word 5, where the fp8
 /// scales land.
 pub const FIELD_RECV_SCALES: i32 = 16;
+/// `MOE_EP_FIELD_META_REPEATED`: an expert-major row index a sender wrote
+/// twice for one token.
+pub const FIELD_META_REPEATED: i32 = 17;
+/// `MOE_EP_FIELD_BAD_ENTRY`: a peer's first-bad-entry word (a count row's
+/// tail, a low-latency signal) that names no error.
+pub const FIELD_BAD_ENTRY: i32 = 18;
 
 /// The arguments a refusal names (the id a refused call's descriptor
 /// carries, `MOE_EP_OP_REFUSED`): index 0 is "an argument" (one not in
@@ -821,6 +829,14 @@ mod tests {
         );
         assert_eq!(define("MOE_EP_FIELD_COUNTS"), FIELD_COUNTS.to_string());
         assert_eq!(define("MOE_EP_FIELD_META"), FIELD_META.to_string());
+        assert_eq!(
+            define("MOE_EP_FIELD_META_REPEATED"),
+            FIELD_META_REPEATED.to_string()
+        );
+        assert_eq!(
+            define("MOE_EP_FIELD_BAD_ENTRY"),
+            FIELD_BAD_ENTRY.to_string()
+        );
         assert_eq!(
             define("MOE_EP_FIELD_NUM_TOKENS"),
             FIELD_NUM_TOKENS.to_string()

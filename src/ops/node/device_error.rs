@@ -346,16 +346,30 @@ impl NodeGroup {
                     }
                 ),
             },
-            abi::code::BAD_PEER_DATA => Error::InvalidDeviceData {
-                arg: abi::field_name(e.counter),
-                detail: format!(
-                    "{} wrote {} where only values below {} fit (at {}); nothing was read or written there",
-                    if e.peer >= 0 { who(e.peer) } else { "a peer".to_string() },
-                    e.seen as i64,
-                    e.expected,
-                    e.needed
-                ),
-            },
+            abi::code::BAD_PEER_DATA => {
+                let by = if e.peer >= 0 {
+                    who(e.peer)
+                } else {
+                    "a peer".to_string()
+                };
+                Error::InvalidDeviceData {
+                    arg: abi::field_name(e.counter),
+                    detail: match e.counter {
+                        abi::FIELD_META_REPEATED => format!(
+                            "{by} wrote row {} twice for one token (received token {}); nothing was read there",
+                            e.seen as i64, e.needed
+                        ),
+                        abi::FIELD_BAD_ENTRY => format!(
+                            "{by} reported a first bad topk_idx entry {:#x} that names no error; nothing was read there",
+                            e.seen
+                        ),
+                        _ => format!(
+                            "{by} wrote {} where only values below {} fit (at {}); nothing was read or written there",
+                            e.seen as i64, e.expected, e.needed
+                        ),
+                    },
+                }
+            }
             abi::code::ABORTED => Error::InvalidState(format!(
                 "rank {}: the communicator was aborted; make a new communicator and group",
                 self.comm.rank()
