@@ -891,7 +891,9 @@ fn fault_peer_row_out_of_range_on_one_rank() {
 fn fault_peer_row_past_this_ranks_rows_on_one_rank() {
     run_worlds("fault_peer_row_past_this_ranks_rows_on_one_rank", 2, |r| {
         bad_meta_rows(r, 2, 83, "only values below", |rows, here| {
-            rows.iter_mut().filter(|v| **v >= 0).for_each(|v| *v = here as i32)
+            rows.iter_mut()
+                .filter(|v| **v >= 0)
+                .for_each(|v| *v = here as i32)
         })
     });
 }
