@@ -605,27 +605,74 @@ fn a_node_that_sends_nothing() {
     routed_case("a_node_that_sends_nothing", c, Route::SilentNode, 15);
 }
 
-/// A bad expert id on rank 0 (out of range, then the same expert twice in
-/// a token): every rank's layout refuses it, naming rank 0, the token and
-/// the slot; then the group runs a good batch.
-#[test]
-fn bad_expert_id_is_refused_on_every_rank() {
-    let test = "bad_expert_id_is_refused_on_every_rank";
+/// The refusal tests' case: 20 tokens a rank, hidden 512, top-4 of 32.
+fn refusal_case() -> (Case, Run) {
     let c = case(20, 512, 4, 32, Routing::Uniform);
     let run = Run {
         case: c,
         route: Route::Table,
         chunk_rows: moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS,
     };
+    (c, run)
+}
+
+/// A refusal test's topology of `g` ranks a node, every rank's inputs and
+/// the group.
+fn refusal_group(
+    r: &Rank,
+    c: &Case,
+    run: &Run,
+    g: usize,
+    seed: u64,
+) -> Result<(Topology, Vec<RankInput>, EpGroup)> {
+    let topo = Topology::new(r.world, g)?;
+    let inputs = inputs_of(run, &topo, seed);
+    let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
+    cfg.ranks_per_node = g;
+    cfg.num_sms = r.sms(4, c.experts / topo.nodes())?;
+    let group = EpGroup::new(&r.comm, cfg)?;
+    Ok((topo, inputs, group))
+}
+
+/// After a refusal: the group dispatches a good batch, bit for bit.
+fn still_works(
+    r: &Rank,
+    group: &EpGroup,
+    c: &Case,
+    topo: &Topology,
+    inputs: &[RankInput],
+    what: &str,
+) -> Result<()> {
+    let s = &r.stream;
+    let me = &inputs[r.rank];
+    let (x, w, idx) = (
+        up(s, &me.tokens)?,
+        up(s, &me.topk_weights)?,
+        up(s, &me.topk_idx)?,
+    );
+    let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
+    let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
+    let shape = shape_of(c, r.world);
+    let want = refr::two_level_dispatch(&shape, topo, inputs, r.rank, RecvLayout::RankMajor)?;
+    first_diff(
+        what,
+        &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
+        &bits(&want.tokens),
+    )?;
+    r.comm.barrier(s)
+}
+
+/// A bad expert id on rank 0 (out of range, then the same expert twice in
+/// a token): every rank's layout refuses it, naming rank 0, the token and
+/// the slot; then the group runs a good batch.
+#[test]
+fn bad_expert_id_is_refused_on_every_rank() {
+    let test = "bad_expert_id_is_refused_on_every_rank";
+    let (c, run) = refusal_case();
     for world in worlds(test, 2) {
         let g = per_node(world.size)[0];
         run_ranks(world, |r| {
-            let topo = Topology::new(r.world, g)?;
-            let inputs = inputs_of(&run, &topo, 16);
-            let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
-            cfg.ranks_per_node = g;
-            cfg.num_sms = r.sms(4, c.experts / topo.nodes())?;
-            let group = EpGroup::new(&r.comm, cfg)?;
+            let (topo, inputs, group) = refusal_group(r, &c, &run, g, 16)?;
             let s = &r.stream;
             for (value, want) in [
                 (c.experts as i64, "not in [-1, 32)"),
@@ -670,24 +717,7 @@ fn bad_expert_id_is_refused_on_every_rank() {
                     )))
                 }
             }
-            // The group still works.
-            let me = &inputs[r.rank];
-            let (x, w, idx) = (
-                up(s, &me.tokens)?,
-                up(s, &me.topk_weights)?,
-                up(s, &me.topk_idx)?,
-            );
-            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
-            let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
-            let shape = shape_of(&c, r.world);
-            let want =
-                refr::two_level_dispatch(&shape, &topo, &inputs, r.rank, RecvLayout::RankMajor)?;
-            first_diff(
-                "dispatch after the refusals",
-                &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
-                &bits(&want.tokens),
-            )?;
-            r.comm.barrier(s)
+            still_works(r, &group, &c, &topo, &inputs, "dispatch after the refusals")
         });
     }
 }
@@ -700,21 +730,11 @@ fn bad_expert_id_is_refused_on_every_rank() {
 #[test]
 fn a_refused_layout_on_one_rank_fails_every_rank_at_once() {
     let test = "a_refused_layout_on_one_rank_fails_every_rank_at_once";
-    let c = case(20, 512, 4, 32, Routing::Uniform);
-    let run = Run {
-        case: c,
-        route: Route::Table,
-        chunk_rows: moe_ep::ops::DEFAULT_HOP_CHUNK_ROWS,
-    };
+    let (c, run) = refusal_case();
     for world in worlds(test, 2) {
         let g = per_node(world.size)[0];
         run_ranks(world, |r| {
-            let topo = Topology::new(r.world, g)?;
-            let inputs = inputs_of(&run, &topo, 17);
-            let mut cfg = GroupConfig::new(c.experts, c.hidden, c.tokens);
-            cfg.ranks_per_node = g;
-            cfg.num_sms = r.sms(4, c.experts / topo.nodes())?;
-            let group = EpGroup::new(&r.comm, cfg)?;
+            let (topo, inputs, group) = refusal_group(r, &c, &run, g, 17)?;
             let s = &r.stream;
             let me = &inputs[r.rank];
             let idx = up(s, &me.topk_idx)?;
@@ -762,19 +782,14 @@ fn a_refused_layout_on_one_rank_fails_every_rank_at_once() {
                 )));
             }
             group.check()?;
-            // The group still works.
-            let (x, w) = (up(s, &me.tokens)?, up(s, &me.topk_weights)?);
-            let handle = group.layout(s, TopkIdx::I64(&idx), c.topk, RecvLayout::RankMajor)?;
-            let got = group.dispatch(s, &handle, &x, &w, DispatchOut::default())?;
-            let shape = shape_of(&c, r.world);
-            let want =
-                refr::two_level_dispatch(&shape, &topo, &inputs, r.rank, RecvLayout::RankMajor)?;
-            first_diff(
+            still_works(
+                r,
+                &group,
+                &c,
+                &topo,
+                &inputs,
                 "dispatch after the refused layout",
-                &bits(&down(s, &got.tokens, want.num_rows * c.hidden)?),
-                &bits(&want.tokens),
-            )?;
-            r.comm.barrier(s)
+            )
         });
     }
 }
