@@ -211,7 +211,10 @@ extern "C" __global__ void moe_ep_two_level_wait_chunks(const __grid_constant__ 
 // Out of place: src_in is never written, so a source is mapped once. A
 // source outside the node's ranks or the origin rows (padding, or rows a
 // failed node dispatch left unwritten: its error is the group's) becomes
-// (-1, -1) and is never dereferenced.
+// (-1, -1) and is never dereferenced; so does an origin outside the world's
+// ranks and their tokens (origin_rows = nodes x max tokens per rank), which
+// only a peer's bad write gives: nothing a peer wrote reaches the caller
+// unchecked.
 extern "C" __global__ void moe_ep_two_level_remap_src(const __grid_constant__ TwoLevelParams p) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.recv_rows;
        i += gridDim.x * blockDim.x) {
@@ -221,6 +224,11 @@ extern "C" __global__ void moe_ep_two_level_remap_src(const __grid_constant__ Tw
       const int32_t* o = p.origin_peers[j] + (size_t)r * 2;
       home = o[0];
       tok = o[1];
+      const int max_tokens = p.nodes > 0 ? p.origin_rows / p.nodes : 0;
+      if (home < 0 || home >= p.nodes * p.node_world || tok < 0 || tok >= max_tokens) {
+        home = -1;
+        tok = -1;
+      }
     }
     p.recv_src[2 * i] = home;
     p.recv_src[2 * i + 1] = tok;
