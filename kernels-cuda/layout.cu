@@ -557,6 +557,18 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     }
   }
   __syncthreads();
+  // A matrix out of range is reported below (its first bad word kept for
+  // that) and zeroed here, so that no offset is derived from it: the data
+  // kernels skip the call, and the host reads zeros, not sums of it.
+  __shared__ int32_t s_bad_val;
+  if (s_bad_at != 0x7fffffff) {
+    if (threadIdx.x == 0) s_bad_val = info[o.counts + s_bad_at];
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * n; i += blockDim.x) {
+      if (i % n < row_tail(R, E)) info[o.counts + i] = 0;
+    }
+    __syncthreads();
+  }
   // The drop policy clips the matrix before any offset is derived from it.
   const bool drop = p.drop != 0 && s_bad_at == 0x7fffffff;
   if (drop) drop_over_capacity(p, info, o);
@@ -654,7 +666,7 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     if (s_bad_at != 0x7fffffff) {
       code = MOE_EP_ERR_BAD_PEER_DATA;
       report_error(err, code, me, s_bad_at / n, MOE_EP_FIELD_COUNTS, (uint64_t)max_count + 1,
-                   (uint64_t)(int64_t)C[s_bad_at], (uint64_t)(s_bad_at % n), 0);
+                   (uint64_t)(int64_t)s_bad_val, (uint64_t)(s_bad_at % n), 0);
     }
     for (int s = 0; s < R && code == 0; ++s) {
       const int32_t* tail = C + s * n + row_tail(R, E);
