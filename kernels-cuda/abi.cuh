@@ -92,6 +92,7 @@
 #define MOE_EP_FIELD_RECV_SCALES 16 // dispatch: descriptor word 5, the place of recv_xs (fp8 scales)
 #define MOE_EP_FIELD_META_REPEATED 17 // an expert-major meta row a sender wrote twice for one token
 #define MOE_EP_FIELD_BAD_ENTRY 18  // a peer's first-bad-entry word that names no error code
+#define MOE_EP_FIELD_SUBCHUNK_STARTS 19  // a count row's sub-chunk starts, out of order
 #define MOE_EP_DESC_WORDS 7
 // Descriptor word 6 of every data op: the handle's id (MOE_EP_FIELD_HANDLE).
 #define MOE_EP_DESC_HANDLE 6
@@ -261,7 +262,10 @@ struct LayoutParams {
   // every rank (MOE_EP_ERR_CAPACITY); 1 = drop rows beyond the capacity
   // (layout.cu, drop_over_capacity, says which), every rank in the same way.
   int32_t drop;
-  int32_t _pad;
+  // Fault tests only (0 otherwise): this rank sends its count row with word
+  // (count_fault >> 16) - 1 replaced by the low 16 bits (signed), as a peer's bad
+  // write would have it.
+  int32_t count_fault;
 };
 
 // moe_ep_publish_refusal (layout.cu): a rank whose host refused its part of

@@ -510,9 +510,13 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     tail[5] = tail[6] = tail[7] = 0;
   }
   __syncthreads();
+  const int faulty = p.count_fault != 0 ? (p.count_fault >> 16) - 1 : -1;  // fault tests only
   for (int d = 0; d < R; ++d) {
     int32_t* dst = ws.counts(d, parity) + me * n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) st_relaxed_sys_s32(dst + i, __ldcg(row + i));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int32_t v = i == faulty ? (int32_t)(int16_t)(p.count_fault & 0xffff) : __ldcg(row + i);
+      st_relaxed_sys_s32(dst + i, v);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -529,8 +533,9 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
   // max_tokens_per_rank, stage_rows / R): a row out of range (memory a
   // peer did not write as it should) stops every rank below, before any
   // offset is derived from it. Tails are checked in phase 4.
-  __shared__ int s_bad_at;  // the first (rank, word) out of range, or INT_MAX
-  if (threadIdx.x == 0) s_bad_at = 0x7fffffff;
+  __shared__ int s_bad_at;   // the first (rank, word) out of range, or INT_MAX
+  __shared__ int s_bad_sub;  // the first sub-chunk start out of order, or INT_MAX
+  if (threadIdx.x == 0) s_bad_at = s_bad_sub = 0x7fffffff;
   __syncthreads();
   const int32_t max_count = (int32_t)(p.op.w.stage_rows / (uint64_t)R);
   const int32_t* all = ws.counts(me, parity);
@@ -540,8 +545,8 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     if (i % n < row_tail(R, E) && (v < 0 || v > max_count)) atomicMin(&s_bad_at, i);
   }
   __syncthreads();
-  // Each rank's sub-chunk starts for each receiver (combine's rows of a
-  // chunk) rise and stay within its rows for that receiver.
+  // Each rank's sub-chunk starts for each receiver (where combine's chunks
+  // of its rows begin) rise and stay within its rows for that receiver.
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     const int s = i / R, d = i % R;
     const int32_t* row = info + o.counts + s * n;
@@ -550,19 +555,26 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     for (int j = 0; j < MOE_EP_SUBCHUNKS - 1; ++j) {
       const int32_t v = row[at + j];
       if (v < prev || v > row[E + d]) {
-        atomicMin(&s_bad_at, s * n + at + j);
+        atomicMin(&s_bad_sub, s * n + at + j);
         break;
       }
       prev = v;
     }
   }
   __syncthreads();
-  // A matrix out of range is reported below (its first bad word kept for
-  // that) and zeroed here, so that no offset is derived from it: the data
-  // kernels skip the call, and the host reads zeros, not sums of it.
-  __shared__ int32_t s_bad_val;
-  if (s_bad_at != 0x7fffffff) {
-    if (threadIdx.x == 0) s_bad_val = info[o.counts + s_bad_at];
+  // A matrix out of range is reported below (its first bad word, and for a
+  // start the rows it splits, kept for that) and zeroed here, so that no
+  // offset is derived from it: the data kernels skip the call, and the
+  // host reads zeros, not sums of it.
+  const bool bad_matrix = s_bad_at != 0x7fffffff || s_bad_sub != 0x7fffffff;
+  __shared__ int32_t s_bad_val, s_bad_rows;
+  if (bad_matrix) {
+    if (threadIdx.x == 0) {
+      const int at = s_bad_at != 0x7fffffff ? s_bad_at : s_bad_sub;
+      s_bad_val = info[o.counts + at];
+      const int s = at / n, d = (at % n - E - R) / (MOE_EP_SUBCHUNKS - 1);
+      s_bad_rows = s_bad_at == 0x7fffffff ? info[o.counts + s * n + E + d] : 0;
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < R * n; i += blockDim.x) {
       if (i % n < row_tail(R, E)) info[o.counts + i] = 0;
@@ -570,7 +582,7 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
     __syncthreads();
   }
   // The drop policy clips the matrix before any offset is derived from it.
-  const bool drop = p.drop != 0 && s_bad_at == 0x7fffffff;
+  const bool drop = p.drop != 0 && !bad_matrix;
   if (drop) drop_over_capacity(p, info, o);
   __syncthreads();
 
@@ -667,6 +679,11 @@ __device__ void layout_exchange_body(const LayoutParams& p) {
       code = MOE_EP_ERR_BAD_PEER_DATA;
       report_error(err, code, me, s_bad_at / n, MOE_EP_FIELD_COUNTS, (uint64_t)max_count + 1,
                    (uint64_t)(int64_t)s_bad_val, (uint64_t)(s_bad_at % n), 0);
+    } else if (s_bad_sub != 0x7fffffff) {
+      code = MOE_EP_ERR_BAD_PEER_DATA;
+      report_error(err, code, me, s_bad_sub / n, MOE_EP_FIELD_SUBCHUNK_STARTS,
+                   (uint64_t)s_bad_rows, (uint64_t)(int64_t)s_bad_val, (uint64_t)(s_bad_sub % n),
+                   0);
     }
     for (int s = 0; s < R && code == 0; ++s) {
       const int32_t* tail = C + s * n + row_tail(R, E);

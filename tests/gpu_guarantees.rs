@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use moe_ep::cuda::{CudaSlice, CudaStream};
-use moe_ep::ops::{DeviceRegion, DispatchOut, LlInput, LlLayout, Mode, TopkIdx};
+use moe_ep::ops::{CountWord, DeviceRegion, DispatchOut, LlInput, LlLayout, Mode, TopkIdx};
 use moe_ep::testkit::ranks::{ensure, run_worlds, Rank};
 use moe_ep::testkit::workload::{self, Rng};
 use moe_ep::{bf16, Communicator, EpGroup, Error, GroupConfig, RecvLayout, RefusedCall, Result};
@@ -912,6 +912,64 @@ fn fault_peer_row_repeated_on_one_rank() {
             }
         })
     });
+}
+
+/// A peer's count row out of range, from one rank: the bad rank's layout
+/// sends its count for expert 0 as -1. Every rank's layout finds it in
+/// the row it received and stops (`InvalidDeviceData` naming the bad rank
+/// on every rank's check, nothing derived from it); then the group works.
+#[test]
+fn fault_peer_count_out_of_range_on_one_rank() {
+    run_worlds("fault_peer_count_out_of_range_on_one_rank", 2, |r| {
+        bad_count_row(
+            r,
+            CountWord::Expert(0),
+            -1,
+            "wrote -1 where only values below",
+            87,
+        )
+    });
+}
+
+/// The same with the row's last sub-chunk start toward rank 0 sent as 0,
+/// below the starts before it (each in range): where combine's chunks of
+/// its rows begin, out of order.
+#[test]
+fn fault_peer_sub_chunk_starts_falling_on_one_rank() {
+    run_worlds("fault_peer_sub_chunk_starts_falling_on_one_rank", 2, |r| {
+        let last = CountWord::SubChunkStart { to: 0, chunk: 15 };
+        bad_count_row(r, last, 0, "sub-chunk start", 89)
+    });
+}
+
+/// A fault row of a count row the bad rank sends with `word` as `value`:
+/// every rank's layout stops, every rank's check is `InvalidDeviceData`
+/// whose detail names the bad rank and `detail`, within the usual bound;
+/// then a round trip in both layouts.
+fn bad_count_row(r: &Rank, word: CountWord, value: i16, detail: &str, seed: u64) -> Result<()> {
+    let s = &r.stream;
+    let group = fault_group(r)?;
+    let inp = inputs(r, seed)?;
+    if r.rank == bad_rank(r) {
+        group.corrupt_next_count_row_for_tests(word, value)?;
+    }
+    r.comm.barrier(s)?;
+    let t0 = Instant::now();
+    let op = group
+        .layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)
+        .map(drop);
+    let chk = group.check();
+    let took = t0.elapsed();
+    // Every rank names the bad rank (the bad rank itself as "this rank").
+    let bad = bad_rank(r);
+    if let Err(Error::InvalidDeviceData { detail: d, .. }) = &chk {
+        ensure(d.contains(&format!("rank {bad}")), || {
+            format!("rank {}: the error names not rank {bad}: {d}", r.rank)
+        })?;
+    }
+    expect(r, "count row", op, chk, None, Want::Device(detail), took)?;
+    round_trip(r, &group, RecvLayout::RankMajor, seed + 1)?;
+    round_trip(r, &group, FAULT_EM, seed + 2)
 }
 
 /// A fault row of expert-major rows a peer wrote: on a group of `factor`

@@ -87,6 +87,7 @@ pub fn field_name(f: i32) -> &'static str {
         FIELD_RECV_SCALES => "recv_scales",
         FIELD_META_REPEATED => "expert-major row index (meta) repeated in a token",
         FIELD_BAD_ENTRY => "first bad topk_idx entry (a peer's report)",
+        FIELD_SUBCHUNK_STARTS => "count row (its sub-chunk starts)",
         _ => "unknown field",
     }
 }
@@ -108,6 +109,9 @@ pub const FIELD_META_REPEATED: i32 = 17;
 /// `MOE_EP_FIELD_BAD_ENTRY`: a peer's first-bad-entry word (a count row's
 /// tail, a low-latency signal) that names no error.
 pub const FIELD_BAD_ENTRY: i32 = 18;
+/// `MOE_EP_FIELD_SUBCHUNK_STARTS`: a count row's sub-chunk starts that
+/// fall, or pass the rows they split.
+pub const FIELD_SUBCHUNK_STARTS: i32 = 19;
 
 /// The arguments a refusal names (the id a refused call's descriptor
 /// carries, `MOE_EP_OP_REFUSED`): index 0 is "an argument" (one not in
@@ -339,7 +343,9 @@ pub struct LayoutParams {
     pub topk_idx: u64,
     /// The overflow policy: 0 error, 1 drop rows beyond the capacity.
     pub drop: i32,
-    pub _pad: i32,
+    /// Fault tests only (0 otherwise): this rank's count row goes out with
+    /// word `(count_fault >> 16) - 1` replaced by the low 16 bits, signed.
+    pub count_fault: i32,
 }
 
 /// `moe_ep_publish_refusal` (`layout.cu`): the descriptor of a call this
@@ -836,6 +842,10 @@ mod tests {
         assert_eq!(
             define("MOE_EP_FIELD_BAD_ENTRY"),
             FIELD_BAD_ENTRY.to_string()
+        );
+        assert_eq!(
+            define("MOE_EP_FIELD_SUBCHUNK_STARTS"),
+            FIELD_SUBCHUNK_STARTS.to_string()
         );
         assert_eq!(
             define("MOE_EP_FIELD_NUM_TOKENS"),

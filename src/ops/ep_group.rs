@@ -785,6 +785,60 @@ impl EpGroup {
     }
 }
 
+impl EpGroup {
+    /// Tests only (feature `testkit`): this rank's next layout on one node
+    /// sends its count row with `word` replaced by `value`, as a peer's bad
+    /// write would have it, for fault tests of what every rank checks in the
+    /// rows it receives.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn corrupt_next_count_row_for_tests(&self, word: CountWord, value: i16) -> Result<()> {
+        let Path::Node(g) = &self.path else {
+            return Err(Error::InvalidState(
+                "count-row faults are for one-node groups".into(),
+            ));
+        };
+        let (e, r) = (self.config().num_experts, g.comm().world());
+        let at = match word {
+            CountWord::Expert(x) if x < e => x,
+            CountWord::SubChunkStart { to, chunk }
+                if to < r && (1..crate::ops::abi::SUBCHUNKS).contains(&chunk) =>
+            {
+                e + r + to * (crate::ops::abi::SUBCHUNKS - 1) + chunk - 1
+            }
+            other => {
+                return Err(Error::arg(
+                    "word",
+                    "a word of this group's count row",
+                    format!("{other:?}"),
+                ))
+            }
+        };
+        let w = i32::try_from(at + 1)
+            .ok()
+            .filter(|&w| w < 0x8000)
+            .ok_or_else(|| Error::arg("word", "below 32767", at))?;
+        g.count_fault.store(
+            (w << 16) | i32::from(value as u16),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        Ok(())
+    }
+}
+
+/// Tests only (feature `testkit`): a word of a rank's count row, as
+/// [`EpGroup::corrupt_next_count_row_for_tests`] takes it.
+#[cfg(feature = "testkit")]
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub enum CountWord {
+    /// The tokens-times-slots it sends to expert `e`.
+    Expert(usize),
+    /// Where the combine's sub-chunk `chunk` (1..SUBCHUNKS) of its rows
+    /// for rank `to` begins.
+    SubChunkStart { to: usize, chunk: usize },
+}
+
 impl Handle {
     /// The node stage's handle: the whole handle on one node; on several,
     /// the handle of the forward batch, whose counts are this rank's

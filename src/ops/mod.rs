@@ -60,6 +60,9 @@ pub use buffers::{
     DispatchedFp8, Fp8Rows, Fp8Scales, RecvBuf, RecvScales, RecvScalesOut, TopkIdx,
 };
 pub use config::{GroupConfig, Mode, Overflow, DEFAULT_HOP_CHUNK_ROWS};
+#[cfg(feature = "testkit")]
+#[doc(hidden)]
+pub use ep_group::CountWord;
 pub use ep_group::{EpGroup, Handle, RefusedCall};
 pub use footprint::{workspace_bytes, MemoryFootprint};
 pub use low_latency::{

@@ -359,6 +359,10 @@ impl NodeGroup {
                             "{by} wrote row {} twice for one token (received token {}); nothing was read there",
                             e.seen as i64, e.needed
                         ),
+                        abi::FIELD_SUBCHUNK_STARTS => format!(
+                            "{by} wrote {} at word {} of its count row, where each sub-chunk start must be at least the one before and at most its {} rows for that rank; nothing was read or written there",
+                            e.seen as i64, e.needed, e.expected
+                        ),
                         abi::FIELD_BAD_ENTRY => format!(
                             "{by} reported a first bad topk_idx entry {:#x} that names no error; nothing was read there",
                             e.seen

@@ -65,6 +65,10 @@ pub(crate) struct NodeGroup {
     /// Set by [`EpGroup::allow_graph_capture`](crate::EpGroup::allow_graph_capture): ops may be called on a
     /// stream that captures a CUDA graph (refused otherwise).
     pub(crate) capture_allowed: AtomicBool,
+    /// Fault tests only (`EpGroup::corrupt_next_count_row_for_tests`): the
+    /// next layout sends this rank's count row with one word replaced
+    /// (`LayoutParams::count_fault`; 0: none).
+    pub(crate) count_fault: std::sync::atomic::AtomicI32,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
@@ -199,6 +203,7 @@ impl NodeGroup {
             _on_abort: on_abort,
             op_barrier,
             capture_allowed: AtomicBool::new(false),
+            count_fault: std::sync::atomic::AtomicI32::new(0),
             cfg,
         })
     }

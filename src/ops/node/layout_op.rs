@@ -132,7 +132,9 @@ impl NodeGroup {
             op: self.op_common(&handle),
             topk_idx: idx_ptr,
             drop: (self.cfg.overflow == Overflow::Drop) as i32,
-            _pad: 0,
+            count_fault: self
+                .count_fault
+                .swap(0, std::sync::atomic::Ordering::Relaxed),
         };
         let scan = match topk_idx {
             TopkIdx::I32(_) => &self.k.layout_scan_i32,
