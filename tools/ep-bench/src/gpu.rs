@@ -1007,8 +1007,27 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
     let handle = group
         .layout(s_, TopkIdx::I64(&idxv), k, layout)
         .map_err(s)?;
+    // The pool in use while a dispatch holds its outputs (collective: every
+    // rank dispatches here, untimed).
+    let pool_in_use = {
+        let d = group
+            .dispatch(
+                s_,
+                &handle,
+                &xv,
+                &wv,
+                DispatchOut {
+                    recv_tokens: Some(&mut recv),
+                    recv_topk_weights: Some(&mut recv_w),
+                },
+            )
+            .map_err(s)?;
+        let f = group.memory_footprint();
+        drop(d);
+        f.pool_other - f.pool_free
+    };
     let mut memory = Memory {
-        moe_ep: moe_ep_memory(footprint, Some(handle.device_bytes())),
+        moe_ep: moe_ep_memory(footprint, Some(handle.device_bytes()), Some(pool_in_use)),
         nccl_ep: None,
     };
     let eb = case.dtype.elem_bytes();
@@ -1145,8 +1164,13 @@ fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
 }
 
 /// moe-ep's memory of a case on this rank: the group's `footprint` (read
-/// right after it was made) and its handle's bytes.
-fn moe_ep_memory(footprint: moe_ep::MemoryFootprint, handle: Option<u64>) -> MoeEpMemory {
+/// right after it was made), its handle's bytes and the pool's bytes in use
+/// while a dispatch holds its outputs.
+fn moe_ep_memory(
+    footprint: moe_ep::MemoryFootprint,
+    handle: Option<u64>,
+    pool_in_use: Option<u64>,
+) -> MoeEpMemory {
     MoeEpMemory {
         workspace: footprint.workspace,
         low_latency: footprint.low_latency,
@@ -1155,6 +1179,7 @@ fn moe_ep_memory(footprint: moe_ep::MemoryFootprint, handle: Option<u64>) -> Moe
         two_level: footprint.two_level,
         pinned_host: footprint.pinned_host,
         handle,
+        pool_in_use,
     }
 }
 
@@ -1166,7 +1191,7 @@ fn gather_memory(c: &Ctx<'_>, mine: Memory) -> R<Option<Memory>> {
     let ranks: Vec<Memory> = all
         .chunks_exact(words.len())
         .map(|w| {
-            let mut a = [0u64; 11];
+            let mut a = [0u64; 12];
             a.copy_from_slice(w);
             Memory::from_words(&a)
         })

@@ -5,7 +5,9 @@
 //! moe-ep reports its own: the group's categories
 //! ([`moe_ep::MemoryFootprint`], read right after `EpGroup::new`, before
 //! any receive buffer or handle is taken from its pool) and the handle's
-//! bytes ([`moe_ep::Handle::device_bytes`], after the layout). NCCL EP
+//! bytes ([`moe_ep::Handle::device_bytes`], after the layout), and the
+//! pool's bytes in use while a dispatch of the case holds its outputs (what
+//! a pool sized to the case would hold: `MoeEpMemory::sized_to_case`). NCCL EP
 //! 0.2.0 has a query for a handle's routing buffers (`ncclEpHandleMemSize`)
 //! but none for a group's (its header: "a way to query the required size
 //! is planned"), so its group is measured: the device's free memory
@@ -15,8 +17,9 @@
 //! made them (rounded up to its pages, 2 MiB), and anything else the
 //! process allocated on the GPU meanwhile (nothing: ep-bench's rank
 //! thread is the only one on its GPU then, and the context is drained
-//! first). Receive buffers, tokens and outputs are the caller's in both
-//! libraries and are counted in neither.
+//! first). Tokens and outputs are the caller's in both libraries and are
+//! counted in neither; ep-bench takes moe-ep's receive buffers from its
+//! pool, where `pool_in_use` counts them.
 
 use serde::Serialize;
 
@@ -38,6 +41,11 @@ pub struct MoeEpMemory {
     /// The case's handle (`Handle::device_bytes`); `None` where there is
     /// none (the low-latency mode makes no handle).
     pub handle: Option<u64>,
+    /// The pool's bytes in use while a dispatch of the case holds its
+    /// outputs: the receive buffers, the dispatch's ids and sources and
+    /// the handle's rows (`pool_other - pool_free` then); what a pool sized
+    /// to the case would hold. `None` where not measured.
+    pub pool_in_use: Option<u64>,
 }
 
 impl MoeEpMemory {
@@ -51,9 +59,19 @@ impl MoeEpMemory {
         self.group() + self.handle.unwrap_or(0)
     }
 
+    /// The group with its pool sized to the case (`pool_in_use`, which
+    /// counts the handle's rows too) and the handle's own arrays: what the
+    /// case needs on the device, its receive buffers included; `None` where
+    /// the pool's use was not measured.
+    pub fn sized_to_case(&self) -> Option<u64> {
+        self.pool_in_use.map(|p| {
+            self.workspace + self.low_latency + self.two_level + p + self.handle.unwrap_or(0)
+        })
+    }
+
     /// The values as one list (the order of [`MoeEpMemory::from_words`]);
-    /// `u64::MAX` for no handle.
-    pub fn words(&self) -> [u64; 7] {
+    /// `u64::MAX` for no handle or no pool use measured.
+    pub fn words(&self) -> [u64; 8] {
         [
             self.workspace,
             self.low_latency,
@@ -62,11 +80,12 @@ impl MoeEpMemory {
             self.two_level,
             self.pinned_host,
             self.handle.unwrap_or(u64::MAX),
+            self.pool_in_use.unwrap_or(u64::MAX),
         ]
     }
 
     /// The inverse of [`MoeEpMemory::words`].
-    pub fn from_words(w: [u64; 7]) -> Self {
+    pub fn from_words(w: [u64; 8]) -> Self {
         MoeEpMemory {
             workspace: w[0],
             low_latency: w[1],
@@ -75,6 +94,7 @@ impl MoeEpMemory {
             two_level: w[4],
             pinned_host: w[5],
             handle: (w[6] != u64::MAX).then_some(w[6]),
+            pool_in_use: (w[7] != u64::MAX).then_some(w[7]),
         }
     }
 }
@@ -135,10 +155,13 @@ impl Memory {
         let mut m = *first;
         for r in &ranks[1..] {
             let (a, b) = (m.moe_ep.words(), r.moe_ep.words());
-            let mut w: [u64; 7] = std::array::from_fn(|i| a[i].max(b[i]));
-            // No handle on one rank: none.
+            let mut w: [u64; 8] = std::array::from_fn(|i| a[i].max(b[i]));
+            // No handle (or pool use) on one rank: none.
             if m.moe_ep.handle.is_none() || r.moe_ep.handle.is_none() {
                 w[6] = u64::MAX;
+            }
+            if m.moe_ep.pool_in_use.is_none() || r.moe_ep.pool_in_use.is_none() {
+                w[7] = u64::MAX;
             }
             m.moe_ep = MoeEpMemory::from_words(w);
             m.nccl_ep = match (m.nccl_ep, r.nccl_ep) {
@@ -156,27 +179,27 @@ impl Memory {
         Some(m)
     }
 
-    /// This rank's values as words for an all-gather: moe-ep's 7, a
+    /// This rank's values as words for an all-gather: moe-ep's 8, a
     /// presence word and NCCL EP's 3 ([`Memory::from_words`]).
-    pub fn words(&self) -> [u64; 11] {
-        let mut w = [0u64; 11];
-        w[..7].copy_from_slice(&self.moe_ep.words());
+    pub fn words(&self) -> [u64; 12] {
+        let mut w = [0u64; 12];
+        w[..8].copy_from_slice(&self.moe_ep.words());
         if let Some(n) = &self.nccl_ep {
-            w[7] = 1;
-            w[8..].copy_from_slice(&n.words());
+            w[8] = 1;
+            w[9..].copy_from_slice(&n.words());
         }
         w
     }
 
     /// The inverse of [`Memory::words`].
-    pub fn from_words(w: &[u64; 11]) -> Self {
-        let mut m = [0u64; 7];
-        m.copy_from_slice(&w[..7]);
+    pub fn from_words(w: &[u64; 12]) -> Self {
+        let mut m = [0u64; 8];
+        m.copy_from_slice(&w[..8]);
         let mut n = [0u64; 3];
-        n.copy_from_slice(&w[8..]);
+        n.copy_from_slice(&w[9..]);
         Memory {
             moe_ep: MoeEpMemory::from_words(m),
-            nccl_ep: (w[7] == 1).then(|| NcclEpMemory::from_words(n)),
+            nccl_ep: (w[8] == 1).then(|| NcclEpMemory::from_words(n)),
         }
     }
 }
@@ -199,6 +222,7 @@ mod tests {
             two_level: 3,
             pinned_host: 64,
             handle,
+            pool_in_use: handle.map(|h| h + 11),
         }
     }
 
@@ -206,6 +230,9 @@ mod tests {
     fn totals_and_words() {
         let m = ours(Some(7));
         assert_eq!((m.group(), m.device()), (123, 130));
+        // workspace 100 + two-level 3 + pool in use 18 + handle 7.
+        assert_eq!(m.sized_to_case(), Some(128));
+        assert_eq!(ours(None).sized_to_case(), None);
         assert_eq!(MoeEpMemory::from_words(m.words()), m);
         assert_eq!(ours(None).device(), 123);
         assert_eq!(MoeEpMemory::from_words(ours(None).words()), ours(None));

@@ -621,6 +621,22 @@ fn memory_table(results: &[CaseResult], varying: &[usize]) -> String {
             ),
         ]);
         rows.push(row);
+        if let (Some(sized), Some(used)) = (ours.sized_to_case(), ours.pool_in_use) {
+            let mut row = case.clone();
+            row.extend([
+                "moe-ep sized".to_string(),
+                mib(sized - ours.handle.unwrap_or(0)),
+                ours.handle.map_or("-".into(), mib),
+                mib(sized),
+                format!(
+                    "the pool sized to the case: workspace {}, pool in use {} (receive \
+                     buffers, a dispatch's ids and sources, the handle's rows)",
+                    mib(ours.workspace),
+                    mib(used)
+                ),
+            ]);
+            rows.push(row);
+        }
         if let Some(ep) = &m.nccl_ep {
             let mut row = case;
             row.extend([
@@ -643,7 +659,9 @@ fn memory_table(results: &[CaseResult], varying: &[usize]) -> String {
         }
     }
     "\nmemory per rank (largest rank), MiB = 2^20 B: moe-ep's group at creation \
-     (EpGroup::memory_footprint) and handle (Handle::device_bytes); caller buffers in neither\n"
+     (EpGroup::memory_footprint) and handle (Handle::device_bytes), and sized to the case \
+     (its pool as much as a dispatch's outputs and the receive buffers use); tokens and \
+     outputs in neither\n"
         .to_string()
         + &render_columns(&header, &right, &rows)
 }
@@ -769,6 +787,7 @@ struct MoeEpRecord {
     parts: MoeEpMemory,
     group: u64,
     device: u64,
+    sized_to_case: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -787,6 +806,7 @@ impl MemoryRecord {
                 parts: m.moe_ep,
                 group: m.moe_ep.group(),
                 device: m.moe_ep.device(),
+                sized_to_case: m.moe_ep.sized_to_case(),
             },
             nccl_ep: m.nccl_ep.map(|n| NcclEpRecord {
                 parts: n,
@@ -810,7 +830,8 @@ impl MemoryRecord {
 /// "vs_nccl_ep", "vs_local", "per_rank": [{"rank", "median_us", "min_us", "max_us",
 /// "nvlink_bytes", "network_bytes", "logical_bytes"}]}], "nccl_ep_check",
 /// "memory": {"moe_ep": {"workspace", "low_latency", "pool_other",
-/// "pool_free", "two_level", "pinned_host", "handle", "group", "device"},
+/// "pool_free", "two_level", "pinned_host", "handle", "pool_in_use", "group", "device",
+/// "sized_to_case"},
 /// "nccl_ep": {"group_measured", "handle_queried", "init_handle_measured",
 /// "device", "group_how", "handle_how"}}}]}`. Times in µs, bytes in B,
 /// bandwidths in GB/s; unknown values are `null`; `ranks` is `"nccl"` or
@@ -1589,6 +1610,7 @@ pub(crate) mod tests {
             two_level: 0,
             pinned_host: 96,
             handle: Some(MIB / 2),
+            pool_in_use: Some(3 * MIB),
         };
         let theirs = NcclEpMemory {
             group_measured: 300 * MIB,
@@ -1604,6 +1626,7 @@ pub(crate) mod tests {
         b.memory = Some(Memory {
             moe_ep: MoeEpMemory {
                 handle: None,
+                pool_in_use: None,
                 ..ours
             },
             nccl_ep: None,
@@ -1615,7 +1638,10 @@ pub(crate) mod tests {
             .position(|l| l.starts_with("memory per rank"))
             .unwrap_or_else(|| panic!("{t}"));
         assert!(
-            lines[at + 1].starts_with("tokens  library  group MiB"),
+            lines[at + 1]
+                .split_whitespace()
+                .take(4)
+                .eq(["tokens", "library", "group", "MiB"]),
             "{t}"
         );
         let cells = |l: &str| l.split_whitespace().map(String::from).collect::<Vec<_>>();
@@ -1627,18 +1653,26 @@ pub(crate) mod tests {
         );
         assert!(lines[at + 3].contains("workspace 100.00, low-latency 0.00, pool 2.00 (free 1.00)"));
         assert!(lines[at + 3].contains("pinned host 96 B"), "{t}");
-        let r1 = cells(lines[at + 4]);
+        // Sized to the case: workspace 100 + pool in use 3 (+ handle 0.5).
+        let sized = cells(lines[at + 4]);
+        assert_eq!(
+            sized[..6],
+            ["1024", "moe-ep", "sized", "103.00", "0.50", "103.50"],
+            "{t}"
+        );
+        assert!(lines[at + 4].contains("pool in use 3.00"), "{t}");
+        let r1 = cells(lines[at + 5]);
         assert_eq!(
             r1[..5],
             ["1024", "NCCL-EP", "300.00", "0.25", "302.00"],
             "{t}"
         );
-        assert!(lines[at + 4].contains("cuMemGetInfo around ncclEpCreateGroup"));
-        assert!(lines[at + 4].contains("ncclEpHandleMemSize"));
-        let r2 = cells(lines[at + 5]);
+        assert!(lines[at + 5].contains("cuMemGetInfo around ncclEpCreateGroup"));
+        assert!(lines[at + 5].contains("ncclEpHandleMemSize"));
+        let r2 = cells(lines[at + 6]);
         assert_eq!(r2[..5], ["2048", "moe-ep", "102.00", "-", "102.00"], "{t}");
-        assert!(lines[at + 5].ends_with("no handle"), "{t}");
-        assert_eq!(lines.len(), at + 6, "{t}");
+        assert!(lines[at + 6].ends_with("no handle"), "{t}");
+        assert_eq!(lines.len(), at + 7, "{t}");
         // Without memory, no block.
         assert!(!table(&[sample(1024, 7168, None)]).contains("memory per rank"));
 
@@ -1649,6 +1683,8 @@ pub(crate) mod tests {
         assert_eq!(m["moe_ep"]["group"], 102 * MIB);
         assert_eq!(m["moe_ep"]["device"], 102 * MIB + MIB / 2);
         assert_eq!(m["moe_ep"]["pinned_host"], 96);
+        assert_eq!(m["moe_ep"]["pool_in_use"], 3 * MIB);
+        assert_eq!(m["moe_ep"]["sized_to_case"], 103 * MIB + MIB / 2);
         assert_eq!(m["nccl_ep"]["group_measured"], 300 * MIB);
         assert_eq!(m["nccl_ep"]["handle_queried"], MIB / 4);
         assert_eq!(m["nccl_ep"]["device"], 302 * MIB);

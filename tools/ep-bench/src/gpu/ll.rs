@@ -313,7 +313,7 @@ pub(super) fn run_case(c: &Ctx<'_>, case: &Case, world: usize) -> R<Outcome> {
     let group = EpGroup::new(&c.comm, cfg).map_err(s)?;
     // The low-latency mode makes no handle: its buffers are the group's.
     let mut memory = Memory {
-        moe_ep: moe_ep_memory(group.memory_footprint(), None),
+        moe_ep: moe_ep_memory(group.memory_footprint(), None, None),
         nccl_ep: None,
     };
     let el = case.experts / world;

@@ -176,7 +176,7 @@ pub(super) fn run_case(c: &Ctx<'_>, case: &Case, world: usize, g: usize) -> R<Ou
         op.network_bytes = (0..world).map(|r| all[r * net.len() + i]).collect();
     }
     let memory = Memory {
-        moe_ep: moe_ep_memory(footprint, Some(handle.device_bytes())),
+        moe_ep: moe_ep_memory(footprint, Some(handle.device_bytes()), None),
         nccl_ep: None,
     };
     Ok(Outcome {
