@@ -449,6 +449,9 @@ struct LlParams {
                           // combine only)
   int32_t refuse;         // sends: 0, or 1 + the argument this rank's host refused (the
                           // send then moves no rows and tells every peer, see LlSignal)
+  int32_t tokens_fault;   // fault tests only (0 otherwise): the dispatch send's token
+                          // count as every receiver's signal says, instead of T
+  int32_t _pad;
 };
 
 static_assert(sizeof(ErrorInfo) == 64, "ErrorInfo");
@@ -462,7 +465,7 @@ static_assert(sizeof(DispatchParams) == 760, "DispatchParams");
 static_assert(sizeof(CombineParams) == 488, "CombineParams");
 static_assert(sizeof(LlSignal) == 32, "LlSignal");
 static_assert(sizeof(LlBufs) == 248, "LlBufs");
-static_assert(sizeof(LlParams) == 568, "LlParams");
+static_assert(sizeof(LlParams) == 576, "LlParams");
 static_assert(offsetof(LlBufs, local) == 64 && offsetof(LlBufs, sig_dispatch) == 88 &&
                   offsetof(LlBufs, em_x) == 152 && offsetof(LlBufs, counters) == 208 &&
                   offsetof(LlBufs, ticket) == 232,

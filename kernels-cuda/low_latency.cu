@@ -401,7 +401,7 @@ __device__ void ll_dispatch_send(const LlParams& p) {
       LlSignal* g = at<LlSignal>(sym_set(p, d), p.b.sig_dispatch) + me * MOE_EP_MAX_BLOCKS + blockIdx.x;
       volatile LlSignal* vg = g;
       vg->bad = s_bad;
-      vg->num_tokens = why != 0 ? why : T;
+      vg->num_tokens = why != 0 ? why : (p.tokens_fault != 0 ? p.tokens_fault : T);
       vg->topk = K;
       vg->payload = p.payload;
       vg->layout = (int32_t)p.op.layout;

@@ -1185,6 +1185,72 @@ fn fault_ll_bad_batch_then_good_batches() {
     });
 }
 
+/// A peer's low-latency token count out of range, from one rank: its
+/// dispatch sends its rows but signals max_tokens + 1 tokens. Every
+/// receiver stops before reading a row of it (`InvalidDeviceData` naming
+/// the bad rank and the count, on every rank's check); then batches work.
+#[test]
+fn fault_ll_peer_token_count_out_of_range_on_one_rank() {
+    run_worlds(
+        "fault_ll_peer_token_count_out_of_range_on_one_rank",
+        2,
+        |r| {
+            let s = &r.stream;
+            let group = ll_group(r)?;
+            let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
+            let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+            let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
+            if r.rank == bad_rank(r) {
+                group.corrupt_next_ll_token_count_for_tests(LL_TOKENS as i32 + 1)?;
+            }
+            r.comm.barrier(s)?;
+            let t0 = Instant::now();
+            let op = group
+                .ll_dispatch(
+                    s,
+                    moe_ep::LlDispatchArgs {
+                        x: LlInput::Bf16(&x),
+                        topk_idx: TopkIdx::I32(&idx),
+                        topk: TOPK,
+                        topk_weights: &w,
+                        layout: LlLayout::RankMajor,
+                        cast_fp8: None,
+                    },
+                )
+                .map(drop);
+            let chk = group.check();
+            let took = t0.elapsed();
+            let want = format!(
+                "rank {} wrote {} where only values below {} fit",
+                bad_rank(r),
+                LL_TOKENS + 1,
+                LL_TOKENS + 1
+            );
+            match (&op, &chk) {
+                (
+                    Ok(()),
+                    Err(Error::InvalidDeviceData {
+                        arg: "num_tokens",
+                        detail,
+                    }),
+                ) if detail.contains(&want) => {}
+                other => {
+                    return Err(Error::InvalidState(format!(
+                    "a token count out of range from rank {}: rank {} got {other:?} (want {want})",
+                    bad_rank(r),
+                    r.rank
+                )))
+                }
+            }
+            ensure(took < FAST, || format!("the error took {took:?}"))?;
+            for i in 0..4 {
+                ll_round_trip(r, &group, 94 + i)?;
+            }
+            Ok(())
+        },
+    );
+}
+
 /// A low-latency dispatch refused on one rank's host (x too short): every
 /// other rank's check names it and `x` at once; then batches work.
 #[test]

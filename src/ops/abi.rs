@@ -520,6 +520,10 @@ pub struct LlParams {
     /// rank's host refused ([`ARG_NAMES`]): the send moves no rows and tells
     /// every peer.
     pub refuse: i32,
+    /// Fault tests only (0 otherwise): the dispatch send's token count as
+    /// every receiver's signal says it, instead of `T`.
+    pub tokens_fault: i32,
+    pub _pad: i32,
 }
 
 /// Word offsets inside `LayoutBufs::info` (`info_offsets` in abi.cuh).
@@ -686,7 +690,7 @@ const _: () = assert!(std::mem::size_of::<DispatchParams>() == 760);
 const _: () = assert!(std::mem::size_of::<CombineParams>() == 488);
 const _: () = assert!(std::mem::size_of::<LlSignal>() == 32);
 const _: () = assert!(std::mem::size_of::<LlBufs>() == 248);
-const _: () = assert!(std::mem::size_of::<LlParams>() == 568);
+const _: () = assert!(std::mem::size_of::<LlParams>() == 576);
 const _: () = assert!(std::mem::size_of::<TwoLevelParams>() == 496);
 const _: () = assert!(std::mem::size_of::<ChunkWaitParams>() == 1280);
 

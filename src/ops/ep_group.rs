@@ -818,10 +818,28 @@ impl EpGroup {
             .ok()
             .filter(|&w| w < 0x8000)
             .ok_or_else(|| Error::arg("word", "below 32767", at))?;
-        g.count_fault.store(
+        g.faults.count_row.store(
             (w << 16) | i32::from(value as u16),
             std::sync::atomic::Ordering::Relaxed,
         );
+        Ok(())
+    }
+
+    /// Tests only (feature `testkit`): this rank's next low-latency dispatch
+    /// sends its rows as usual but signals `tokens` (nonzero) as its token
+    /// count to every receiver, as a peer's bad write would have it.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn corrupt_next_ll_token_count_for_tests(&self, tokens: i32) -> Result<()> {
+        let Path::Node(g) = &self.path else {
+            return Err(Error::InvalidState("low latency is one node's".into()));
+        };
+        if tokens == 0 {
+            return Err(Error::arg("tokens", "a nonzero count", 0));
+        }
+        g.faults
+            .ll_tokens
+            .store(tokens, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }

@@ -251,6 +251,10 @@ impl NodeGroup {
         p.topk_idx = call.topk_idx;
         p.topk_w = call.topk_w;
         p.cast = call.cast;
+        p.tokens_fault = self
+            .faults
+            .ll_tokens
+            .swap(0, std::sync::atomic::Ordering::Relaxed);
         self.ll_launch(stream, &self.ll_kernels().send[call.idx_i64 as usize], &p)?;
         let mut st = ll.state();
         st.generation = generation;

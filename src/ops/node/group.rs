@@ -65,10 +65,20 @@ pub(crate) struct NodeGroup {
     /// Set by [`EpGroup::allow_graph_capture`](crate::EpGroup::allow_graph_capture): ops may be called on a
     /// stream that captures a CUDA graph (refused otherwise).
     pub(crate) capture_allowed: AtomicBool,
-    /// Fault tests only (`EpGroup::corrupt_next_count_row_for_tests`): the
-    /// next layout sends this rank's count row with one word replaced
-    /// (`LayoutParams::count_fault`; 0: none).
-    pub(crate) count_fault: std::sync::atomic::AtomicI32,
+    /// Fault tests only: what this rank's next layout or low-latency
+    /// dispatch sends wrong on purpose (0: nothing).
+    pub(crate) faults: TestFaults,
+}
+
+/// Fault tests only (`EpGroup::corrupt_next_count_row_for_tests`,
+/// `EpGroup::corrupt_next_ll_token_count_for_tests`): each taken (reset to
+/// 0) by the next op it applies to.
+#[derive(Default)]
+pub(crate) struct TestFaults {
+    /// `LayoutParams::count_fault`: a count-row word replaced.
+    pub(crate) count_row: std::sync::atomic::AtomicI32,
+    /// `LlParams::tokens_fault`: the token count a dispatch send signals.
+    pub(crate) ll_tokens: std::sync::atomic::AtomicI32,
 }
 
 /// Dropping a group first waits for the work it was given (the last op's
@@ -203,7 +213,7 @@ impl NodeGroup {
             _on_abort: on_abort,
             op_barrier,
             capture_allowed: AtomicBool::new(false),
-            count_fault: std::sync::atomic::AtomicI32::new(0),
+            faults: TestFaults::default(),
             cfg,
         })
     }

@@ -133,7 +133,8 @@ impl NodeGroup {
             topk_idx: idx_ptr,
             drop: (self.cfg.overflow == Overflow::Drop) as i32,
             count_fault: self
-                .count_fault
+                .faults
+                .count_row
                 .swap(0, std::sync::atomic::Ordering::Relaxed),
         };
         let scan = match topk_idx {
