@@ -1134,54 +1134,16 @@ fn ll_round_trip(r: &Rank, group: &EpGroup, seed: u64) -> Result<()> {
 #[test]
 fn fault_ll_bad_batch_then_good_batches() {
     run_worlds("fault_ll_bad_batch_then_good_batches", 2, |r| {
-        let s = &r.stream;
-        let group = ll_group(r)?;
-        let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
-        let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
-        let mut idx = identity_routing(r.rank, LL_TOKENS);
-        if r.rank == bad_rank(r) {
-            idx[TOPK + 1] = -5;
-        }
-        let idx = up(s, &idx)?;
-        r.comm.barrier(s)?;
-        let t0 = Instant::now();
-        let op = group
-            .ll_dispatch(
-                s,
-                moe_ep::LlDispatchArgs {
-                    x: LlInput::Bf16(&x),
-                    topk_idx: TopkIdx::I32(&idx),
-                    topk: TOPK,
-                    topk_weights: &w,
-                    layout: LlLayout::RankMajor,
-                    cast_fp8: None,
-                },
-            )
-            .map(drop);
-        let chk = group.check();
-        let took = t0.elapsed();
-        let want = format!("rank {}", bad_rank(r));
-        match (&op, &chk) {
-            (
-                Ok(()),
-                Err(Error::InvalidDeviceData {
-                    arg: "topk_idx",
-                    detail,
-                }),
-            ) if detail.contains(&want) => {}
-            other => {
-                return Err(Error::InvalidState(format!(
-                    "a bad low-latency batch on rank {}: rank {} got {other:?}",
-                    bad_rank(r),
-                    r.rank
-                )))
-            }
-        }
-        ensure(took < FAST, || format!("the error took {took:?}"))?;
-        for i in 0..4 {
-            ll_round_trip(r, &group, 90 + i)?;
-        }
-        Ok(())
+        ll_bad_batch(
+            r,
+            |_, idx| {
+                idx[TOPK + 1] = -5;
+                Ok(())
+            },
+            "topk_idx",
+            "",
+            90,
+        )
     });
 }
 
@@ -1195,61 +1157,65 @@ fn fault_ll_peer_token_count_out_of_range_on_one_rank() {
         "fault_ll_peer_token_count_out_of_range_on_one_rank",
         2,
         |r| {
-            let s = &r.stream;
-            let group = ll_group(r)?;
-            let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
-            let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
-            let idx = up(s, &identity_routing(r.rank, LL_TOKENS))?;
-            if r.rank == bad_rank(r) {
-                group.corrupt_next_ll_token_count_for_tests(LL_TOKENS as i32 + 1)?;
-            }
-            r.comm.barrier(s)?;
-            let t0 = Instant::now();
-            let op = group
-                .ll_dispatch(
-                    s,
-                    moe_ep::LlDispatchArgs {
-                        x: LlInput::Bf16(&x),
-                        topk_idx: TopkIdx::I32(&idx),
-                        topk: TOPK,
-                        topk_weights: &w,
-                        layout: LlLayout::RankMajor,
-                        cast_fp8: None,
-                    },
-                )
-                .map(drop);
-            let chk = group.check();
-            let took = t0.elapsed();
-            // The bad rank's own error says "rank B (this rank) wrote ...".
-            let who = format!("rank {}", bad_rank(r));
             let want = format!(
                 "wrote {} where only values below {} fit",
                 LL_TOKENS + 1,
                 LL_TOKENS + 1
             );
-            match (&op, &chk) {
-                (
-                    Ok(()),
-                    Err(Error::InvalidDeviceData {
-                        arg: "num_tokens",
-                        detail,
-                    }),
-                ) if detail.contains(&who) && detail.contains(&want) => {}
-                other => {
-                    return Err(Error::InvalidState(format!(
-                    "a token count out of range from rank {}: rank {} got {other:?} (want {want})",
-                    bad_rank(r),
-                    r.rank
-                )))
-                }
-            }
-            ensure(took < FAST, || format!("the error took {took:?}"))?;
-            for i in 0..4 {
-                ll_round_trip(r, &group, 94 + i)?;
-            }
-            Ok(())
+            ll_bad_batch(
+                r,
+                |group, _| group.corrupt_next_ll_token_count_for_tests(LL_TOKENS as i32 + 1),
+                "num_tokens",
+                &want,
+                94,
+            )
         },
     );
+}
+
+/// A low-latency batch the bad rank spoils (`spoil` there: its routing, or
+/// its group before the dispatch), then check on every rank: each gets
+/// `InvalidDeviceData` naming `arg`, its detail naming the bad rank (as
+/// "this rank" on the bad rank itself) and containing `detail`, fast; then
+/// four good batches.
+fn ll_bad_batch(
+    r: &Rank,
+    spoil: impl Fn(&EpGroup, &mut [i32]) -> Result<()>,
+    arg: &str,
+    detail: &str,
+    seed: u64,
+) -> Result<()> {
+    let s = &r.stream;
+    let group = ll_group(r)?;
+    let x = up(s, &vec![bf16::ONE; LL_TOKENS * HIDDEN])?;
+    let w = up(s, &vec![1.0f32; LL_TOKENS * TOPK])?;
+    let mut idx = identity_routing(r.rank, LL_TOKENS);
+    if r.rank == bad_rank(r) {
+        spoil(&group, &mut idx)?;
+    }
+    let idx = up(s, &idx)?;
+    r.comm.barrier(s)?;
+    let t0 = Instant::now();
+    let op = ll_dispatch_rank_major(s, &group, &x, &w, &idx).map(drop);
+    let chk = group.check();
+    let took = t0.elapsed();
+    let who = format!("rank {}", bad_rank(r));
+    match (&op, &chk) {
+        (Ok(()), Err(Error::InvalidDeviceData { arg: a, detail: d }))
+            if *a == arg && d.contains(&who) && d.contains(detail) => {}
+        other => {
+            return Err(Error::InvalidState(format!(
+            "a bad low-latency batch on rank {}: rank {} got {other:?} (want {arg}, {detail:?})",
+            bad_rank(r),
+            r.rank
+        )))
+        }
+    }
+    ensure(took < FAST, || format!("the error took {took:?}"))?;
+    for i in 0..4 {
+        ll_round_trip(r, &group, seed + i)?;
+    }
+    Ok(())
 }
 
 /// A low-latency dispatch refused on one rank's host (x too short): every
