@@ -638,7 +638,10 @@ def run_virtual(world, fn, *, device=0, timeout=None):
     here otherwise): with CUDA's default lazy loading, the first launch of a
     kernel (torch's, in a backward pass say) loads its module, which waits
     for the whole GPU, where the sibling ranks' kernels wait for this rank's
-    next op: every rank then waits until the group's timeout."""
+    next op: every rank then waits until the group's timeout. For the same
+    reason each rank's thread first runs a small matmul forward and backward
+    (torch's per-thread cuBLAS set-up), and the ranks start ``fn`` together
+    once every thread has."""
     if world > 1 and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
         warnings.warn(
             "moe_ep.run_virtual: CUDA_MODULE_LOADING is not EAGER: a kernel loaded lazily at its "
@@ -654,6 +657,9 @@ def run_virtual(world, fn, *, device=0, timeout=None):
             streams = [_torch.cuda.Stream(device=device) for _ in range(world)]
     results = [None] * world
     errors = [None] * world
+    # Every rank's thread sets up its own torch state first (below), and the
+    # ranks start fn together once all have.
+    start = threading.Barrier(world)
 
     def body(r):
         try:
@@ -662,6 +668,13 @@ def run_virtual(world, fn, *, device=0, timeout=None):
                 # Backward passes on this thread, not the engine's one thread
                 # per GPU: the ranks' collective backward ops must run at once.
                 with _torch.cuda.stream(streams[r]), _torch.autograd.set_multithreading_enabled(False):
+                    try:
+                        _warm_up_thread(device)
+                        streams[r].synchronize()
+                    except BaseException:
+                        start.abort()
+                        raise
+                    start.wait()
                     results[r] = fn(comms[r])
                     streams[r].synchronize()
             else:
@@ -686,6 +699,18 @@ def run_virtual(world, fn, *, device=0, timeout=None):
         e.rank_errors = dict(failed)
         raise e
     return results
+
+
+def _warm_up_thread(device):
+    """What torch sets up per thread at its first matmul, forward and
+    backward, in bfloat16 and float32 (cuBLAS handles and workspaces, which
+    may wait for the whole GPU), done on a virtual rank's thread before any
+    rank runs a collective op: made later, between two ops, it would wait
+    for sibling ranks' kernels that wait for this rank."""
+    for dtype in (_torch.bfloat16, _torch.float32):
+        a = _torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        b = _torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        (a @ b).float().sum().backward()
 
 
 def from_process_group(group=None, *, device=None, **config):
