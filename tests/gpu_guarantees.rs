@@ -834,6 +834,65 @@ fn fault_abort_stops_work_and_refuses_ops() {
     });
 }
 
+/// A rank that never comes to `check`: on NCCL ranks (two GPUs or more)
+/// every other rank's check fails once its host timeout (2 s here) has
+/// passed, with `CollectiveFailed`, and its communicator is aborted (NCCL's
+/// wait ends no other way); on virtual ranks the bound is the world's own,
+/// and `set_host_timeout` is refused naming `timeout`.
+#[test]
+fn fault_rank_that_never_checks() {
+    run_worlds("fault_rank_that_never_checks", 2, |r| {
+        let s = &r.stream;
+        let bound = Duration::from_secs(2);
+        if r.comm.is_virtual() {
+            return match r.comm.set_host_timeout(bound) {
+                Err(Error::InvalidArgument { arg: "timeout", .. }) => Ok(()),
+                other => Err(Error::InvalidState(format!(
+                    "set_host_timeout on a virtual rank: {other:?}"
+                ))),
+            };
+        }
+        let group = fault_group(r)?;
+        r.comm.set_host_timeout(bound)?;
+        let inp = inputs(r, 99)?;
+        // An op, so that check has something to meet over.
+        let handle = group.layout(s, TopkIdx::I32(&inp.idx), TOPK, RecvLayout::RankMajor)?;
+        s.synchronize().map_err(Error::cuda("sync"))?;
+        if r.rank == bad_rank(r) {
+            // Never checks: stays until the others have given up, then goes
+            // as a rank that died would (its collective frees skipped).
+            std::thread::sleep(2 * bound);
+            r.comm.abort()?;
+            drop(handle);
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let chk = group.check();
+        let took = t0.elapsed();
+        match chk {
+            Err(Error::CollectiveFailed { .. }) => {}
+            other => {
+                return Err(Error::InvalidState(format!(
+                    "rank {}: check beside a rank that never checks: {other:?}",
+                    r.rank
+                )))
+            }
+        }
+        ensure(
+            took >= bound && took < bound + Duration::from_secs(1),
+            || {
+                format!(
+                    "rank {}: check gave up after {took:?} (bound {bound:?})",
+                    r.rank
+                )
+            },
+        )?;
+        ensure(r.comm.is_aborted(), || {
+            format!("rank {}: the communicator was not aborted", r.rank)
+        })
+    });
+}
+
 /// Dropping a group while a copy of one of its pool buffers is pending on
 /// another stream (held behind a host function): the pool's segment is
 /// freed only after the copy, and the context stays usable.

@@ -20,6 +20,13 @@ use crate::sys::nccl::{ncclComm_t, ncclDataType_t, ncclUint8};
 /// unless [`Communicator::virtual_world_with_timeout`] says otherwise.
 pub const VIRTUAL_HOST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long an NCCL communicator's host collectives (the all-gathers of
+/// group creation, `EpGroup::check` and the two-level layout) wait for the
+/// slowest rank unless [`Communicator::set_host_timeout`] says otherwise:
+/// as long as PyTorch's default NCCL watchdog, so that a rank merely slow
+/// to arrive (a long step, a stalled data loader) is waited for.
+pub const NCCL_HOST_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The largest virtual world (the two-level path's largest world: 64 nodes
 /// of 8 ranks); every rank is a thread whose blocks share one GPU.
 pub const MAX_VIRTUAL_WORLD: usize = 512;
@@ -53,6 +60,9 @@ pub struct Communicator {
     /// What `abort` tells the groups made on this communicator (each stops
     /// its running kernels); dead entries are skipped.
     abort_hooks: std::sync::Mutex<Vec<std::sync::Weak<dyn Fn() + Send + Sync>>>,
+    /// The bound on an NCCL host collective's wait, in milliseconds
+    /// ([`NCCL_HOST_TIMEOUT`], [`Communicator::set_host_timeout`]).
+    host_timeout_ms: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time:
@@ -122,6 +132,7 @@ impl Communicator {
             windows: std::sync::atomic::AtomicU64::new(0),
             gpu_ranks: 1,
             abort_hooks: Default::default(),
+            host_timeout_ms: std::sync::atomic::AtomicU64::new(NCCL_HOST_TIMEOUT.as_millis() as u64),
         };
         let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
         let keys = c.all_gather_host(&stream, &[host_key()])?;
@@ -199,6 +210,7 @@ impl Communicator {
                     windows: std::sync::atomic::AtomicU64::new(0),
                     gpu_ranks: world,
                     abort_hooks: Default::default(),
+                    host_timeout_ms: std::sync::atomic::AtomicU64::new(timeout.as_millis() as u64),
                 })
             })
             .collect())
@@ -265,6 +277,10 @@ impl Communicator {
             windows: std::sync::atomic::AtomicU64::new(0),
             gpu_ranks: self.gpu_ranks,
             abort_hooks: Default::default(),
+            host_timeout_ms: std::sync::atomic::AtomicU64::new(
+                self.host_timeout_ms
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            ),
         }))
     }
 
@@ -388,6 +404,18 @@ impl Communicator {
                 }
             }
             drop((_g1, _g2));
+            let done = stream
+                .record_event(None)
+                .map_err(Error::cuda("cuEventRecord"))?;
+            if let Err(e) = self.wait_for_ranks(&done, "all_gather_host") {
+                // The all-gather may still be pending: its buffers outlive it.
+                std::mem::forget(send);
+                std::mem::forget(recv);
+                return Err(e);
+            }
+            // Aborted on another thread meanwhile: what arrived is not
+            // every rank's.
+            self.live()?;
             let out: Vec<u8> = stream
                 .clone_dtoh(&recv)
                 .map_err(Error::cuda("cuMemcpyDtoH"))?;
@@ -402,6 +430,83 @@ impl Communicator {
             }
             Ok(v)
         }
+    }
+
+    /// Waits on the host for `done` (the event after an NCCL host
+    /// collective), at most the host timeout. Past it the collective is
+    /// given up, on this rank: an owned communicator is aborted (NCCL's
+    /// calls end no other way; its groups then refuse work), a lent one is
+    /// left to its owner to abort. NCCL cannot say which rank did not come.
+    fn wait_for_ranks(&self, done: &cudarc::driver::CudaEvent, what: &'static str) -> Result<()> {
+        let timeout = self.host_timeout();
+        let t0 = std::time::Instant::now();
+        let mut polls = 0u32;
+        while !done
+            .try_is_complete()
+            .map_err(Error::cuda("cuEventQuery"))?
+        {
+            if t0.elapsed() >= timeout {
+                let owned = matches!(self.backend, Backend::Nccl { owned: true, .. });
+                if owned {
+                    let _ = self.abort();
+                }
+                return Err(Error::CollectiveFailed {
+                    rank: self.rank,
+                    collective: what,
+                    missing: vec![],
+                    reason: format!(
+                        "not every rank came within {timeout:?} (NCCL does not say which); {}",
+                        if owned {
+                            "the communicator was aborted to end the wait: make a new one"
+                        } else {
+                            "the NCCL call is still pending on the lent communicator: abort it (ncclCommAbort)"
+                        }
+                    ),
+                });
+            }
+            polls += 1;
+            if polls < 2000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        Ok(())
+    }
+
+    /// How long an NCCL host collective waits for the slowest rank
+    /// ([`NCCL_HOST_TIMEOUT`] unless set); a virtual world's host
+    /// collectives wait as long as its creation said.
+    pub fn host_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.host_timeout_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// Bounds the wait of this rank's NCCL host collectives (the
+    /// all-gathers of group creation, `EpGroup::check` and the two-level
+    /// layout) for the slowest rank; past it the collective fails with
+    /// [`Error::CollectiveFailed`] and an owned communicator is aborted.
+    /// Set it alike on every rank. A virtual world's bound is set at its
+    /// creation ([`Communicator::virtual_world_with_timeout`]): refused
+    /// here, naming `timeout`. Zero is refused.
+    pub fn set_host_timeout(&self, timeout: Duration) -> Result<()> {
+        if self.is_virtual() {
+            return Err(Error::arg(
+                "timeout",
+                "a bound set at the virtual world's creation (Communicator::virtual_world_with_timeout)",
+                "set_host_timeout on a virtual rank",
+            ));
+        }
+        if timeout.is_zero() {
+            return Err(Error::arg("timeout", "a positive duration", "0"));
+        }
+        self.host_timeout_ms.store(
+            timeout.as_millis().max(1) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        Ok(())
     }
 
     /// A barrier over the communicator after the work enqueued on `stream`
