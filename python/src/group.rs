@@ -199,6 +199,21 @@ impl Comm {
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
         guarded(py, || detached(py, || self.comm.abort()))
     }
+    /// Seconds the host collectives (the all-gathers of group creation,
+    /// `check` and the two-level layout) wait for the slowest rank.
+    #[getter]
+    fn host_timeout(&self) -> f64 {
+        self.comm.host_timeout().as_secs_f64()
+    }
+    /// Bounds those waits on an NCCL communicator (set it alike on every
+    /// rank); past it they raise `CollectiveFailed` and the communicator is
+    /// aborted. A virtual world's bound is set at its creation.
+    fn set_host_timeout(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        guarded(py, || {
+            let d = duration("seconds", Some(seconds))?.expect("given");
+            Ok(self.comm.set_host_timeout(d)?)
+        })
+    }
     fn __repr__(&self) -> String {
         format!(
             "Communicator(rank={}, world={}, device={}, virtual={})",

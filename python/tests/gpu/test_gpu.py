@@ -745,6 +745,32 @@ class Streams(unittest.TestCase):
 
 
 @unittest.skipUnless(HAVE_GPU, "needs torch with CUDA and a GPU")
+class HostTimeout(unittest.TestCase):
+    def test_the_host_collectives_bound(self):
+        """NCCL ranks: 600 s by default, settable (then a group is made, its
+        all-gather waited for under the bound); virtual ranks: the world's
+        own, refused naming `timeout`; zero refused everywhere."""
+        for world in WORLDS:
+            with self.subTest(world=world):
+
+                def rank(comm):
+                    with self.assertRaises(moe_ep.InvalidArgument):
+                        comm.set_host_timeout(0.0)
+                    if comm.is_virtual:
+                        with self.assertRaises(moe_ep.InvalidArgument) as cm:
+                            comm.set_host_timeout(5.0)
+                        self.assertEqual(cm.exception.arg, "timeout")
+                        return comm.host_timeout
+                    self.assertEqual(comm.host_timeout, 600.0)
+                    comm.set_host_timeout(30.0)
+                    self.assertEqual(comm.host_timeout, 30.0)
+                    ht_group(comm, world, 4, "rank_major").check()
+                    return comm.host_timeout
+
+                run_world(world, rank)
+
+
+@unittest.skipUnless(HAVE_GPU, "needs torch with CUDA and a GPU")
 class Autograd(unittest.TestCase):
     def test_moe_layer_gradients_match_the_dense_layer(self):
         sys.path.insert(0, os.path.join(ROOT, "examples", "python"))
