@@ -79,20 +79,22 @@ extern "C" {
  * the drop policy's results (moe_ep_handle_counts_t.max_recv_rows and
  * .dropped_rows, moe_ep_handle_dropped_rows, moe_ep_handle_dropped_slots,
  * moe_ep_handle_kept_topk_idx) and the memory footprint
- * (moe_ep_group_memory_footprint, moe_ep_handle_device_bytes).
+ * (moe_ep_group_memory_footprint, moe_ep_handle_device_bytes), ABI 6 the
+ * bound on the host collectives' wait (moe_ep_comm_host_timeout,
+ * moe_ep_comm_set_host_timeout).
  *
  * That name is the shared library's SONAME, libmoe_ep.so.1: its number is
  * the ABI's major version, which only such a breaking change raises, so a
  * program linked against any ABI of major 1 loads every later library of
  * major 1 and never one of another major. The library is installed as
- * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.5) with the
+ * libmoe_ep.so.<major>.<MOE_EP_ABI_VERSION> (now libmoe_ep.so.1.6) with the
  * links libmoe_ep.so.1 and libmoe_ep.so; the pkg-config and CMake packages
- * have the version <major>.<MOE_EP_ABI_VERSION> (1.5): a caller of ABI N
+ * have the version <major>.<MOE_EP_ABI_VERSION> (1.6): a caller of ABI N
  * asks for at least 1.N. */
 #define MOE_EP_VERSION_MAJOR 0
 #define MOE_EP_VERSION_MINOR 1
 #define MOE_EP_VERSION_PATCH 0
-#define MOE_EP_ABI_VERSION 5
+#define MOE_EP_ABI_VERSION 6
 
 /* ---- status codes ---------------------------------------------------- */
 
@@ -102,7 +104,7 @@ typedef enum moe_ep_status {
   MOE_EP_ERR_NOT_SYMMETRIC = 2,      /* a buffer zero copy needs is not symmetric memory */
   MOE_EP_ERR_CAPACITY_EXCEEDED = 3,  /* receive rows over the group's capacity */
   MOE_EP_ERR_PEER_TIMEOUT = 4,       /* a wait on another GPU timed out: destroy the group */
-  MOE_EP_ERR_COLLECTIVE_FAILED = 5,  /* a host collective of virtual ranks failed */
+  MOE_EP_ERR_COLLECTIVE_FAILED = 5,  /* a host collective failed (a rank did not come in time) */
   MOE_EP_ERR_INVALID_DEVICE_DATA = 6,/* e.g. an expert id out of range, seen on the GPU */
   MOE_EP_ERR_NO_DRIVER = 7,          /* no usable CUDA driver */
   MOE_EP_ERR_NOT_ENOUGH_GPUS = 8,
@@ -513,6 +515,16 @@ moe_ep_status_t moe_ep_comm_max_sms(const moe_ep_comm_t *comm, uint64_t num_expe
 /* Unblocks pending NCCL calls; groups on it then refuse work. Never aborts a
  * borrowed NCCL communicator. */
 moe_ep_status_t moe_ep_comm_abort(moe_ep_comm_t *comm);
+/* (ABI 6) How long this rank's host collectives (the all-gathers of group
+ * creation, moe_ep_group_check and the two-level layout) wait for the
+ * slowest rank, in milliseconds: on NCCL 600000 unless set; on virtual
+ * ranks the bound their creation set. Past it they fail with
+ * MOE_EP_ERR_COLLECTIVE_FAILED and an owned NCCL communicator is aborted
+ * (NCCL's call ends no other way; a borrowed one is left to its owner). */
+moe_ep_status_t moe_ep_comm_host_timeout(const moe_ep_comm_t *comm, uint64_t *out_ms);
+/* (ABI 6) Sets that bound on an NCCL communicator (alike on every rank); 0,
+ * and virtual ranks (bound at creation), are refused naming `timeout`. */
+moe_ep_status_t moe_ep_comm_set_host_timeout(const moe_ep_comm_t *comm, uint64_t timeout_ms);
 
 /* ---- groups ---------------------------------------------------------------- */
 

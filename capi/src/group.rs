@@ -253,6 +253,28 @@ pub unsafe extern "C" fn moe_ep_comm_abort(comm: *mut CComm) -> Status {
     ffi(|| unsafe { obj(comm, "comm") }?.0.abort())
 }
 
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_host_timeout(comm: *const CComm, out_ms: *mut u64) -> Status {
+    ffi(|| {
+        let c = unsafe { obj(comm, "comm") }?;
+        let out = out_ptr(out_ms, "out_ms")?;
+        let ms = c.0.host_timeout().as_millis().min(u64::MAX as u128) as u64;
+        unsafe { *out = ms };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn moe_ep_comm_set_host_timeout(
+    comm: *const CComm,
+    timeout_ms: u64,
+) -> Status {
+    ffi(|| {
+        let c = unsafe { obj(comm, "comm") }?;
+        c.0.set_host_timeout(std::time::Duration::from_millis(timeout_ms))
+    })
+}
+
 // ---- groups -------------------------------------------------------------
 
 pub(crate) fn group_config(c: &CGroupConfig) -> Result<GroupConfig> {

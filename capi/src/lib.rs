@@ -50,7 +50,7 @@
 //! program linked against any ABI of major 1 loads every later library of
 //! major 1, and never one of another major. `capi/install.sh PREFIX`
 //! installs the library as `libmoe_ep.so.<major>.<ABI version>` (now
-//! `libmoe_ep.so.1.5`) with the links `libmoe_ep.so.1` (the SONAME, for the
+//! `libmoe_ep.so.1.6`) with the links `libmoe_ep.so.1` (the SONAME, for the
 //! loader) and `libmoe_ep.so` (for the linker), beside `libmoe_ep.a`, the
 //! header, a pkg-config file (`moe_ep.pc`) and a CMake package
 //! (`find_package(moe_ep)`: `moe_ep::moe_ep`, `moe_ep::moe_ep_static`),

@@ -21,7 +21,7 @@ use moe_ep::error::{Error, Result};
 /// `moe_ep_handle_kept_topk_idx`), `moe_ep_recv_buffers_t.scales` and the
 /// memory footprint (`moe_ep_group_memory_footprint`,
 /// `moe_ep_handle_device_bytes`).
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 
 /// The first two fields of every versioned struct.
 #[repr(C)]

@@ -662,6 +662,10 @@ static void arguments(void) {
   expect("virtual world into NULL", moe_ep_comm_create_virtual(0, 2, NULL), BAD, "`comms`", NULL);
   expect("comm_init without an id", moe_ep_comm_init(0, NULL, 0, 2, comms), BAD, "`id`", NULL);
   expect("borrow a NULL ncclComm_t", moe_ep_comm_borrow_nccl(0, NULL, comms), BAD, "`nccl`", NULL);
+  uint64_t ms = 0;
+  expect("host_timeout of NULL (ABI 6)", moe_ep_comm_host_timeout(NULL, &ms), BAD, "`comm`", NULL);
+  expect("set_host_timeout of NULL (ABI 6)", moe_ep_comm_set_host_timeout(NULL, 1000), BAD,
+         "`comm`", NULL);
   expect("destroy NULL comm", moe_ep_comm_destroy(NULL), MOE_EP_OK, NULL, NULL);
   expect("destroy NULL group", moe_ep_group_destroy(NULL), MOE_EP_OK, NULL, NULL);
   expect("destroy NULL handle", moe_ep_handle_destroy(NULL), MOE_EP_OK, NULL, NULL);

@@ -368,6 +368,22 @@ static void *run_rank(void *p) {
   drop_cfg.overflow = MOE_EP_OVERFLOW_DROP;
   drop_cfg.padding = MOE_EP_PADDING_UNTOUCHED;
   CHECK(moe_ep_group_create(comm, &drop_cfg, &drop_group), "group_create (overflow drop)");
+  /* ABI 6: the host collectives' bound (NCCL: 600 s, settable; virtual
+   * ranks: their creation's 60 s, not settable). */
+  {
+    uint64_t ms = 0;
+    CHECK(moe_ep_comm_host_timeout(comm, &ms), "comm_host_timeout");
+    report(r, "host timeout: 600000 ms on NCCL, 60000 on virtual ranks",
+           ms == (a->nccl ? 600000u : 60000u), NULL);
+    if (a->nccl) {
+      CHECK(moe_ep_comm_set_host_timeout(comm, 120000), "comm_set_host_timeout");
+    } else {
+      expect(r, "set_host_timeout on a virtual rank refused",
+             moe_ep_comm_set_host_timeout(comm, 120000), MOE_EP_ERR_INVALID_ARGUMENT, "`timeout`");
+    }
+    expect(r, "host timeout 0 refused", moe_ep_comm_set_host_timeout(comm, 0),
+           MOE_EP_ERR_INVALID_ARGUMENT, "`timeout`");
+  }
   /* The low-latency group (10), made before any kernel runs. */
   moe_ep_group_config_t ll_cfg = cfg;
   ll_cfg.mode = MOE_EP_MODE_LOW_LATENCY;
