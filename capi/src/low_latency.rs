@@ -370,6 +370,22 @@ unsafe fn combine_bufs(args: *const CLlCombineArgs, send: bool, wait: bool) -> R
     Ok(CombineBufs { y, w, out })
 }
 
+/// [`ll_op`] of a combine: where the group, the stream or the handle do not
+/// resolve there is nothing to publish with, and a bad buffer (`bufs`) is
+/// still named first.
+unsafe fn ll_combine_target<'a>(
+    group: *const CGroup,
+    stream: *mut c_void,
+    handle: *const CLlHandle,
+    same_group: bool,
+    bufs: impl Fn() -> Result<CombineBufs>,
+) -> Result<(&'a CGroup, Arc<CudaStream>, &'a CLlHandle)> {
+    unsafe { ll_op(group, stream, handle, same_group) }.or_else(|e| {
+        bufs()?;
+        Err(e)
+    })
+}
+
 /// A combine of `handle`'s batch (`wait`: the one call; else its send):
 /// the buffers of `args` checked, their refusal told to the batch's homes
 /// ([`checked`]) where the group, the stream and the handle resolve and the
@@ -388,14 +404,7 @@ unsafe fn ll_combine_op(
     f: impl FnOnce(&EpGroup, &Arc<CudaStream>, &LlHandle, CombineBufs) -> CombineResult,
 ) -> Result<()> {
     let bufs = || unsafe { combine_bufs(args, true, wait) };
-    let (g, s, h) = match unsafe { ll_op(group, stream, handle, true) } {
-        Ok(t) => t,
-        // Nothing to publish with: a bad buffer is still named first.
-        Err(e) => {
-            bufs()?;
-            return Err(e);
-        }
-    };
+    let (g, s, h) = unsafe { ll_combine_target(group, stream, handle, true, bufs) }?;
     let mut st = h.lock();
     let call = st
         .views
@@ -464,14 +473,7 @@ pub unsafe extern "C" fn moe_ep_ll_combine_wait(
 ) -> Status {
     ffi(|| {
         let bufs = || unsafe { combine_bufs(args, false, true) };
-        let (g, s, h) = match unsafe { ll_op(group, stream, handle, false) } {
-            Ok(t) => t,
-            // Nothing to publish with: a bad buffer is still named first.
-            Err(e) => {
-                bufs()?;
-                return Err(e);
-            }
-        };
+        let (g, s, h) = unsafe { ll_combine_target(group, stream, handle, false, bufs) }?;
         // The buffers, the handle's group and the batch's state, refused as
         // the wait's own refusals are (no peer waits for it).
         let call = Some((g, &s, RefusedCall::LlCombineWait));
